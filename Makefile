@@ -1,0 +1,37 @@
+# The two commands of the README: `make demo` and `make test`. Each installs what is missing,
+# builds (Release) and runs.
+BUILD := build
+JOBS ?= 2
+
+.PHONY: demo test build deps configure bench fixtures clean format
+
+deps:
+	@scripts/install-deps
+
+$(BUILD)/build.ninja:
+	cmake --preset release
+
+configure: $(BUILD)/build.ninja
+
+build: deps configure
+	cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+
+demo: build
+	$(BUILD)/examples/lenet5
+
+bench: build
+	@scripts/install-deps --python
+	scripts/bench
+
+fixtures:
+	@scripts/install-deps --torch
+	.venv/bin/python scripts/gen-fixtures
+
+format:
+	clang-format -i $$(git ls-files '*.cpp' '*.hpp')
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,122 @@
+// The graph-level description of an operation (the seed's CustomOp) and its CPU execution hook.
+// Built-in ops implement this same interface.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kg/dtype.hpp"
+#include "kg/shape.hpp"
+#include "kg/tensor.hpp"
+
+namespace kg {
+
+class RuntimeOp;  // the launch-time description; see the lowering
+
+// What CustomOp::lower() returns: a kernel and how to launch it.
+struct Lowered {
+  std::string name;         // kernel name used in errors and caches
+  std::string source;       // CUDA C++ source (or PTX)
+  std::string entry_point;  // the __global__ function; empty = the only entry in the module
+  std::shared_ptr<RuntimeOp> runtime_op;
+};
+
+// How a parameter is initialised when no weights are loaded.
+struct ParamInit {
+  enum class Kind { Uniform, Normal, Constant, Data };
+  Kind kind = Kind::Constant;
+  double a = 0.0;  // Uniform: low; Normal: mean; Constant: value
+  double b = 0.0;  // Uniform: high; Normal: std
+  std::vector<std::byte> data;  // Data: raw bytes, exactly numel × dtype size
+
+  static ParamInit uniform(double lo, double hi) { return {Kind::Uniform, lo, hi, {}}; }
+  static ParamInit normal(double mean, double std) { return {Kind::Normal, mean, std, {}}; }
+  static ParamInit constant(double v) { return {Kind::Constant, v, 0.0, {}}; }
+  static ParamInit from_bytes(std::vector<std::byte> bytes) {
+    return {Kind::Data, 0.0, 0.0, std::move(bytes)};
+  }
+};
+
+// A parameter (or buffer, such as BatchNorm's running mean) owned by an op node. Its full
+// name is the node's dotted name + "." + `name` (e.g. "features.0.weight").
+struct ParamSpec {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::F32;
+  ParamInit init;
+  bool trainable = true;  // false for running statistics and counters
+};
+
+// What a CPU implementation gets: concrete inputs, parameters, and the output to fill.
+class CpuContext {
+ public:
+  using RangeFn = std::function<void(std::int64_t begin, std::int64_t end)>;
+  CpuContext(std::span<const Tensor> inputs, std::span<const Tensor> params, Tensor output,
+             bool training, std::uint64_t seed);
+  virtual ~CpuContext() = default;
+
+  std::span<const Tensor> inputs;  // activation inputs, in recorded order
+  std::span<const Tensor> params;  // parameters, in the order of CustomOp::parameters()
+  Tensor output;                   // allocated with the planned shape and dtype
+  bool training;                   // train mode (Dropout, BatchNorm)
+  std::uint64_t seed;              // differs per run and per node; for random ops
+
+  // Runs fn over [0, n) split into chunks of at least `grain` on the runtime's threads.
+  virtual void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const;
+};
+
+// The graph-level description of an operation. Hold configuration here, never per-run state.
+class CustomOp {
+ public:
+  virtual ~CustomOp() = default;
+
+  // Namespaced name used in errors and dumps, e.g. "yolo.detect_decode", "nn.conv2d".
+  virtual std::string name() const = 0;
+  // Output shape from the inputs' symbolic shapes (recorded order). Propagate dynamic dims;
+  // throw kg::Error for inputs the op cannot take. Called at record time and again at load
+  // with every dim known.
+  virtual Shape infer_output_shape(const std::vector<Shape>& input_shapes) const = 0;
+  // Output dtype from the input dtypes (default: the first input's). Throw for bad dtypes.
+  virtual DType infer_output_dtype(const std::vector<DType>& input_dtypes) const;
+  // Parameters the op owns, with concrete shapes (default: none).
+  virtual std::vector<ParamSpec> parameters() const { return {}; }
+  // The GPU kernel for this op; nullopt (the default) means the lowering cannot handle it.
+  virtual std::optional<Lowered> lower() const { return std::nullopt; }
+  // CUDA source of the backward kernels (default: none).
+  virtual std::string lower_backward_source() const { return {}; }
+  // Computes the output on the CPU. The default throws "has no CPU implementation".
+  virtual void cpu_forward(CpuContext& ctx) const;
+  // Attributes for dumps, e.g. "k=5 s=1 p=2" (default: none).
+  virtual std::string attributes() const { return {}; }
+  // True when the output is the first input's bytes reinterpreted (Reshape, Flatten): the
+  // runtime then gives it no buffer of its own and cpu_forward is not called.
+  virtual bool is_view() const { return false; }
+};
+
+// A shared, immutable handle to a CustomOp.
+class CustomData {
+ public:
+  explicit CustomData(std::shared_ptr<const CustomOp> op);
+  // Builds the op in place: `CustomData::make<MyOp>(args...)`.
+  template <class T, class... Args> static CustomData make(Args&&... args) {
+    return CustomData(std::make_shared<const T>(std::forward<Args>(args)...));
+  }
+  const CustomOp& op() const { return *op_; }
+  const CustomOp* operator->() const { return op_.get(); }
+  std::string name() const { return op_->name(); }
+  // The op as its concrete type, or nullptr.
+  template <class T> const T* as() const { return dynamic_cast<const T*>(op_.get()); }
+
+ private:
+  std::shared_ptr<const CustomOp> op_;
+};
+
+std::ostream& operator<<(std::ostream& os, const CustomData& d);
+
+}  // namespace kg

@@ -1,0 +1,142 @@
+// From a recorded graph to something that runs: Model (graph + named outputs, optimised) and
+// LoadedModel (buffers planned and allocated for concrete shapes on a device).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kg/graph.hpp"
+#include "kg/tensor.hpp"
+
+namespace kg {
+
+// Where a model runs.
+struct Device {
+  enum class Kind { Cpu, Cuda };
+  Kind kind = Kind::Cpu;
+  int index = 0;
+
+  static Device cpu() { return {Kind::Cpu, 0}; }
+  static Device cuda(int index = 0) { return {Kind::Cuda, index}; }
+  // "cpu", "cuda", "cuda:1", or "auto" (cuda when a GPU is usable, else cpu).
+  static Device parse(const std::string& s);
+  // True when a CUDA GPU can be used by this build on this machine.
+  static bool cuda_available();
+  std::string to_string() const;
+};
+
+// A parameter of a model: full dotted name, sizes, dtype.
+struct ParamInfo {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  DType dtype;
+  bool trainable;
+  int node;
+};
+
+struct LoadOptions {
+  // Fill every planned buffer with NaN (or 0xFF bytes for integers) before each forward, so a
+  // test can tell which output elements an op never wrote.
+  bool poison_buffers = false;
+  // Record per-node wall time of each forward (LoadedModel::profile()).
+  bool profile = false;
+  // Seed of the default parameter initialisation.
+  std::uint64_t seed = 0;
+  // Worker threads for CPU ops (0: one per core).
+  int threads = 0;
+};
+
+// The memory plan of a loaded model.
+struct MemoryPlan {
+  std::size_t arena_bytes = 0;        // activation arena, buffers shared by liveness
+  std::size_t unshared_bytes = 0;     // what the activations would take without sharing
+  std::size_t param_bytes = 0;        // parameters and buffers
+  std::size_t peak_bytes = 0;         // arena + parameters + model outputs
+  int buffers = 0;                    // activation buffers placed in the arena
+  std::string to_string() const;
+};
+
+// Per-node time of the last profiled forward.
+struct NodeTime {
+  std::string node;
+  std::string op;
+  double ms;
+};
+
+class LoadedModel;
+
+// A recorded graph with its outputs named, after the optimisation passes.
+class Model {
+ public:
+  // `outputs` name the values the model returns, in this order.
+  Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, SymTensor>> outputs);
+  Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs);
+
+  // Binds every dynamic dim from `input_shapes` (one per graph input, in order), re-runs shape
+  // inference with concrete sizes (an op whose shape disagrees is named), plans and allocates
+  // buffers and initialises parameters. Can be called again for other shapes.
+  LoadedModel load(Device device, const std::vector<std::vector<std::int64_t>>& input_shapes,
+                   const LoadOptions& options = {}) const;
+
+  const Graph& graph() const { return *graph_; }
+  const std::vector<std::pair<std::string, int>>& outputs() const { return outputs_; }
+  // Every parameter of the nodes the outputs depend on, in node order.
+  std::vector<ParamInfo> parameters() const;
+  // Node ids the outputs depend on, in topological order.
+  const std::vector<int>& live_nodes() const { return live_; }
+
+  // A table: node, op, dotted name, dtype, symbolic shape, parameter bytes.
+  std::string summary() const;
+  // Graphviz DOT of the graph.
+  std::string to_dot() const;
+
+ private:
+  std::shared_ptr<Graph> graph_;
+  std::vector<std::pair<std::string, int>> outputs_;
+  std::vector<int> live_;
+};
+
+// A model loaded on a device for concrete input shapes.
+class LoadedModel {
+ public:
+  struct Impl;
+  explicit LoadedModel(std::shared_ptr<Impl> impl);
+
+  // Runs the model. `inputs` are in graph-input order with the shapes given to load().
+  std::vector<Tensor> forward(const std::vector<Tensor>& inputs);
+  // Train mode (Dropout, BatchNorm batch statistics) or inference mode (default).
+  void set_training(bool training);
+
+  Device device() const;
+  // Names of the outputs, in order.
+  std::vector<std::string> output_names() const;
+  // Concrete shapes of the inputs and outputs.
+  std::vector<std::vector<std::int64_t>> input_shapes() const;
+  std::vector<std::vector<std::int64_t>> output_shapes() const;
+  // The memory plan.
+  const MemoryPlan& memory_plan() const;
+  // Per-node times of the last forward (empty unless LoadOptions::profile).
+  std::vector<NodeTime> profile() const;
+
+  // Parameters by full dotted name (host tensors sharing the model's storage on cpu).
+  std::vector<ParamInfo> parameters() const;
+  Tensor parameter(const std::string& name) const;
+  // Copies of every parameter, by name.
+  std::map<std::string, Tensor> state_dict() const;
+  // Replaces parameters by name. With `strict`, a missing, extra or mis-shaped tensor is an
+  // error that lists all of them; float tensors are converted to the parameter's dtype.
+  void load_state_dict(const std::map<std::string, Tensor>& tensors, bool strict = true);
+  // Loads parameters from a safetensors file (strict).
+  void load_weights(const std::string& path);
+  // Writes every parameter to a safetensors file.
+  void save_weights(const std::string& path) const;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace kg

@@ -1,0 +1,118 @@
+#include "backend/cpu/thread_pool.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "kg/custom_op.hpp"
+
+namespace kg::cpu {
+namespace {
+thread_local bool t_in_pool = false;  // nested parallel_for calls run inline
+}
+
+ThreadPool::ThreadPool(int threads) {
+  if (threads <= 0) {
+    threads = static_cast<int>(std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("KG_NUM_THREADS")) threads = std::atoi(env);
+  }
+  threads = std::max(threads, 1);
+  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+ThreadPool& ThreadPool::global() {
+  static ThreadPool pool;
+  return pool;
+}
+
+void ThreadPool::worker_loop(int index) {
+  t_in_pool = true;
+  std::uint64_t seen = 0;
+  for (;;) {
+    const std::function<void(std::int64_t, std::int64_t)>* job;
+    std::int64_t b, e;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= chunks_) continue;
+      job = job_;
+      b = index * chunk_;
+      e = std::min(n_, b + chunk_);
+    }
+    std::exception_ptr err;
+    try {
+      if (b < e) (*job)(b, e);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (err && !error_) error_ = err;
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain,
+                              const std::function<void(std::int64_t, std::int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<std::int64_t>(grain, 1);
+  int chunks = static_cast<int>(std::min<std::int64_t>(size(), (n + grain - 1) / grain));
+  if (chunks <= 1 || t_in_pool) {
+    fn(0, n);
+    return;
+  }
+  std::lock_guard<std::mutex> run(run_mu_);
+  t_in_pool = true;
+  struct Reset {
+    ~Reset() { t_in_pool = false; }
+  } reset;
+  const std::int64_t chunk = (n + chunks - 1) / chunks;
+  chunks = static_cast<int>((n + chunk - 1) / chunk);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    job_ = &fn;
+    n_ = n;
+    chunk_ = chunk;
+    chunks_ = chunks;
+    pending_ = chunks - 1;
+    error_ = nullptr;
+    ++generation_;
+  }
+  cv_.notify_all();
+  std::exception_ptr mine;
+  try {
+    fn(0, std::min(n, chunk));
+  } catch (...) {
+    mine = std::current_exception();
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  done_cv_.wait(lk, [&] { return pending_ == 0; });
+  job_ = nullptr;
+  if (mine) std::rethrow_exception(mine);
+  if (error_) std::rethrow_exception(error_);
+}
+
+}  // namespace kg::cpu
+
+namespace kg {
+
+CpuContext::CpuContext(std::span<const Tensor> in, std::span<const Tensor> ps, Tensor out,
+                       bool train, std::uint64_t s)
+    : inputs(in), params(ps), output(std::move(out)), training(train), seed(s) {}
+
+void CpuContext::parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const {
+  cpu::ThreadPool::global().parallel_for(n, grain, fn);
+}
+
+}  // namespace kg

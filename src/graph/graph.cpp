@@ -1,0 +1,154 @@
+#include "kg/graph.hpp"
+
+#include <set>
+
+#include "kg/error.hpp"
+#include "util/str.hpp"
+
+namespace kg {
+
+std::string Node::op_name() const { return kind == Kind::Input ? "input" : op->name(); }
+std::string Node::label() const { return "[" + op_name() + " @ " + name + "]"; }
+
+// ---- SymTensor ----
+
+SymTensor::SymTensor(std::shared_ptr<Graph> graph, int node) : graph_(std::move(graph)), node_(node) {}
+
+std::pair<SymTensor, std::shared_ptr<Graph>> SymTensor::input(DType dtype, Shape shape,
+                                                              std::string name) {
+  auto g = Graph::create();
+  SymTensor t = g->input(dtype, std::move(shape), std::move(name));
+  return {t, g};
+}
+
+SymTensor SymTensor::record_custom(const CustomData& data, const std::vector<SymTensor>& other_inputs,
+                                   std::optional<DType> dtype, const std::string& name) const {
+  std::vector<SymTensor> ins;
+  ins.reserve(other_inputs.size() + 1);
+  ins.push_back(*this);
+  ins.insert(ins.end(), other_inputs.begin(), other_inputs.end());
+  return graph().record(data, ins, dtype, name);
+}
+
+Graph& SymTensor::graph() const {
+  if (!graph_) throw Error("SymTensor: use of an empty (default-constructed) tensor");
+  return *graph_;
+}
+DType SymTensor::dtype() const { return graph().node(node_).dtype; }
+const Shape& SymTensor::shape() const { return graph().node(node_).shape; }
+const std::string& SymTensor::name() const { return graph().node(node_).name; }
+
+// ---- Graph ----
+
+std::shared_ptr<Graph> Graph::create() { return std::shared_ptr<Graph>(new Graph()); }
+
+std::string Graph::scope() const { return util::join(scope_, "."); }
+void Graph::push_scope(std::string part) {
+  if (part.empty()) throw Error("NameScope: empty scope name");
+  scope_.push_back(std::move(part));
+}
+void Graph::pop_scope() {
+  if (!scope_.empty()) scope_.pop_back();
+}
+
+int Graph::find(const std::string& name) const {
+  for (const auto& n : nodes_)
+    if (n.name == name) return n.id;
+  return -1;
+}
+
+std::string Graph::unique_name(const std::string& wanted, const std::string& stem) {
+  const std::string prefix = scope().empty() ? "" : scope() + ".";
+  if (!wanted.empty()) {
+    std::string full = prefix + wanted;
+    if (find(full) >= 0)
+      throw Error(util::cat("node name '", full, "' is already used by node ", find(full),
+                            " (", node(find(full)).op_name(), "); names must be unique"));
+    return full;
+  }
+  std::string full = prefix + stem;
+  for (int k = 1; find(full) >= 0; ++k) full = util::cat(prefix, stem, "_", k);
+  return full;
+}
+
+SymTensor Graph::input(DType dtype, Shape shape, std::string name) {
+  Node n;
+  n.id = static_cast<int>(nodes_.size());
+  n.kind = Node::Kind::Input;
+  n.name = unique_name(name.empty() ? "input" : name, "input");
+  n.dtype = dtype;
+  n.shape = std::move(shape);
+  nodes_.push_back(std::move(n));
+  inputs_.push_back(nodes_.back().id);
+  return SymTensor(shared_from_this(), nodes_.back().id);
+}
+
+SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& inputs,
+                        std::optional<DType> dtype, const std::string& name) {
+  const std::string op_name = data.name();
+  std::string stem = op_name.substr(op_name.rfind('.') == std::string::npos ? 0 : op_name.rfind('.') + 1);
+  if (stem.empty()) stem = "op";
+  Node n;
+  n.id = static_cast<int>(nodes_.size());
+  n.kind = Node::Kind::Op;
+  n.name = unique_name(name, stem);
+  n.op = data;
+  const std::string label = n.label();
+
+  std::vector<Shape> shapes;
+  std::vector<DType> dtypes;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const SymTensor& t = inputs[i];
+    if (!t.valid()) throw Error(util::cat(label, " input ", i, " is an empty tensor"));
+    if (&t.graph() != this)
+      throw Error(util::cat(label, " input ", i, " ('", t.name(), "') belongs to another graph"));
+    n.inputs.push_back(t.node());
+    shapes.push_back(t.shape());
+    dtypes.push_back(t.dtype());
+  }
+  try {
+    n.shape = data->infer_output_shape(shapes);
+    n.dtype = dtype ? *dtype : data->infer_output_dtype(dtypes);
+    n.params = data->parameters();
+  } catch (const Error& e) {
+    throw Error(label + " " + e.what());
+  } catch (const std::exception& e) {
+    throw Error(label + " shape inference failed: " + e.what());
+  }
+  std::set<std::string> seen;
+  for (const auto& p : n.params) {
+    if (p.name.empty() || !seen.insert(p.name).second)
+      throw Error(util::cat(label, " parameter names must be unique and non-empty ('", p.name, "')"));
+    for (auto s : p.shape)
+      if (s < 0) throw Error(label + " parameter '" + p.name + "' has a negative size");
+  }
+  nodes_.push_back(std::move(n));
+  return SymTensor(shared_from_this(), nodes_.back().id);
+}
+
+NameScope::NameScope(Graph& graph, std::string part) : graph_(graph) { graph_.push_scope(std::move(part)); }
+NameScope::~NameScope() { graph_.pop_scope(); }
+
+// ---- CustomOp defaults ----
+
+DType CustomOp::infer_output_dtype(const std::vector<DType>& input_dtypes) const {
+  if (input_dtypes.empty()) throw Error("op has no inputs; give record_custom an output dtype");
+  return input_dtypes.front();
+}
+
+void CustomOp::cpu_forward(CpuContext&) const {
+  throw Error("has no CPU implementation (override CustomOp::cpu_forward)");
+}
+
+CustomData::CustomData(std::shared_ptr<const CustomOp> op) : op_(std::move(op)) {
+  if (!op_) throw Error("CustomData: null op");
+}
+
+std::ostream& operator<<(std::ostream& os, const CustomData& d) {
+  os << d.name();
+  auto a = d->attributes();
+  if (!a.empty()) os << "(" << a << ")";
+  return os;
+}
+
+}  // namespace kg

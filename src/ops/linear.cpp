@@ -1,0 +1,84 @@
+// nn.linear: y = x Wᵀ + b over the last dim.
+#include <cmath>
+
+#include "kg/ops.hpp"
+#include "ops/blas.hpp"
+#include "ops/op_util.hpp"
+
+namespace kg::ops {
+namespace {
+
+class LinearOp final : public CustomOp {
+ public:
+  LinearOp(std::int64_t in, std::int64_t out, bool bias, DType dtype)
+      : in_(in), out_(out), bias_(bias), dtype_(dtype) {}
+  std::string name() const override { return "nn.linear"; }
+  std::string attributes() const override {
+    return util::cat("in=", in_, " out=", out_, bias_ ? "" : " bias=false");
+  }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    require_inputs(in, 1);
+    const Shape& x = in[0];
+    if (x.rank() < 1) throw Error("expects an input of rank >= 1 [..., in_features], got a scalar");
+    const Dim& last = x[x.rank() - 1];
+    if (last.is_dynamic() || last.size() != in_)
+      throw Error(util::cat("expects the last dim to be in_features = ", in_, ", got input ", x.to_string()));
+    Shape out = x;
+    out[out.rank() - 1] = Dim(out_);
+    return out;
+  }
+  DType infer_output_dtype(const std::vector<DType>& in) const override {
+    DType t = require_float(in);
+    if (t != dtype_) throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
+    return t;
+  }
+
+  std::vector<ParamSpec> parameters() const override {
+    // PyTorch: kaiming_uniform(a=sqrt(5)) gives U(-1/sqrt(in), 1/sqrt(in)); the bias the same.
+    const double bound = in_ > 0 ? 1.0 / std::sqrt(static_cast<double>(in_)) : 0.0;
+    std::vector<ParamSpec> p{{"weight", {out_, in_}, dtype_, ParamInit::uniform(-bound, bound), true}};
+    if (bias_) p.push_back({"bias", {out_}, dtype_, ParamInit::uniform(-bound, bound), true});
+    return p;
+  }
+
+  void cpu_forward(CpuContext& ctx) const override {
+    const Tensor& x = ctx.inputs[0];
+    const std::int64_t rows = x.numel() / std::max<std::int64_t>(in_, 1);
+    dispatch_float(x.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const Tensor& w = ctx.params[0];
+      T* y = ctx.output.data<T>();
+      gemm(false, true, rows, out_, in_, T(1), x.data<T>(), in_, w.data<T>(), in_, T(0), y, out_);
+      if (bias_) {
+        const T* bp = ctx.params[1].data<T>();
+        ctx.parallel_for(rows, 256, [&](std::int64_t r0, std::int64_t r1) {
+          for (std::int64_t r = r0; r < r1; ++r)
+            for (std::int64_t j = 0; j < out_; ++j) y[r * out_ + j] += bp[j];
+        });
+      }
+    });
+  }
+
+ private:
+  std::int64_t in_, out_;
+  bool bias_;
+  DType dtype_;  // of the parameters: the input's
+};
+
+}  // namespace
+}  // namespace kg::ops
+
+namespace kg::nn {
+
+SymTensor linear(const SymTensor& x, std::int64_t out_features, const std::string& name, bool bias) {
+  const Shape& s = x.shape();
+  if (out_features <= 0) throw Error(util::cat("[nn.linear] out_features must be positive, got ", out_features));
+  if (s.rank() < 1 || s[s.rank() - 1].is_dynamic())
+    throw Error("[nn.linear] the input's last dim must be known to size the weight, got " + s.to_string() +
+                " from '" + x.name() + "'");
+  return x.record_custom(CustomData::make<ops::LinearOp>(s[s.rank() - 1].size(), out_features, bias, x.dtype()), {},
+                         std::nullopt, name);
+}
+
+}  // namespace kg::nn

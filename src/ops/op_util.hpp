@@ -1,0 +1,67 @@
+// Helpers shared by the built-in op families: dim normalisation, float dispatch, broadcasting.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kg/custom_op.hpp"
+#include "kg/error.hpp"
+#include "kg/shape.hpp"
+#include "util/str.hpp"
+
+namespace kg::ops {
+
+// A dim index counted from the end when negative, checked against `rank`.
+inline std::int64_t normalize_dim(std::int64_t dim, std::size_t rank, const char* what = "dim") {
+  auto r = static_cast<std::int64_t>(rank);
+  std::int64_t d = dim < 0 ? dim + r : dim;
+  if (d < 0 || d >= r)
+    throw Error(util::cat(what, " ", dim, " is out of range for rank ", rank));
+  return d;
+}
+
+// Throws unless the input has exactly `rank` dims; `layout` describes them ("[N, C, H, W]").
+inline void require_rank(const Shape& s, std::size_t rank, const char* layout) {
+  if (s.rank() != rank)
+    throw Error(util::cat("expects a ", rank, "-D input ", layout, ", got ", rank == 1 ? "" : "",
+                          s.rank(), "-D ", s.to_string()));
+}
+
+// Throws unless there are exactly `n` inputs.
+inline void require_inputs(const std::vector<Shape>& in, std::size_t n) {
+  if (in.size() != n) throw Error(util::cat("expects ", n, " input(s), got ", in.size()));
+}
+
+// Throws unless the dtype is f32 or f64 (what the CPU implementations compute in).
+inline DType require_float(const std::vector<DType>& in) {
+  if (in.empty()) throw Error("expects at least one input");
+  for (DType t : in)
+    if (t != DType::F32 && t != DType::F64)
+      throw Error(util::cat("supports f32 and f64 inputs, got ", dtype_name(t)));
+  for (DType t : in)
+    if (t != in[0])
+      throw Error(util::cat("inputs must share one dtype, got ", dtype_name(in[0]), " and ", dtype_name(t)));
+  return in[0];
+}
+
+// Calls fn(T{}) with T = float or double according to the tensor's dtype.
+template <class F> void dispatch_float(DType t, F&& fn) {
+  if (t == DType::F32)
+    fn(float{});
+  else if (t == DType::F64)
+    fn(double{});
+  else
+    throw Error(util::cat("CPU implementation supports f32 and f64, got ", dtype_name(t)));
+}
+
+// numpy broadcasting of two symbolic shapes. A dynamic dim against 1 stays dynamic; two
+// dynamic dims give the first (they must agree at load, where shapes are concrete).
+Shape broadcast_shapes(const Shape& a, const Shape& b);
+
+// Output dim of a sliding window (conv, pooling): floor or ceil of
+// (in + 2*pad - dilation*(k-1) - 1) / stride + 1, following PyTorch's ceil_mode rule.
+Dim window_out(const Dim& in, std::int64_t k, std::int64_t stride, std::int64_t pad,
+               std::int64_t dilation, bool ceil_mode, const char* what);
+
+}  // namespace kg::ops

@@ -1,0 +1,152 @@
+#include <cstring>
+#include <set>
+
+#include "kg/error.hpp"
+#include "kg/io.hpp"
+#include "kg/model.hpp"
+#include "runtime/loaded_model_impl.hpp"
+#include "util/str.hpp"
+
+namespace kg {
+
+LoadedModel::LoadedModel(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Device LoadedModel::device() const { return impl_->device; }
+std::vector<std::string> LoadedModel::output_names() const { return impl_->output_names; }
+const MemoryPlan& LoadedModel::memory_plan() const { return impl_->plan.memory; }
+std::vector<NodeTime> LoadedModel::profile() const { return impl_->last_profile; }
+void LoadedModel::set_training(bool training) { impl_->training = training; }
+
+std::vector<std::vector<std::int64_t>> LoadedModel::input_shapes() const {
+  std::vector<std::vector<std::int64_t>> s;
+  for (int id : impl_->graph->inputs()) s.push_back(impl_->plan.values[static_cast<std::size_t>(id)].shape);
+  return s;
+}
+
+std::vector<std::vector<std::int64_t>> LoadedModel::output_shapes() const {
+  std::vector<std::vector<std::int64_t>> s;
+  for (int id : impl_->plan.outputs) s.push_back(impl_->plan.values[static_cast<std::size_t>(id)].shape);
+  return s;
+}
+
+std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
+  Impl& m = *impl_;
+  const Graph& g = *m.graph;
+  if (inputs.size() != g.inputs().size())
+    throw Error(util::cat("forward: the model has ", g.inputs().size(), " input(s) but ", inputs.size(),
+                          " tensor(s) were given"));
+  for (std::size_t k = 0; k < inputs.size(); ++k) {
+    const Node& n = g.node(g.inputs()[k]);
+    const auto& v = m.plan.values[static_cast<std::size_t>(n.id)];
+    if (inputs[k].dtype() != v.dtype || inputs[k].shape() != v.shape)
+      throw Error(util::cat("forward: input '", n.name, "' was loaded as ", sizes_to_string(v.shape), " ",
+                            dtype_name(v.dtype), " but got ", sizes_to_string(inputs[k].shape()), " ",
+                            dtype_name(inputs[k].dtype()), "; load the model again for new shapes"));
+  }
+  void* arena = m.arena.raw();
+  if (m.options.poison_buffers) std::memset(arena, 0xFF, m.arena.nbytes());
+  ++m.runs;
+  m.last_profile.clear();
+  m.executor->run(g, m.plan, inputs, arena, m.training, m.options.seed + m.runs,
+                  m.options.profile ? &m.last_profile : nullptr);
+  std::vector<Tensor> outs;
+  for (int o : m.plan.outputs) outs.push_back(cpu::Executor::value_tensor(m.plan, o, inputs, arena).clone());
+  return outs;
+}
+
+// ---- parameters and weights ----
+
+std::vector<ParamInfo> LoadedModel::parameters() const {
+  std::vector<ParamInfo> out;
+  for (const auto& s : impl_->plan.steps) {
+    const Node& n = impl_->graph->node(s.node);
+    for (std::size_t i = 0; i < n.params.size(); ++i)
+      out.push_back({n.name + "." + n.params[i].name, n.params[i].shape, n.params[i].dtype,
+                     n.params[i].trainable, s.node});
+  }
+  return out;
+}
+
+namespace {
+struct ParamRef {
+  const Node* node;
+  const ParamSpec* spec;
+  Tensor* tensor;
+};
+std::map<std::string, ParamRef> param_map(LoadedModel::Impl& m) {
+  std::map<std::string, ParamRef> out;
+  for (auto& s : m.plan.steps) {
+    const Node& n = m.graph->node(s.node);
+    for (std::size_t i = 0; i < n.params.size(); ++i)
+      out.emplace(n.name + "." + n.params[i].name, ParamRef{&n, &n.params[i], &s.params[i]});
+  }
+  return out;
+}
+}  // namespace
+
+Tensor LoadedModel::parameter(const std::string& name) const {
+  auto params = param_map(*impl_);
+  auto it = params.find(name);
+  if (it == params.end()) throw Error("no parameter named '" + name + "' in the model");
+  return *it->second.tensor;
+}
+
+std::map<std::string, Tensor> LoadedModel::state_dict() const {
+  std::map<std::string, Tensor> out;
+  for (auto& [name, ref] : param_map(*impl_)) out.emplace(name, ref.tensor->clone());
+  return out;
+}
+
+void LoadedModel::load_state_dict(const std::map<std::string, Tensor>& tensors, bool strict) {
+  auto params = param_map(*impl_);
+  std::vector<std::string> missing, unexpected, mismatched;
+  for (auto& [name, ref] : params) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      missing.push_back(name + " " + sizes_to_string(ref.spec->shape) + " " +
+                        std::string(dtype_name(ref.spec->dtype)));
+      continue;
+    }
+    const Tensor& t = it->second;
+    bool dtype_ok = t.dtype() == ref.spec->dtype || (is_floating(t.dtype()) && is_floating(ref.spec->dtype));
+    if (t.shape() != ref.spec->shape || !dtype_ok)
+      mismatched.push_back(util::cat(name, ": file has ", sizes_to_string(t.shape()), " ",
+                                     dtype_name(t.dtype()), ", model has ",
+                                     sizes_to_string(ref.spec->shape), " ", dtype_name(ref.spec->dtype)));
+  }
+  for (auto& [name, t] : tensors)
+    if (!params.count(name))
+      unexpected.push_back(name + " " + sizes_to_string(t.shape()) + " " + std::string(dtype_name(t.dtype())));
+  if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty()))) {
+    std::string msg = "weights do not match the model's parameters:";
+    auto section = [&](const char* title, const std::vector<std::string>& items) {
+      if (items.empty()) return;
+      msg += util::cat("\n  ", title, " (", items.size(), "):");
+      for (const auto& s : items) msg += "\n    " + s;
+    };
+    section("missing from the weights", strict ? missing : std::vector<std::string>{});
+    section("not in the model", strict ? unexpected : std::vector<std::string>{});
+    section("wrong shape or dtype", mismatched);
+    throw Error(msg);
+  }
+  for (auto& [name, ref] : params) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) continue;
+    const Tensor& t = it->second;
+    Tensor src = t.dtype() == ref.spec->dtype ? t : t.to(ref.spec->dtype);
+    std::memcpy(ref.tensor->raw(), src.raw(), src.nbytes());
+  }
+}
+
+void LoadedModel::load_weights(const std::string& path) {
+  auto tensors = read_safetensors(path);
+  try {
+    load_state_dict(tensors, true);
+  } catch (const Error& e) {
+    throw Error(path + ": " + e.what());
+  }
+}
+
+void LoadedModel::save_weights(const std::string& path) const { write_safetensors(path, state_dict()); }
+
+}  // namespace kg

@@ -1,0 +1,51 @@
+// Shared test helpers: fresh random inputs, running a graph through the real runtime with
+// poisoned buffers, comparing against references, reading PyTorch fixtures.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kg/kg.hpp"
+
+namespace kg_test {
+
+// A seed drawn fresh for each test run; printed by SCOPED_TRACE in the helpers' callers.
+std::uint64_t fresh_seed();
+
+// Uniform random tensor in [lo, hi).
+kg::Tensor random_tensor(std::mt19937_64& rng, kg::DType dtype, std::vector<std::int64_t> shape,
+                         double lo = -1.0, double hi = 1.0);
+
+// Builds a graph with one input per entry of `inputs` (batch dim 0 recorded as dynamic
+// "batch" when `dynamic_batch`), records `build`, loads it on the CPU with poisoned buffers,
+// sets `params` (by dotted name; others keep their default init), runs it and returns the
+// outputs. Fails the test if any output element is NaN (never written).
+std::vector<kg::Tensor> run_graph(
+    const std::function<std::vector<kg::SymTensor>(const std::vector<kg::SymTensor>&)>& build,
+    const std::vector<kg::Tensor>& inputs, const std::map<std::string, kg::Tensor>& params = {},
+    bool dynamic_batch = true, bool check_written = true);
+// One input, one output.
+kg::Tensor run_op(const std::function<kg::SymTensor(const kg::SymTensor&)>& build, const kg::Tensor& input,
+                  const std::map<std::string, kg::Tensor>& params = {});
+
+// Max |a - b| / (atol + rtol*|b|) must stay <= 1; reports the worst element.
+::testing::AssertionResult all_close(const kg::Tensor& got, const kg::Tensor& want, double rtol = 1e-5,
+                                     double atol = 1e-6);
+
+// True when no element is NaN.
+bool all_written(const kg::Tensor& t);
+
+// Tensors of a fixture file under tests/fixtures/ (with its metadata).
+std::map<std::string, kg::Tensor> fixture(const std::string& name,
+                                          std::map<std::string, std::string>* metadata = nullptr);
+
+// Runs `fn` and expects a kg::Error whose message contains every string of `parts`.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts);
+
+}  // namespace kg_test
