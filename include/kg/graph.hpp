@@ -25,7 +25,9 @@ struct Node {
   std::vector<int> inputs;       // ids of earlier nodes
   DType dtype = DType::F32;
   Shape shape;                   // symbolic output shape
-  std::vector<ParamSpec> params; // the op's parameters (names relative to `name`)
+  // The op's parameters with full dotted names ("features.0.weight"): CustomOp::parameters()
+  // prefixed with the node name at record time. A fused node may own several nodes' parameters.
+  std::vector<ParamSpec> params;
 
   // "nn.conv2d", or "input" for inputs.
   std::string op_name() const;
@@ -77,6 +79,10 @@ class Graph : public std::enable_shared_from_this<Graph> {
   // Records an op node (SymTensor::record_custom is the usual way in).
   SymTensor record(const CustomData& data, const std::vector<SymTensor>& inputs,
                    std::optional<DType> dtype = std::nullopt, const std::string& name = "");
+
+  // Appends a fully formed op node (for optimisation passes): its inputs must be earlier nodes
+  // and its name unused. Returns its id.
+  int add_node(Node node);
 
   const std::vector<Node>& nodes() const { return nodes_; }
   const Node& node(int id) const { return nodes_.at(static_cast<std::size_t>(id)); }

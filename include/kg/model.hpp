@@ -69,12 +69,18 @@ struct NodeTime {
 
 class LoadedModel;
 
+// What the graph is lowered for. Inference fuses patterns that are only valid without
+// gradients (BatchNorm folded into the convolution before it); Training keeps every node.
+enum class LoweringMode { Inference, Training };
+
 // A recorded graph with its outputs named, after the optimisation passes.
 class Model {
  public:
   // `outputs` name the values the model returns, in this order.
-  Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, SymTensor>> outputs);
-  Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs);
+  Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, SymTensor>> outputs,
+        LoweringMode mode = LoweringMode::Inference);
+  Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs,
+        LoweringMode mode = LoweringMode::Inference);
 
   // Binds every dynamic dim from `input_shapes` (one per graph input, in order), re-runs shape
   // inference with concrete sizes (an op whose shape disagrees is named), plans and allocates
@@ -82,7 +88,10 @@ class Model {
   LoadedModel load(Device device, const std::vector<std::vector<std::int64_t>>& input_shapes,
                    const LoadOptions& options = {}) const;
 
+  // The optimised graph that runs, and the graph as recorded.
   const Graph& graph() const { return *graph_; }
+  const Graph& recorded_graph() const { return *recorded_; }
+  LoweringMode mode() const { return mode_; }
   const std::vector<std::pair<std::string, int>>& outputs() const { return outputs_; }
   // Every parameter of the nodes the outputs depend on, in node order.
   std::vector<ParamInfo> parameters() const;
@@ -95,7 +104,8 @@ class Model {
   std::string to_dot() const;
 
  private:
-  std::shared_ptr<Graph> graph_;
+  std::shared_ptr<Graph> recorded_, graph_;
+  LoweringMode mode_;
   std::vector<std::pair<std::string, int>> outputs_;
   std::vector<int> live_;
 };

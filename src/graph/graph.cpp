@@ -110,6 +110,7 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
     n.shape = data->infer_output_shape(shapes);
     n.dtype = dtype ? *dtype : data->infer_output_dtype(dtypes);
     n.params = data->parameters();
+    for (auto& p : n.params) p.name = n.name + "." + p.name;
   } catch (const Error& e) {
     throw Error(label + " " + e.what());
   } catch (const std::exception& e) {
@@ -124,6 +125,16 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
   }
   nodes_.push_back(std::move(n));
   return SymTensor(shared_from_this(), nodes_.back().id);
+}
+
+int Graph::add_node(Node n) {
+  n.id = static_cast<int>(nodes_.size());
+  if (n.kind != Node::Kind::Op || !n.op) throw Error("Graph::add_node: only op nodes can be added");
+  for (int in : n.inputs)
+    if (in < 0 || in >= n.id) throw Error(util::cat(n.label(), " Graph::add_node: input ", in, " is not an earlier node"));
+  if (find(n.name) >= 0) throw Error(util::cat(n.label(), " Graph::add_node: name already used"));
+  nodes_.push_back(std::move(n));
+  return nodes_.back().id;
 }
 
 NameScope::NameScope(Graph& graph, std::string part) : graph_(graph) { graph_.push_scope(std::move(part)); }

@@ -15,7 +15,12 @@ Device LoadedModel::device() const { return impl_->device; }
 std::vector<std::string> LoadedModel::output_names() const { return impl_->output_names; }
 const MemoryPlan& LoadedModel::memory_plan() const { return impl_->plan.memory; }
 std::vector<NodeTime> LoadedModel::profile() const { return impl_->last_profile; }
-void LoadedModel::set_training(bool training) { impl_->training = training; }
+void LoadedModel::set_training(bool training) {
+  if (training && impl_->mode != LoweringMode::Training)
+    throw Error("set_training: this model was lowered for inference (patterns such as BatchNorm were "
+                "fused); build the Model with LoweringMode::Training to train it");
+  impl_->training = training;
+}
 
 std::vector<std::vector<std::int64_t>> LoadedModel::input_shapes() const {
   std::vector<std::vector<std::int64_t>> s;
@@ -61,7 +66,7 @@ std::vector<ParamInfo> LoadedModel::parameters() const {
   for (const auto& s : impl_->plan.steps) {
     const Node& n = impl_->graph->node(s.node);
     for (std::size_t i = 0; i < n.params.size(); ++i)
-      out.push_back({n.name + "." + n.params[i].name, n.params[i].shape, n.params[i].dtype,
+      out.push_back({n.params[i].name, n.params[i].shape, n.params[i].dtype,
                      n.params[i].trainable, s.node});
   }
   return out;
@@ -78,7 +83,7 @@ std::map<std::string, ParamRef> param_map(LoadedModel::Impl& m) {
   for (auto& s : m.plan.steps) {
     const Node& n = m.graph->node(s.node);
     for (std::size_t i = 0; i < n.params.size(); ++i)
-      out.emplace(n.name + "." + n.params[i].name, ParamRef{&n, &n.params[i], &s.params[i]});
+      out.emplace(n.params[i].name, ParamRef{&n, &n.params[i], &s.params[i]});
   }
   return out;
 }

@@ -14,6 +14,7 @@ namespace kg {
 struct LoadedModel::Impl {
   std::shared_ptr<Graph> graph;
   Device device;
+  LoweringMode mode = LoweringMode::Inference;
   LoadOptions options;
   std::vector<std::string> output_names;
   runtime::Plan plan;

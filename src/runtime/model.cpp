@@ -6,6 +6,7 @@
 #include "kg/error.hpp"
 #include "kg/model.hpp"
 #include "passes/dead_nodes.hpp"
+#include "passes/passes.hpp"
 #include "runtime/loaded_model_impl.hpp"
 #include "runtime/memory_plan.hpp"
 #include "runtime/shape_binding.hpp"
@@ -44,20 +45,24 @@ std::string MemoryPlan::to_string() const {
 
 // ---- Model ----
 
-Model::Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, SymTensor>> outputs)
-    : graph_(std::move(graph)) {
-  if (!graph_) throw Error("Model: null graph");
+Model::Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, SymTensor>> outputs,
+             LoweringMode mode)
+    : recorded_(std::move(graph)), mode_(mode) {
+  if (!recorded_) throw Error("Model: null graph");
   if (outputs.empty()) throw Error("Model: name at least one output");
   std::set<std::string> names;
   for (auto& [name, t] : outputs) {
-    if (!t.valid() || t.graph_ptr() != graph_)
+    if (!t.valid() || t.graph_ptr() != recorded_)
       throw Error("Model: output '" + name + "' is not a tensor of this graph");
     if (!names.insert(name).second) throw Error("Model: output name '" + name + "' is used twice");
     outputs_.emplace_back(name, t.node());
   }
   std::vector<int> ids;
   for (auto& o : outputs_) ids.push_back(o.second);
-  live_ = passes::live_nodes(*graph_, ids);
+  passes::GraphAndOutputs opt = passes::optimize(recorded_, ids, mode_);
+  graph_ = opt.graph;
+  for (std::size_t i = 0; i < outputs_.size(); ++i) outputs_[i].second = opt.outputs[i];
+  live_ = passes::live_nodes(*graph_, opt.outputs);
 }
 
 namespace {
@@ -69,15 +74,15 @@ std::vector<std::pair<std::string, SymTensor>> name_outputs(const std::vector<Sy
 }
 }  // namespace
 
-Model::Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs)
-    : Model(std::move(graph), name_outputs(outputs)) {}
+Model::Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs, LoweringMode mode)
+    : Model(std::move(graph), name_outputs(outputs), mode) {}
 
 std::vector<ParamInfo> Model::parameters() const {
   std::vector<ParamInfo> out;
   for (int id : live_) {
     const Node& n = graph_->node(id);
     for (const auto& p : n.params)
-      out.push_back({n.name + "." + p.name, p.shape, p.dtype, p.trainable, id});
+      out.push_back({p.name, p.shape, p.dtype, p.trainable, id});
   }
   return out;
 }
@@ -124,6 +129,7 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
                 ": this build has no CUDA backend yet; load the model on cpu");
   auto impl = std::make_shared<LoadedModel::Impl>();
   impl->graph = graph_;
+  impl->mode = mode_;
   impl->device = device;
   impl->options = options;
   for (auto& o : outputs_) impl->output_names.push_back(o.first);

@@ -28,7 +28,7 @@ TEST(Linear, ShapeInference) {
   EXPECT_EQ(y.name(), "fc");
   const auto& params = g->node(y.node()).params;
   ASSERT_EQ(params.size(), 2u);
-  EXPECT_EQ(params[0].name, "weight");
+  EXPECT_EQ(params[0].name, "fc.weight");
   EXPECT_EQ(params[0].shape, (std::vector<std::int64_t>{7, 20}));
   EXPECT_EQ(params[1].shape, (std::vector<std::int64_t>{7}));
 }

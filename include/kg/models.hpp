@@ -1,0 +1,29 @@
+// Reference models built from the public ops, with PyTorch's parameter names, so that weights
+// exported from PyTorch (or the ONNX exports in bench/) load by name.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kg/model.hpp"
+
+namespace kg::models {
+
+// LeNet-5 for [N, 1, 28, 28] inputs (padding 2 on the first conv), ReLU and max pooling:
+// features.{0 conv 6@5x5, 1 relu, 2 maxpool, 3 conv 16@5x5, 4 relu, 5 maxpool},
+// classifier.{0 linear 400→120, 1 relu, 2 linear 120→84, 3 relu, 4 linear 84→num_classes}.
+SymTensor lenet5(const SymTensor& x, std::int64_t num_classes = 10);
+
+// ResNet-18 for [N, 3, H, W] inputs with torchvision's names (conv1, bn1, layer1.0.conv1, ...,
+// fc).
+SymTensor resnet18(const SymTensor& x, std::int64_t num_classes = 1000);
+
+// Names the CLI accepts: "lenet5", "resnet18".
+std::vector<std::string> names();
+// Records the named model with a dynamic batch dim ("batch") and returns it with its output
+// named "logits". Throws kg::Error for an unknown name, listing the known ones.
+Model build(const std::string& name, LoweringMode mode = LoweringMode::Inference);
+// The input shape of a named model for a given batch size.
+std::vector<std::int64_t> input_shape(const std::string& name, std::int64_t batch);
+
+}  // namespace kg::models

@@ -1,0 +1,54 @@
+#include "passes/passes.hpp"
+
+#include "kg/error.hpp"
+
+namespace kg::passes {
+
+Rewriter::Rewriter(const Graph& old) : old_(old), graph_(Graph::create()), map_(old.nodes().size(), -1) {
+  for (int id : old.inputs()) {
+    const Node& n = old.node(id);
+    map_[static_cast<std::size_t>(id)] = graph_->input(n.dtype, n.shape, n.name).node();
+  }
+}
+
+int Rewriter::copy(int id) {
+  int fresh = add(old_.node(id), old_.node(id).inputs);
+  map(id, fresh);
+  return fresh;
+}
+
+int Rewriter::add(Node node, const std::vector<int>& old_inputs) {
+  node.inputs.clear();
+  for (int in : old_inputs) {
+    int m = mapped(in);
+    if (m < 0) throw Error(node.label() + " pass: an input was not copied before its consumer");
+    node.inputs.push_back(m);
+  }
+  return graph_->add_node(std::move(node));
+}
+
+GraphAndOutputs Rewriter::finish(const std::vector<int>& old_outputs) {
+  GraphAndOutputs r{graph_, {}};
+  for (int o : old_outputs) {
+    int m = mapped(o);
+    if (m < 0) throw Error("pass: a model output was dropped");
+    r.outputs.push_back(m);
+  }
+  return r;
+}
+
+std::vector<int> use_counts(const Graph& graph, const std::vector<int>& outputs) {
+  std::vector<int> uses(graph.nodes().size(), 0);
+  for (const auto& n : graph.nodes())
+    for (int in : n.inputs) ++uses[static_cast<std::size_t>(in)];
+  for (int o : outputs) ++uses[static_cast<std::size_t>(o)];
+  return uses;
+}
+
+GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode) {
+  GraphAndOutputs g{std::move(graph), std::move(outputs)};
+  if (mode == LoweringMode::Inference) g = fuse_conv_epilogue(*g.graph, g.outputs);
+  return g;
+}
+
+}  // namespace kg::passes

@@ -1,0 +1,51 @@
+// Optimisation passes: each takes a graph and its output node ids and returns a rewritten
+// graph with the outputs remapped. Passes never change what the outputs compute.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kg/graph.hpp"
+#include "kg/model.hpp"
+
+namespace kg::passes {
+
+struct GraphAndOutputs {
+  std::shared_ptr<Graph> graph;
+  std::vector<int> outputs;
+};
+
+// Builds a new graph from an old one: copies the inputs, then nodes one at a time with their
+// input ids remapped. A pass copies what it keeps and adds fused nodes in place of patterns.
+class Rewriter {
+ public:
+  explicit Rewriter(const Graph& old);
+  // Copies old node `id` (its inputs must have been copied or replaced already).
+  int copy(int id);
+  // Adds a node built by the pass; `old_inputs` are ids in the old graph.
+  int add(Node node, const std::vector<int>& old_inputs);
+  // Records that old node `old_id` is now computed by new node `new_id`.
+  void map(int old_id, int new_id) { map_.at(static_cast<std::size_t>(old_id)) = new_id; }
+  int mapped(int old_id) const { return map_.at(static_cast<std::size_t>(old_id)); }
+  const Graph& old() const { return old_; }
+  // The new graph and the old outputs remapped.
+  GraphAndOutputs finish(const std::vector<int>& old_outputs);
+
+ private:
+  const Graph& old_;
+  std::shared_ptr<Graph> graph_;
+  std::vector<int> map_;
+};
+
+// For each node, how many nodes (and model outputs) consume it.
+std::vector<int> use_counts(const Graph& graph, const std::vector<int>& outputs);
+
+// Runs the passes for `mode` in order.
+GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode);
+
+// The passes themselves (each in its own file).
+// Inference only: conv2d → batch_norm2d → (relu) and conv2d → relu become one fused conv.
+GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& outputs);
+
+}  // namespace kg::passes
