@@ -48,6 +48,8 @@ struct LoadOptions {
   std::uint64_t seed = 0;
   // Worker threads for CPU ops (0: one per core).
   int threads = 0;
+  // On cuda: capture the whole forward into a CUDA graph at the first run and replay it.
+  bool cuda_graph = false;
 };
 
 // The memory plan of a loaded model.

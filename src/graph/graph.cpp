@@ -75,7 +75,12 @@ SymTensor Graph::input(DType dtype, Shape shape, std::string name) {
   Node n;
   n.id = static_cast<int>(nodes_.size());
   n.kind = Node::Kind::Input;
-  n.name = unique_name(name.empty() ? "input" : name, "input");
+  try {
+    n.name = unique_name(name.empty() ? "input" : name, "input");
+  } catch (const Error& e) {
+    throw Error(util::cat("[input @ ", scope().empty() ? "" : scope() + ".", name.empty() ? "input" : name,
+                          "] ", e.what()));
+  }
   n.dtype = dtype;
   n.shape = std::move(shape);
   nodes_.push_back(std::move(n));
@@ -91,7 +96,11 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
   Node n;
   n.id = static_cast<int>(nodes_.size());
   n.kind = Node::Kind::Op;
-  n.name = unique_name(name, stem);
+  try {
+    n.name = unique_name(name, stem);
+  } catch (const Error& e) {  // a duplicate name: say which op wanted it
+    throw Error(util::cat("[", op_name, " @ ", scope().empty() ? "" : scope() + ".", name, "] ", e.what()));
+  }
   n.op = data;
   const std::string label = n.label();
 
@@ -110,7 +119,10 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
     n.shape = data->infer_output_shape(shapes);
     n.dtype = dtype ? *dtype : data->infer_output_dtype(dtypes);
     n.params = data->parameters();
-    for (auto& p : n.params) p.name = n.name + "." + p.name;
+    for (std::size_t i = 0; i < n.params.size(); ++i) {
+      if (n.params[i].name.empty()) throw Error(util::cat("parameter ", i, " has an empty name"));
+      n.params[i].name = n.name + "." + n.params[i].name;
+    }
   } catch (const Error& e) {
     throw Error(label + " " + e.what());
   } catch (const std::exception& e) {

@@ -4,9 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "kg/error.hpp"
@@ -17,6 +20,7 @@ namespace kg {
 namespace {
 
 constexpr std::uint64_t kMaxHeader = 100u << 20;  // 100 MiB of JSON is not a real header
+constexpr auto kMaxSize = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
 
 [[noreturn]] void bad(const std::string& path, const std::string& why) {
   throw Error("safetensors file '" + path + "': " + why);
@@ -36,6 +40,10 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     bad(path, "cannot stat");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    bad(path, "not a regular file");
   }
   const auto size = static_cast<std::uint64_t>(st.st_size);
   if (size < 8) {
@@ -60,7 +68,12 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
   if (!header.is_object()) bad(path, "header is not a JSON object");
   const std::uint64_t data_start = 8 + n, data_size = size - data_start;
   std::map<std::string, Tensor> out;
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+  struct Range {
+    std::uint64_t begin, end;
+    std::string name;
+    bool operator<(const Range& o) const { return begin != o.begin ? begin < o.begin : end < o.end; }
+  };
+  std::vector<Range> ranges;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
     const auto& e = it.value();
@@ -81,9 +94,13 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
       bad(path, "tensor '" + name + "': unsupported dtype '" + e["dtype"].get<std::string>() + "'");
     std::vector<std::int64_t> shape;
     if (!e["shape"].is_array()) bad(path, "tensor '" + name + "': shape is not an array");
+    std::uint64_t numel = 1;  // checked: a forged shape must not overflow into a small size
     for (const auto& d : e["shape"]) {
       if (!d.is_number_unsigned()) bad(path, "tensor '" + name + "': shape has a non-integer or negative entry");
-      shape.push_back(d.get<std::int64_t>());
+      const auto v = d.get<std::uint64_t>();
+      if (v > kMaxSize || __builtin_mul_overflow(numel, v, &numel) || numel > kMaxSize)
+        bad(path, "tensor '" + name + "': shape " + e["shape"].dump() + " has too many elements");
+      shape.push_back(static_cast<std::int64_t>(v));
     }
     const auto& off = e["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
@@ -92,20 +109,28 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
     if (b > end || end > data_size)
       bad(path, util::cat("tensor '", name, "': data_offsets [", b, ", ", end, "] exceed the ", data_size,
                           " data bytes (truncated file?)"));
-    std::uint64_t want = static_cast<std::uint64_t>(numel_of(shape)) * dtype_size(*dt);
+    std::uint64_t want = 0;
+    if (__builtin_mul_overflow(numel, std::uint64_t{dtype_size(*dt)}, &want))
+      bad(path, "tensor '" + name + "': shape " + e["shape"].dump() + " has too many elements");
     if (end - b != want)
       bad(path, util::cat("tensor '", name, "': ", end - b, " bytes for ", sizes_to_string(shape), " ",
                           dtype_name(*dt), ", which needs ", want));
-    ranges.emplace_back(b, end);
+    ranges.push_back({b, end, name});
     void* p = const_cast<unsigned char*>(bytes + data_start + b);
     Tensor t = Tensor::wrap(owner, p, *dt, shape);
     if (reinterpret_cast<std::uintptr_t>(p) % dtype_size(*dt) != 0) t = t.clone();  // unaligned
     out.emplace(name, t);
   }
+  // Empty ranges overlap nothing; each non-empty one must start at or after the end of all before.
   std::sort(ranges.begin(), ranges.end());
-  for (std::size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second && ranges[i].first != ranges[i].second)
-      bad(path, "tensor data ranges overlap");
+  const Range* last = nullptr;
+  for (const auto& r : ranges) {
+    if (r.begin == r.end) continue;
+    if (last && r.begin < last->end)
+      bad(path, util::cat("tensor data ranges overlap: '", last->name, "' [", last->begin, ", ", last->end,
+                          "] and '", r.name, "' [", r.begin, ", ", r.end, "]"));
+    last = &r;
+  }
   return out;
 }
 
@@ -116,6 +141,8 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
   std::uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__") throw Error("write_safetensors: '__metadata__' is not a tensor name");
+    if (!t.defined())
+      throw Error("write_safetensors '" + path + "': tensor '" + name + "' has no data (default-constructed)");
     header[name] = {{"dtype", dtype_safetensors_code(t.dtype())},
                     {"shape", t.shape()},
                     {"data_offsets", {offset, offset + t.nbytes()}}};

@@ -3,10 +3,43 @@
 
 #include "kg/ops.hpp"
 #include "ops/blas.hpp"
+#include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
+
+// The GPU half: one launch of the tiled GEMM with the bias in its epilogue.
+class LinearRuntime final : public RuntimeOp {
+ public:
+  LinearRuntime(std::int64_t in, std::int64_t out, bool bias) : in_(in), out_(out), bias_(bias) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    if (bias_) return {{out_, in_}, {out_}};
+    return {{out_, in_}};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    v.pointer(inputs[0].ptr);
+    v.pointer(params[0].ptr);
+    v.pointer(bias_ ? params[1].ptr : 0);
+    v.pointer(output.ptr);
+    v.i64(rows(shape));
+    v.i64(in_);
+    v.i64(out_);
+  }
+  Dim3 block() const override { return {256, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    return {static_cast<unsigned>((out_ + 63) / 64), static_cast<unsigned>(std::max<std::int64_t>((rows(shape) + 63) / 64, 1)), 1};
+  }
+
+ private:
+  std::int64_t rows(const std::vector<std::int64_t>& shape) const { return out_ ? numel_of(shape) / out_ : 0; }
+  std::int64_t in_, out_;
+  bool bias_;
+};
 
 class LinearOp final : public CustomOp {
  public:
@@ -40,6 +73,11 @@ class LinearOp final : public CustomOp {
     std::vector<ParamSpec> p{{"weight", {out_, in_}, dtype_, ParamInit::uniform(-bound, bound), true}};
     if (bias_) p.push_back({"bias", {out_}, dtype_, ParamInit::uniform(-bound, bound), true});
     return p;
+  }
+
+  std::optional<Lowered> lower() const override {
+    return Lowered{"nn.linear", kernel_file("linear.cu"), entry_for("kg_linear", dtype_),
+                   std::make_shared<LinearRuntime>(in_, out_, bias_)};
   }
 
   void cpu_forward(CpuContext& ctx) const override {

@@ -48,10 +48,11 @@ std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
                             dtype_name(v.dtype), " but got ", sizes_to_string(inputs[k].shape()), " ",
                             dtype_name(inputs[k].dtype()), "; load the model again for new shapes"));
   }
-  void* arena = m.arena.raw();
-  if (m.options.poison_buffers) std::memset(arena, 0xFF, m.arena.nbytes());
   ++m.runs;
   m.last_profile.clear();
+  if (m.cuda) return m.cuda->run(inputs, m.training, m.options.profile ? &m.last_profile : nullptr);
+  void* arena = m.arena.raw();
+  if (m.options.poison_buffers) std::memset(arena, 0xFF, m.arena.nbytes());
   m.executor->run(g, m.plan, inputs, arena, m.training, m.options.seed + m.runs,
                   m.options.profile ? &m.last_profile : nullptr);
   std::vector<Tensor> outs;
@@ -63,12 +64,8 @@ std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
 
 std::vector<ParamInfo> LoadedModel::parameters() const {
   std::vector<ParamInfo> out;
-  for (const auto& s : impl_->plan.steps) {
-    const Node& n = impl_->graph->node(s.node);
-    for (std::size_t i = 0; i < n.params.size(); ++i)
-      out.push_back({n.params[i].name, n.params[i].shape, n.params[i].dtype,
-                     n.params[i].trainable, s.node});
-  }
+  for (const auto& s : impl_->plan.steps)
+    for (const auto& p : s.specs) out.push_back({p.name, p.shape, p.dtype, p.trainable, s.node});
   return out;
 }
 
@@ -82,14 +79,14 @@ std::map<std::string, ParamRef> param_map(LoadedModel::Impl& m) {
   std::map<std::string, ParamRef> out;
   for (auto& s : m.plan.steps) {
     const Node& n = m.graph->node(s.node);
-    for (std::size_t i = 0; i < n.params.size(); ++i)
-      out.emplace(n.params[i].name, ParamRef{&n, &n.params[i], &s.params[i]});
+    for (std::size_t i = 0; i < s.specs.size(); ++i) out.emplace(s.specs[i].name, ParamRef{&n, &s.specs[i], &s.params[i]});
   }
   return out;
 }
 }  // namespace
 
 Tensor LoadedModel::parameter(const std::string& name) const {
+  if (impl_->cuda) impl_->cuda->download_params();
   auto params = param_map(*impl_);
   auto it = params.find(name);
   if (it == params.end()) throw Error("no parameter named '" + name + "' in the model");
@@ -97,6 +94,7 @@ Tensor LoadedModel::parameter(const std::string& name) const {
 }
 
 std::map<std::string, Tensor> LoadedModel::state_dict() const {
+  if (impl_->cuda) impl_->cuda->download_params();
   std::map<std::string, Tensor> out;
   for (auto& [name, ref] : param_map(*impl_)) out.emplace(name, ref.tensor->clone());
   return out;
@@ -141,6 +139,7 @@ void LoadedModel::load_state_dict(const std::map<std::string, Tensor>& tensors, 
     Tensor src = t.dtype() == ref.spec->dtype ? t : t.to(ref.spec->dtype);
     std::memcpy(ref.tensor->raw(), src.raw(), src.nbytes());
   }
+  if (impl_->cuda) impl_->cuda->upload_params();
 }
 
 void LoadedModel::load_weights(const std::string& path) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend/cpu/executor.hpp"
+#include "backend/cuda/executor.hpp"
 #include "kg/model.hpp"
 #include "runtime/plan.hpp"
 
@@ -19,7 +20,8 @@ struct LoadedModel::Impl {
   std::vector<std::string> output_names;
   runtime::Plan plan;
   Tensor arena;  // activation bytes
-  std::unique_ptr<cpu::Executor> executor;
+  std::unique_ptr<cpu::Executor> executor;      // device cpu
+  std::unique_ptr<cuda::Executor> cuda;         // device cuda
   bool training = false;
   std::uint64_t runs = 0;
   std::vector<NodeTime> last_profile;

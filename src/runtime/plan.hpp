@@ -22,13 +22,17 @@ struct Value {
 // One op node to execute.
 struct Step {
   int node = -1;
-  std::vector<Tensor> params;  // the node's parameters, in CustomOp::parameters() order
+  std::vector<ParamSpec> specs;  // full names; the node's, plus any its RuntimeOp declares on cuda
+  std::vector<Tensor> params;    // host values, one per spec
 };
 
 struct Plan {
   std::vector<Value> values;  // by node id (dead nodes have root -1)
   std::vector<Step> steps;    // topological order; view nodes are not steps
   std::vector<int> outputs;   // node ids of the model outputs
+  std::vector<int> live;      // node ids in execution order (inputs included)
+  std::vector<int> first, last;  // by node id: lifetime of a storage root in live-order steps
+  std::vector<int> step_of;      // by node id: position in `live`
   MemoryPlan memory;
 };
 

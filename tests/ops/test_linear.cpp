@@ -1,3 +1,4 @@
+#include "support/gpu_util.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -54,6 +55,22 @@ TEST(Linear, MatchesNaiveReferenceAtSeveralBatches) {
       kg::Tensor y = kg_test::run_op([](const kg::SymTensor& t) { return kg::nn::linear(t, 10, "fc"); }, x,
                                      {{"fc.weight", w}, {"fc.bias", b}});
       EXPECT_TRUE(kg_test::all_close(y, naive_linear(x, w, b), dt == kg::DType::F32 ? 1e-5 : 1e-12, 1e-6));
+    }
+  }
+}
+
+TEST(Linear, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (std::int64_t batch : {1, 7, 130}) {
+    for (bool bias : {true, false}) {
+      kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {batch, 3, 70});
+      kg_test::check_lowering(
+          [&](const std::vector<kg::SymTensor>& xs) {
+            return std::vector<kg::SymTensor>{kg::nn::linear(xs[0], 65, "fc", bias)};
+          },
+          {x}, 1e-4, 1e-5);
     }
   }
 }

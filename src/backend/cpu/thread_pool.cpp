@@ -8,7 +8,13 @@
 namespace kg::cpu {
 namespace {
 thread_local bool t_in_pool = false;  // nested parallel_for calls run inline
+
+// Start of chunk `k` when [0, n) is split into `chunks` chunks whose sizes differ by at most one
+// (the first n % chunks take one more); k == chunks gives n.
+std::int64_t chunk_begin(std::int64_t k, std::int64_t n, std::int64_t chunks) {
+  return k * (n / chunks) + std::min(k, n % chunks);
 }
+}  // namespace
 
 ThreadPool::ThreadPool(int threads) {
   if (threads <= 0) {
@@ -46,8 +52,8 @@ void ThreadPool::worker_loop(int index) {
       seen = generation_;
       if (index >= chunks_) continue;
       job = job_;
-      b = index * chunk_;
-      e = std::min(n_, b + chunk_);
+      b = chunk_begin(index, n_, chunks_);
+      e = chunk_begin(index + 1, n_, chunks_);
     }
     std::exception_ptr err;
     try {
@@ -67,7 +73,9 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain,
                               const std::function<void(std::int64_t, std::int64_t)>& fn) {
   if (n <= 0) return;
   grain = std::max<std::int64_t>(grain, 1);
-  int chunks = static_cast<int>(std::min<std::int64_t>(size(), (n + grain - 1) / grain));
+  // As many chunks as the threads, but none smaller than `grain`: chunk sizes differ by at most
+  // one, so each has at least floor(n / chunks) >= grain elements.
+  const int chunks = static_cast<int>(std::clamp<std::int64_t>(n / grain, 1, size()));
   if (chunks <= 1 || t_in_pool) {
     fn(0, n);
     return;
@@ -77,13 +85,11 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain,
   struct Reset {
     ~Reset() { t_in_pool = false; }
   } reset;
-  const std::int64_t chunk = (n + chunks - 1) / chunks;
-  chunks = static_cast<int>((n + chunk - 1) / chunk);
   {
     std::lock_guard<std::mutex> lk(mu_);
     job_ = &fn;
     n_ = n;
-    chunk_ = chunk;
+    chunk_ = n / chunks;
     chunks_ = chunks;
     pending_ = chunks - 1;
     error_ = nullptr;
@@ -92,7 +98,7 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain,
   cv_.notify_all();
   std::exception_ptr mine;
   try {
-    fn(0, std::min(n, chunk));
+    fn(0, chunk_begin(1, n, chunks));
   } catch (...) {
     mine = std::current_exception();
   }

@@ -1,0 +1,110 @@
+// Times a zoo model's forward pass on the CPU; scripts/bench runs it beside ONNX Runtime.
+//   cpu_inference --model resnet18 --batch 64 --weights W.safetensors --input X.safetensors
+//                 --output Y.safetensors [--warmup 2] [--runs 10] [--threads 2]
+// Prints "median_ms=<m> min_ms=<m>" and writes the last forward's logits to --output.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kg/io.hpp"
+#include "kg/kg.hpp"
+#include "kg/models.hpp"
+
+namespace {
+
+struct Args {
+  std::string model, weights, input, output;
+  std::int64_t batch = 1;
+  int warmup = 2, runs = 10, threads = 2;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::cerr << "cpu_inference: " << why << "\n"
+            << "usage: cpu_inference --model NAME --batch N --weights PATH --input PATH --output PATH\n"
+            << "                     [--warmup W] [--runs R] [--threads T]\n";
+  std::exit(2);
+}
+
+long parse_int(const std::string& flag, const std::string& v, long lo) {
+  char* end = nullptr;
+  const long n = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || n < lo) usage(flag + " wants an integer >= " + std::to_string(lo) + ", got '" + v + "'");
+  return n;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) usage(flag + " needs a value");
+    const std::string v = argv[++i];
+    if (flag == "--model") a.model = v;
+    else if (flag == "--batch") a.batch = parse_int(flag, v, 1);
+    else if (flag == "--weights") a.weights = v;
+    else if (flag == "--input") a.input = v;
+    else if (flag == "--output") a.output = v;
+    else if (flag == "--warmup") a.warmup = static_cast<int>(parse_int(flag, v, 0));
+    else if (flag == "--runs") a.runs = static_cast<int>(parse_int(flag, v, 1));
+    else if (flag == "--threads") a.threads = static_cast<int>(parse_int(flag, v, 0));
+    else usage("unknown option " + flag);
+  }
+  if (a.model.empty() || a.weights.empty() || a.input.empty() || a.output.empty())
+    usage("--model, --weights, --input and --output are required");
+  return a;
+}
+
+// The input file's one tensor (or the one named "input"), checked against the model's shape.
+kg::Tensor read_input(const std::string& path, const std::vector<std::int64_t>& want) {
+  auto tensors = kg::read_safetensors(path);
+  kg::Tensor x;
+  if (tensors.count("input")) x = tensors.at("input");
+  else if (tensors.size() == 1) x = tensors.begin()->second;
+  else throw kg::Error("input file '" + path + "' holds " + std::to_string(tensors.size()) +
+                       " tensors and none is named 'input'");
+  if (x.shape() != want)
+    throw kg::Error("input file '" + path + "' holds " + kg::sizes_to_string(x.shape()) + " but the model takes " +
+                    kg::sizes_to_string(want));
+  return x.to(kg::DType::F32).clone();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  try {
+    const kg::Model model = kg::models::build(a.model);
+    const auto shape = kg::models::input_shape(a.model, a.batch);
+    kg::LoadOptions opt;
+    opt.threads = a.threads;
+    kg::LoadedModel m = model.load(kg::Device::cpu(), {shape}, opt);
+    m.load_weights(a.weights);
+    const kg::Tensor x = read_input(a.input, shape);
+
+    for (int i = 0; i < a.warmup; ++i) m.forward({x});
+    std::vector<double> ms;
+    std::vector<kg::Tensor> out;
+    for (int i = 0; i < a.runs; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      out = m.forward({x});
+      const auto t1 = std::chrono::steady_clock::now();
+      ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    }
+    std::vector<double> sorted = ms;
+    std::sort(sorted.begin(), sorted.end());
+    const std::size_t n = sorted.size();
+    const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    std::printf("model=%s batch=%lld runs=%d median_ms=%.4f min_ms=%.4f\n", a.model.c_str(),
+                static_cast<long long>(a.batch), a.runs, median, sorted.front());
+    kg::write_safetensors(a.output, {{"logits", out.at(0).clone()}},
+                          {{"model", a.model}, {"median_ms", std::to_string(median)}});
+  } catch (const kg::Error& e) {
+    std::cerr << "cpu_inference: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,94 @@
+// The launch-time description of a lowered op (the seed's RuntimeOp): consulted with concrete
+// shapes every time the op executes, to size buffers, pack kernel arguments and pick grids.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kg/dtype.hpp"
+
+namespace kg {
+
+// A device address (CUdeviceptr on a GPU; a host address under CUDA-on-CPU emulation).
+using DevicePtr = std::uint64_t;
+
+// A buffer handed to pack_args: its address and concrete sizes.
+struct DeviceTensor {
+  DevicePtr ptr = 0;
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::F32;
+};
+
+// Grid or block dimensions.
+struct Dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+// Receives a kernel's arguments in order. The runtime checks what was visited against the
+// kernel's PTX parameter list (count and byte sizes, names from the CUDA signature).
+class ArgVisitor {
+ public:
+  virtual ~ArgVisitor() = default;
+  virtual void pointer(DevicePtr p) = 0;
+  virtual void i32(std::int32_t v) = 0;
+  virtual void i64(std::int64_t v) = 0;
+  virtual void u32(std::uint32_t v) = 0;
+  virtual void f32(float v) = 0;
+  virtual void f64(double v) = 0;
+  // A by-value struct: `n` raw bytes.
+  virtual void bytes(const void* data, std::size_t n) = 0;
+};
+
+class RuntimeOp {
+ public:
+  virtual ~RuntimeOp() = default;
+
+  // ---- what every op writes ----
+  // How many of the node's inputs are activations (the rest are not passed).
+  virtual int n_activation_inputs() const = 0;
+  // Concrete shapes of the op's parameters (uploaded once at load).
+  virtual std::vector<std::vector<std::int64_t>> param_shapes(
+      const std::vector<std::vector<std::int64_t>>& input_shapes,
+      const std::vector<std::int64_t>& output_shape) const = 0;
+  // Packs the kernel arguments of launch 0.
+  virtual void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
+                         const DeviceTensor& output, const std::vector<std::int64_t>& output_shape,
+                         std::int64_t output_row_stride, ArgVisitor& visitor) const = 0;
+  virtual Dim3 block() const = 0;
+  virtual Dim3 grid(const std::vector<std::int64_t>& output_shape) const = 0;
+
+  // ---- defaults, right for a single-launch inference op ----
+  // Parameter names (default "param0", "param1", ...); the node's name is prefixed.
+  virtual std::vector<std::string> param_names() const;
+  // Parameter dtype (default f32).
+  virtual DType param_dtype(int i) const;
+  // Initial bytes of parameter i (default none: zero-filled unless weights are loaded). The
+  // size is checked against shape × dtype size.
+  virtual std::optional<std::vector<std::byte>> param_init_data(int i) const;
+  // Scratch bytes needed per execution (planned like any buffer; passed as `scratch`).
+  virtual std::size_t scratch_bytes(const std::vector<std::vector<std::int64_t>>& input_shapes,
+                                    const std::vector<std::int64_t>& output_shape) const;
+  // Dynamic shared memory per block.
+  virtual std::size_t dynamic_shared_bytes(const std::vector<std::int64_t>& output_shape) const;
+  // Several launches per execution (each packed and sized separately).
+  virtual int n_launches(const std::vector<std::int64_t>& output_shape) const;
+  virtual void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
+                                    const std::vector<DeviceTensor>& params, const DeviceTensor& output,
+                                    const std::vector<std::int64_t>& output_shape,
+                                    std::int64_t output_row_stride, DevicePtr scratch,
+                                    ArgVisitor& visitor) const;
+  virtual Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& output_shape) const;
+  virtual Dim3 block_for_launch(int launch) const;
+  // Elements between output rows (last dim); larger than the last dim pads each row. The
+  // padded buffer is allocated and this stride passed to pack_args.
+  virtual std::int64_t forward_output_row_stride(const std::vector<std::int64_t>& output_shape) const;
+  // The output shape the kernel really writes, if it knows better than the graph's inference
+  // (nullopt: the graph's). A disagreement is an error at load.
+  virtual std::optional<std::vector<std::int64_t>> compute_concrete_output_shape(
+      const std::vector<std::vector<std::int64_t>>& input_shapes) const;
+};
+
+}  // namespace kg

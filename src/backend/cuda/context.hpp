@@ -1,0 +1,76 @@
+// One GPU: its primary context, a stream, memory, modules and launches.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "backend/cuda/driver.hpp"
+#include "kg/runtime_op.hpp"
+
+namespace kg::cuda {
+
+class Context {
+ public:
+  // The context of device `index` (created at first use). Throws kg::Error without a GPU.
+  static Context& get(int index);
+  ~Context();
+
+  const Driver& driver() const { return d_; }
+  int index() const { return index_; }
+  // Compute capability as major*10+minor (90 for sm_90).
+  int arch() const { return arch_; }
+  const std::string& name() const { return name_; }
+  CUstream stream() const { return stream_; }
+  void make_current() const;
+
+  DevicePtr alloc(std::size_t bytes);
+  void free(DevicePtr p) noexcept;
+  void upload(DevicePtr dst, const void* src, std::size_t bytes);    // synchronous
+  void download(void* dst, DevicePtr src, std::size_t bytes);        // synchronous
+  void upload_async(DevicePtr dst, const void* src, std::size_t bytes);
+  void download_async(void* dst, DevicePtr src, std::size_t bytes);
+  void fill_bytes_async(DevicePtr dst, unsigned char value, std::size_t bytes);
+  void synchronize();
+
+  // The function `entry` (exact PTX name) of the module built from `ptx`; modules are cached
+  // by content. `label` names the op in errors.
+  CUfunction function(const std::string& ptx, const std::string& entry, const std::string& label);
+  // Launches on the context's stream and checks the launch status.
+  void launch(CUfunction f, Dim3 grid, Dim3 block, std::size_t shared_bytes, void** params,
+              const std::string& label);
+
+ private:
+  explicit Context(int index);
+  const Driver& d_;
+  int index_;
+  int arch_ = 0;
+  std::string name_;
+  CUdevice device_ = 0;
+  CUcontext ctx_ = nullptr;
+  CUstream stream_ = nullptr;
+  std::mutex mu_;
+  std::map<std::string, CUmodule> modules_;  // by content hash of the PTX
+};
+
+// Owns device memory.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Context& ctx, std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DevicePtr ptr() const { return ptr_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  Context* ctx_ = nullptr;
+  DevicePtr ptr_ = 0;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace kg::cuda

@@ -1,0 +1,84 @@
+// The convolution family: nn.conv2d and the inference-time fused convolution that applies a
+// folded BatchNorm, a residual add and an activation while the output tile is in cache. Both
+// op classes are visible here so that the fusion pass can recognise a convolution, read its
+// configuration and build the fused node.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kg/custom_op.hpp"
+#include "kg/ops.hpp"
+#include "ops/elementwise.hpp"
+
+namespace kg::ops {
+
+// nn.conv2d on [N, C, H, W]. Parameters, in this order: weight [out, in/groups, kh, kw] and,
+// with options.bias, bias [out]. The configuration is checked by infer_output_shape (so that
+// errors carry the node's label); `in_channels` is -1 when the input's channel count is not
+// known at record time, which infer_output_shape reports.
+class Conv2dOp final : public CustomOp {
+ public:
+  Conv2dOp(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel, const nn::Conv2dOptions& options,
+           DType dtype);
+  std::string name() const override { return "nn.conv2d"; }
+  // "in=64 out=128 k=3 s=2 p=1", with "d=", "groups=" and "bias=false" when not the default.
+  std::string attributes() const override;
+  Shape infer_output_shape(const std::vector<Shape>& in) const override;
+  DType infer_output_dtype(const std::vector<DType>& in) const override;
+  std::vector<ParamSpec> parameters() const override;
+  void cpu_forward(CpuContext& ctx) const override;
+
+  std::int64_t in_channels() const { return in_; }
+  std::int64_t out_channels() const { return out_; }
+  Size2 kernel() const { return kernel_; }
+  const nn::Conv2dOptions& options() const { return opt_; }
+  DType dtype() const { return dtype_; }
+
+ private:
+  std::int64_t in_, out_;
+  Size2 kernel_;
+  nn::Conv2dOptions opt_;
+  DType dtype_;  // of the parameters: the input's
+};
+
+// What a fused convolution applies after the convolution, in this order.
+struct ConvEpilogueSpec {
+  bool batch_norm = false;  // y = y * gamma / sqrt(var + eps) + (beta - mean * gamma / sqrt(var + eps))
+  double bn_eps = 1e-5;
+  bool residual = false;              // y += the node's second input (same shape as the output)
+  std::optional<UnarySpec> activation;  // y = f(y)
+  std::vector<std::string> fused_nodes;  // names of the absorbed nodes, for attributes()
+  std::vector<std::string> fused_ops;    // their op names ("nn.batch_norm2d", "nn.relu", ...)
+};
+
+// nn.fused_conv2d: a convolution followed by the epilogue of `spec`. Inputs: x and, with
+// spec.residual, the tensor added before the activation. Parameters: the convolution's
+// (weight, bias?) then, with spec.batch_norm, the batch norm's (weight, bias, running_mean,
+// running_var, num_batches_tracked). `params` are the specs with their full dotted names, as
+// the fused node holds them; parameters() returns them unchanged. Built only by the fusion pass
+// for inference: with a batch norm inside, running in train mode is an error.
+class FusedConv2dOp final : public CustomOp {
+ public:
+  FusedConv2dOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params);
+  std::string name() const override { return "nn.fused_conv2d"; }
+  // The convolution's attributes, then what was fused: "... fused=[bn1:nn.batch_norm2d(eps=1e-05),
+  // relu:nn.relu]".
+  std::string attributes() const override;
+  Shape infer_output_shape(const std::vector<Shape>& in) const override;
+  DType infer_output_dtype(const std::vector<DType>& in) const override;
+  std::vector<ParamSpec> parameters() const override { return params_; }
+  void cpu_forward(CpuContext& ctx) const override;
+
+  const Conv2dOp& conv() const { return conv_; }
+  const ConvEpilogueSpec& spec() const { return spec_; }
+
+ private:
+  Conv2dOp conv_;
+  ConvEpilogueSpec spec_;
+  std::vector<ParamSpec> params_;
+};
+
+}  // namespace kg::ops

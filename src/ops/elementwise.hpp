@@ -1,0 +1,251 @@
+// The elementwise op family: activations, dropout and broadcasting arithmetic. Every formula is
+// written once here, as a scalar function selected by an enum, so that the CPU loops, fusion
+// passes (a convolution epilogue, a chain of activations) and a GPU lowering share it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+
+#include "kg/custom_op.hpp"
+
+namespace kg::ops {
+
+// ---- float math that vectorises ----
+// glibc's expf, erfcf and tanhf are calls the compiler cannot vectorise (without -ffast-math),
+// so f32 activations use these branch-free polynomial forms instead; f64 keeps std::.
+
+namespace detail {
+inline float float_from_bits(std::int32_t i) {
+  float f;
+  std::memcpy(&f, &i, sizeof f);
+  return f;
+}
+}  // namespace detail
+
+// e^x within about 1 ulp (Cephes' range reduction and polynomial); results below the smallest
+// normal float flush to 0, above the largest float give inf; NaN stays NaN.
+inline float exp_f32(float x) {
+  constexpr float hi = 88.7228394f, lo = -87.3365479f;  // log(FLT_MAX), log(FLT_MIN)
+  float c = x < lo ? lo : x;
+  c = c > hi ? hi : c;
+  c = x != x ? 0.0f : c;
+  // n = round(c / ln 2) by the 1.5 * 2^23 trick (std::floor does not vectorise); r = c - n ln 2
+  // with ln 2 split in two for precision.
+  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, c));
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.0f;
+  // p * 2^n, with 2^n as two factors so that n = 128 and n = -126 stay representable.
+  const auto k = static_cast<std::int32_t>(n), h = k / 2;
+  float y = p * detail::float_from_bits((h + 127) << 23) * detail::float_from_bits((k - h + 127) << 23);
+  y = x > hi ? std::numeric_limits<float>::infinity() : y;
+  y = x < lo ? 0.0f : y;
+  return x != x ? x : y;
+}
+
+// tanh(x) within about 2 ulp: 1 - 2 / (e^2|x| + 1) above |x| = 0.625, Cephes' odd polynomial
+// below it.
+inline float tanh_f32(float x) {
+  const float a = std::fabs(x);
+  const float big = 1.0f - 2.0f / (exp_f32(2.0f * a) + 1.0f);
+  const float s = x * x;
+  float p = -5.70498872745e-3f;
+  p = std::fma(p, s, 2.06390887954e-2f);
+  p = std::fma(p, s, -5.37397155531e-2f);
+  p = std::fma(p, s, 1.33314422036e-1f);
+  p = std::fma(p, s, -3.33332819422e-1f);
+  const float small = std::fma(p * s, a, a);
+  return std::copysign(a > 0.625f ? big : small, x);
+}
+
+// erfc(x) within about 4 ulp (results below the smallest normal flush to 0): exp(-a^2) times a
+// polynomial fit of (1 + 2a) exp(a^2) erfc(a) in q = (a - 2) / (a + 2), a = |x|; erfc(-a) =
+// 2 - erfc(a). a^2 is carried as s - t with an fma so that exp(-a^2) keeps its precision.
+inline float erfc_f32(float x) {
+  float a = std::fabs(x);
+  a = a > 10.0546875f ? 10.0546875f : a;  // erfc is 0 in float beyond
+  const float q = (a - 2.0f) / (a + 2.0f);
+  float p = -4.0958286e-4f;
+  p = std::fma(p, q, -1.2415353e-3f);
+  p = std::fma(p, q, 1.3206749e-3f);
+  p = std::fma(p, q, 8.642994e-3f);
+  p = std::fma(p, q, -8.061685e-3f);
+  p = std::fma(p, q, -5.4207817e-2f);
+  p = std::fma(p, q, 1.6405554e-1f);
+  p = std::fma(p, q, -1.6603108e-1f);
+  p = std::fma(p, q, -9.276399e-2f);
+  p = std::fma(p, q, 2.7697837e-1f);
+  const float scaled = (p + 1.0f) / std::fma(2.0f, a, 1.0f);  // exp(a^2) erfc(a)
+  const float s = a * a, t = std::fma(-a, a, s);              // a^2 = s - t
+  const float e = exp_f32(-s);
+  const float r = scaled * std::fma(e, t, e);  // exp(-s) (1 + t) = exp(-a^2)
+  return x < 0.0f ? 2.0f - r : r;
+}
+
+// e^x, erfc(x) and tanh(x) in the precision T: the forms above for float, std:: for double.
+template <class T>
+inline T exp_t(T x) {
+  if constexpr (std::is_same_v<T, float>)
+    return exp_f32(x);
+  else
+    return std::exp(x);
+}
+template <class T>
+inline T erfc_t(T x) {
+  if constexpr (std::is_same_v<T, float>)
+    return erfc_f32(x);
+  else
+    return std::erfc(x);
+}
+template <class T>
+inline T tanh_t(T x) {
+  if constexpr (std::is_same_v<T, float>)
+    return tanh_f32(x);
+  else
+    return std::tanh(x);
+}
+
+// ---- unary ops ----
+
+enum class UnaryFn : std::uint8_t { Relu, LeakyRelu, Silu, GeluErf, GeluTanh, Sigmoid, Tanh };
+
+struct UnaryEntry {
+  UnaryFn fn;
+  const char* op_name;  // the CustomOp name, "nn.relu"
+};
+
+// One row per unary op, in UnaryFn order.
+inline constexpr UnaryEntry kUnaryOps[] = {
+    {UnaryFn::Relu, "nn.relu"},    {UnaryFn::LeakyRelu, "nn.leaky_relu"}, {UnaryFn::Silu, "nn.silu"},
+    {UnaryFn::GeluErf, "nn.gelu"}, {UnaryFn::GeluTanh, "nn.gelu"},        {UnaryFn::Sigmoid, "nn.sigmoid"},
+    {UnaryFn::Tanh, "nn.tanh"},
+};
+
+// y = f(x) in the precision T. `param` is LeakyRelu's negative slope; the others ignore it.
+// NaN propagates as in PyTorch.
+template <UnaryFn F, class T>
+inline T unary_fn(T x, [[maybe_unused]] T param) {
+  if constexpr (F == UnaryFn::Relu) {
+    return x < T(0) ? T(0) : x;
+  } else if constexpr (F == UnaryFn::LeakyRelu) {
+    return x < T(0) ? x * param : x;
+  } else if constexpr (F == UnaryFn::Silu) {
+    return x / (T(1) + exp_t(-x));
+  } else if constexpr (F == UnaryFn::GeluErf) {
+    // 0.5 x (1 + erf(x/√2)) written with erfc, which keeps its precision for negative x where
+    // 1 + erf cancels.
+    constexpr T inv_sqrt2 = T(0.70710678118654752440084436210484903928);
+    return T(0.5) * x * erfc_t(-x * inv_sqrt2);
+  } else if constexpr (F == UnaryFn::GeluTanh) {
+    // 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): one exp, and no cancellation for negative x.
+    constexpr T two_sqrt_2_over_pi = T(1.5957691216057307117597842397375274738);
+    constexpr T k = T(0.044715);
+    return x / (T(1) + exp_t(-two_sqrt_2_over_pi * (x + k * x * x * x)));
+  } else if constexpr (F == UnaryFn::Sigmoid) {
+    return T(1) / (T(1) + exp_t(-x));
+  } else {
+    static_assert(F == UnaryFn::Tanh);
+    return tanh_t(x);
+  }
+}
+
+// Calls fn(std::integral_constant<UnaryFn, F>{}) for the runtime value `f`, so that a loop
+// written once is instantiated (and vectorised) per function.
+template <class Fn>
+decltype(auto) visit_unary(UnaryFn f, Fn&& fn) {
+  using U = UnaryFn;
+  switch (f) {
+    case U::Relu:
+      return fn(std::integral_constant<U, U::Relu>{});
+    case U::LeakyRelu:
+      return fn(std::integral_constant<U, U::LeakyRelu>{});
+    case U::Silu:
+      return fn(std::integral_constant<U, U::Silu>{});
+    case U::GeluErf:
+      return fn(std::integral_constant<U, U::GeluErf>{});
+    case U::GeluTanh:
+      return fn(std::integral_constant<U, U::GeluTanh>{});
+    case U::Sigmoid:
+      return fn(std::integral_constant<U, U::Sigmoid>{});
+    case U::Tanh:
+      break;
+  }
+  return fn(std::integral_constant<U, U::Tanh>{});
+}
+
+// What a unary elementwise node computes.
+struct UnarySpec {
+  UnaryFn fn = UnaryFn::Relu;
+  double param = 0.0;  // LeakyRelu's negative slope
+};
+
+// The spec of an activation node (nn.relu, nn.leaky_relu, nn.silu, nn.gelu, nn.sigmoid,
+// nn.tanh); nullopt for any other op. Fusion passes use it to recognise and absorb them.
+std::optional<UnarySpec> unary_spec(const CustomOp& op);
+
+// y[i] = f(x[i]) over n contiguous elements on the calling thread (y may equal x), for callers
+// that split the work themselves, such as a fused epilogue. Instantiated for float and double.
+template <class T>
+void apply_unary(const UnarySpec& spec, const T* x, T* y, std::int64_t n);
+
+// ---- binary ops ----
+
+enum class BinaryFn : std::uint8_t { Add, Sub, Mul, Div };
+
+struct BinaryEntry {
+  BinaryFn fn;
+  const char* op_name;          // tensor ⊙ tensor with broadcasting, "nn.add"
+  const char* scalar_op_name;   // tensor ⊙ scalar, "nn.add_scalar"
+  const char* rscalar_op_name;  // scalar ⊙ tensor where the order matters, "nn.rsub_scalar"; else null
+};
+
+// One row per binary op, in BinaryFn order.
+inline constexpr BinaryEntry kBinaryOps[] = {
+    {BinaryFn::Add, "nn.add", "nn.add_scalar", nullptr},
+    {BinaryFn::Sub, "nn.sub", "nn.sub_scalar", "nn.rsub_scalar"},
+    {BinaryFn::Mul, "nn.mul", "nn.mul_scalar", nullptr},
+    {BinaryFn::Div, "nn.div", "nn.div_scalar", "nn.rdiv_scalar"},
+};
+
+// y = a ⊙ b in the precision T.
+template <BinaryFn F, class T>
+inline T binary_fn(T a, T b) {
+  if constexpr (F == BinaryFn::Add) {
+    return a + b;
+  } else if constexpr (F == BinaryFn::Sub) {
+    return a - b;
+  } else if constexpr (F == BinaryFn::Mul) {
+    return a * b;
+  } else {
+    static_assert(F == BinaryFn::Div);
+    return a / b;
+  }
+}
+
+// As visit_unary, for BinaryFn.
+template <class Fn>
+decltype(auto) visit_binary(BinaryFn f, Fn&& fn) {
+  using B = BinaryFn;
+  switch (f) {
+    case B::Add:
+      return fn(std::integral_constant<B, B::Add>{});
+    case B::Sub:
+      return fn(std::integral_constant<B, B::Sub>{});
+    case B::Mul:
+      return fn(std::integral_constant<B, B::Mul>{});
+    case B::Div:
+      break;
+  }
+  return fn(std::integral_constant<B, B::Div>{});
+}
+
+}  // namespace kg::ops

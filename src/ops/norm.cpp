@@ -1,0 +1,225 @@
+// nn.batch_norm2d and nn.layer_norm.
+#include "ops/norm.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kg/ops.hpp"
+#include "ops/op_util.hpp"
+
+namespace kg::ops {
+
+// ---- nn.batch_norm2d ----
+
+BatchNorm2dOp::BatchNorm2dOp(std::int64_t channels, double eps, double momentum, DType dtype)
+    : channels_(channels), eps_(eps), momentum_(momentum), dtype_(dtype) {}
+
+std::string BatchNorm2dOp::attributes() const { return util::cat("eps=", eps_, " momentum=", momentum_); }
+
+Shape BatchNorm2dOp::infer_output_shape(const std::vector<Shape>& in) const {
+  require_inputs(in, 1);
+  const Shape& x = in[0];
+  require_rank(x, 4, "[N, C, H, W]");
+  if (channels_ < 0 || x[1].is_dynamic())
+    throw Error(
+        util::cat("needs a known channel count (dim 1) to size its parameters, got input ", x.to_string()));
+  if (x[1].size() != channels_)
+    throw Error(util::cat("expects C = ", channels_, " channels (dim 1), got input ", x.to_string()));
+  return x;
+}
+
+DType BatchNorm2dOp::infer_output_dtype(const std::vector<DType>& in) const {
+  DType t = require_float(in);
+  if (t != dtype_)
+    throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
+  return t;
+}
+
+std::vector<ParamSpec> BatchNorm2dOp::parameters() const {
+  return {
+      {"weight", {channels_}, dtype_, ParamInit::constant(1.0), true},
+      {"bias", {channels_}, dtype_, ParamInit::constant(0.0), true},
+      {"running_mean", {channels_}, dtype_, ParamInit::constant(0.0), false},
+      {"running_var", {channels_}, dtype_, ParamInit::constant(1.0), false},
+      {"num_batches_tracked", {}, DType::I64, ParamInit::constant(0.0), false},
+  };
+}
+
+void BatchNorm2dOp::cpu_forward(CpuContext& ctx) const {
+  const Tensor& x = ctx.inputs[0];
+  const std::int64_t n = x.dim(0), c = x.dim(1), hw = x.dim(2) * x.dim(3);
+  dispatch_float(x.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data<T>();
+    const T* w = ctx.params[0].data<T>();
+    const T* b = ctx.params[1].data<T>();
+    T* y = ctx.output.data<T>();
+    std::vector<double> mean(static_cast<std::size_t>(c)), var(static_cast<std::size_t>(c));
+    if (ctx.training) {
+      const std::int64_t count = n * hw;
+      if (count <= 1)
+        throw Error(util::cat("training mode needs more than 1 value per channel, got input ",
+                              sizes_to_string(x.shape())));
+      // Batch statistics per channel, two passes in double; the biased variance normalises.
+      ctx.parallel_for(c, std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(count, 1)),
+                       [&](std::int64_t c0, std::int64_t c1) {
+                         for (std::int64_t ch = c0; ch < c1; ++ch) {
+                           double s = 0;
+                           for (std::int64_t i = 0; i < n; ++i) {
+                             const T* p = xp + (i * c + ch) * hw;
+                             for (std::int64_t j = 0; j < hw; ++j) s += p[j];
+                           }
+                           const double m = s / static_cast<double>(count);
+                           double v = 0;
+                           for (std::int64_t i = 0; i < n; ++i) {
+                             const T* p = xp + (i * c + ch) * hw;
+                             for (std::int64_t j = 0; j < hw; ++j) v += (p[j] - m) * (p[j] - m);
+                           }
+                           mean[static_cast<std::size_t>(ch)] = m;
+                           var[static_cast<std::size_t>(ch)] = v / static_cast<double>(count);
+                         }
+                       });
+    } else {
+      const T* rm = ctx.params[2].data<T>();
+      const T* rv = ctx.params[3].data<T>();
+      for (std::int64_t ch = 0; ch < c; ++ch) {
+        mean[static_cast<std::size_t>(ch)] = rm[ch];
+        var[static_cast<std::size_t>(ch)] = rv[ch];
+      }
+    }
+    // y = x * scale + shift per channel.
+    std::vector<T> scale(static_cast<std::size_t>(c)), shift(static_cast<std::size_t>(c));
+    for (std::int64_t ch = 0; ch < c; ++ch) {
+      const auto k = static_cast<std::size_t>(ch);
+      const double s = static_cast<double>(w[ch]) / std::sqrt(var[k] + eps_);
+      scale[k] = static_cast<T>(s);
+      shift[k] = static_cast<T>(static_cast<double>(b[ch]) - mean[k] * s);
+    }
+    ctx.parallel_for(n * c, std::max<std::int64_t>(1, 32768 / std::max<std::int64_t>(hw, 1)),
+                     [&](std::int64_t p0, std::int64_t p1) {
+                       for (std::int64_t p = p0; p < p1; ++p) {
+                         const auto k = static_cast<std::size_t>(p % c);
+                         const T sc = scale[k], sh = shift[k];
+                         const T* src = xp + p * hw;
+                         T* dst = y + p * hw;
+                         for (std::int64_t j = 0; j < hw; ++j) dst[j] = src[j] * sc + sh;
+                       }
+                     });
+  });
+}
+
+double batch_norm_eps(const CustomOp& op) {
+  const auto* bn = dynamic_cast<const BatchNorm2dOp*>(&op);
+  if (!bn) throw Error(util::cat("batch_norm_eps: op ", op.name(), " is not nn.batch_norm2d"));
+  return bn->eps();
+}
+
+// ---- nn.layer_norm ----
+
+namespace {
+
+class LayerNormOp final : public CustomOp {
+ public:
+  LayerNormOp(std::vector<std::int64_t> normalized_shape, double eps, bool affine, DType dtype)
+      : shape_(std::move(normalized_shape)), eps_(eps), affine_(affine), dtype_(dtype) {}
+  std::string name() const override { return "nn.layer_norm"; }
+  std::string attributes() const override {
+    return util::cat("normalized_shape=", sizes_to_string(shape_), " eps=", eps_,
+                     affine_ ? "" : " elementwise_affine=false");
+  }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    require_inputs(in, 1);
+    const Shape& x = in[0];
+    if (shape_.empty()) throw Error("normalized_shape must have at least one dim, got []");
+    for (auto s : shape_)
+      if (s <= 0)
+        throw Error(util::cat("normalized_shape ", sizes_to_string(shape_), " must have positive sizes"));
+    if (x.rank() < shape_.size())
+      throw Error(util::cat("normalized_shape ", sizes_to_string(shape_), " has ", shape_.size(),
+                            " dims but the input ", x.to_string(), " has rank ", x.rank()));
+    const std::size_t off = x.rank() - shape_.size();
+    for (std::size_t i = 0; i < shape_.size(); ++i) {
+      const Dim& d = x[off + i];
+      // A dynamic trailing dim is checked again at load, when it is known.
+      if (d.is_static() && d.size() != shape_[i])
+        throw Error(util::cat("normalized_shape ", sizes_to_string(shape_),
+                              " does not match the trailing dims of input ", x.to_string(), " (dim ", off + i,
+                              " is ", d.size(), ", expected ", shape_[i], ")"));
+    }
+    return x;
+  }
+  DType infer_output_dtype(const std::vector<DType>& in) const override {
+    DType t = require_float(in);
+    if (affine_ && t != dtype_)
+      throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
+    return t;
+  }
+
+  std::vector<ParamSpec> parameters() const override {
+    if (!affine_) return {};
+    return {{"weight", shape_, dtype_, ParamInit::constant(1.0), true},
+            {"bias", shape_, dtype_, ParamInit::constant(0.0), true}};
+  }
+
+  void cpu_forward(CpuContext& ctx) const override {
+    const Tensor& x = ctx.inputs[0];
+    const std::int64_t inner = numel_of(shape_);
+    const std::int64_t rows = x.numel() / inner;
+    dispatch_float(x.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* xp = x.data<T>();
+      const T* w = affine_ ? ctx.params[0].data<T>() : nullptr;
+      const T* b = affine_ ? ctx.params[1].data<T>() : nullptr;
+      T* y = ctx.output.data<T>();
+      ctx.parallel_for(rows, std::max<std::int64_t>(1, 16384 / inner), [&](std::int64_t r0, std::int64_t r1) {
+        for (std::int64_t r = r0; r < r1; ++r) {
+          const T* src = xp + r * inner;
+          T* dst = y + r * inner;
+          double s = 0;
+          for (std::int64_t j = 0; j < inner; ++j) s += src[j];
+          const double mean = s / static_cast<double>(inner);
+          double v = 0;
+          for (std::int64_t j = 0; j < inner; ++j) v += (src[j] - mean) * (src[j] - mean);
+          const double inv = 1.0 / std::sqrt(v / static_cast<double>(inner) + eps_);
+          const T m = static_cast<T>(mean), iv = static_cast<T>(inv);
+          if (affine_) {
+            for (std::int64_t j = 0; j < inner; ++j) dst[j] = (src[j] - m) * iv * w[j] + b[j];
+          } else {
+            for (std::int64_t j = 0; j < inner; ++j) dst[j] = (src[j] - m) * iv;
+          }
+        }
+      });
+    });
+  }
+
+ private:
+  std::vector<std::int64_t> shape_;
+  double eps_;
+  bool affine_;
+  DType dtype_;
+};
+
+}  // namespace
+}  // namespace kg::ops
+
+namespace kg::nn {
+
+SymTensor batch_norm2d(const SymTensor& x, const std::string& name, double eps, double momentum) {
+  if (!(eps >= 0)) throw Error(util::cat("[nn.batch_norm2d] eps must be non-negative, got ", eps));
+  const Shape& s = x.shape();
+  // An unknown channel count or a wrong rank is reported by the op with its node's name.
+  const std::int64_t channels = s.rank() == 4 && s[1].is_static() ? s[1].size() : -1;
+  return x.record_custom(CustomData::make<ops::BatchNorm2dOp>(channels, eps, momentum, x.dtype()), {},
+                         std::nullopt, name);
+}
+
+SymTensor layer_norm(const SymTensor& x, const std::vector<std::int64_t>& normalized_shape,
+                     const std::string& name, double eps, bool elementwise_affine) {
+  if (!(eps >= 0)) throw Error(util::cat("[nn.layer_norm] eps must be non-negative, got ", eps));
+  return x.record_custom(
+      CustomData::make<ops::LayerNormOp>(normalized_shape, eps, elementwise_affine, x.dtype()), {},
+      std::nullopt, name);
+}
+
+}  // namespace kg::nn

@@ -1,0 +1,498 @@
+// Shape ops. nn.flatten and nn.reshape are views of their input's bytes; nn.permute (also
+// transpose), nn.concat and nn.slice copy into a new buffer.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "kg/ops.hpp"
+#include "ops/op_util.hpp"
+
+namespace kg::ops {
+namespace {
+
+// Copies the input's bytes when the runtime did not alias the output to it.
+void copy_view(CpuContext& ctx) {
+  const Tensor& x = ctx.inputs[0];
+  if (ctx.output.raw() != x.raw()) std::memcpy(ctx.output.raw(), x.raw(), x.nbytes());
+}
+
+// Product of dims; dynamic when any is. A single dynamic dim among static 1s keeps its symbol.
+Dim dim_product(const std::vector<Dim>& dims) {
+  std::int64_t known = 1;
+  int dynamic_count = 0;
+  const Dim* last_dynamic = nullptr;
+  for (const Dim& d : dims) {
+    if (d.is_dynamic()) {
+      ++dynamic_count;
+      last_dynamic = &d;
+    } else {
+      known *= d.size();
+    }
+  }
+  if (dynamic_count == 0) return Dim(known);
+  if (dynamic_count == 1 && known == 1) return *last_dynamic;
+  return Dim(dynamic);
+}
+
+// ---- nn.flatten ----
+
+class FlattenOp final : public CustomOp {
+ public:
+  FlattenOp(std::int64_t start, std::int64_t end) : start_(start), end_(end) {}
+  std::string name() const override { return "nn.flatten"; }
+  std::string attributes() const override { return util::cat("start_dim=", start_, " end_dim=", end_); }
+  bool is_view() const override { return true; }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    require_inputs(in, 1);
+    const Shape& x = in[0];
+    // A scalar flattens to one element, as in PyTorch.
+    const std::size_t rank = std::max<std::size_t>(x.rank(), 1);
+    const Shape src = x.rank() == 0 ? Shape{1} : x;
+    const auto s = static_cast<std::size_t>(normalize_dim(start_, rank, "start_dim"));
+    const auto e = static_cast<std::size_t>(normalize_dim(end_, rank, "end_dim"));
+    if (s > e)
+      throw Error(util::cat("start_dim ", start_, " (dim ", s, ") comes after end_dim ", end_, " (dim ", e,
+                            ") for input ", x.to_string()));
+    Shape out;
+    for (std::size_t i = 0; i < s; ++i) out.push_back(src[i]);
+    out.push_back(dim_product(std::vector<Dim>(src.begin() + static_cast<std::ptrdiff_t>(s),
+                                               src.begin() + static_cast<std::ptrdiff_t>(e) + 1)));
+    for (std::size_t i = e + 1; i < src.rank(); ++i) out.push_back(src[i]);
+    return out;
+  }
+
+  void cpu_forward(CpuContext& ctx) const override { copy_view(ctx); }
+
+ private:
+  std::int64_t start_, end_;
+};
+
+// ---- nn.reshape ----
+
+class ReshapeOp final : public CustomOp {
+ public:
+  explicit ReshapeOp(std::vector<std::int64_t> sizes) : sizes_(std::move(sizes)) {}
+  std::string name() const override { return "nn.reshape"; }
+  std::string attributes() const override { return util::cat("sizes=", sizes_to_string(sizes_)); }
+  bool is_view() const override { return true; }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    require_inputs(in, 1);
+    const Shape& x = in[0];
+    int infer_at = -1;
+    for (std::size_t i = 0; i < sizes_.size(); ++i) {
+      const std::int64_t s = sizes_[i];
+      if (s == -1) {
+        if (infer_at >= 0)
+          throw Error(util::cat("sizes ", sizes_to_string(sizes_), " have two -1 entries (", infer_at,
+                                " and ", i, "); at most one size can be inferred"));
+        infer_at = static_cast<int>(i);
+      } else if (s < -1) {
+        throw Error(util::cat("sizes ", sizes_to_string(sizes_), " have an invalid entry ", s, " at ", i));
+      } else if (s == 0 && i >= x.rank()) {
+        throw Error(util::cat("sizes ", sizes_to_string(sizes_), " copy dim ", i,
+                              " (a 0 entry) but the input ", x.to_string(), " has rank ", x.rank()));
+      }
+    }
+    // Output dims; a 0 copies the input's dim at that position, dynamic or not.
+    Shape out;
+    std::vector<bool> input_dim_used(x.rank(), false);
+    std::int64_t target_known = 1;
+    for (std::size_t i = 0; i < sizes_.size(); ++i) {
+      if (sizes_[i] == 0) {
+        out.push_back(x[i]);
+        if (x[i].is_dynamic())
+          input_dim_used[i] = true;  // the same unknown on both sides cancels
+        else
+          target_known *= x[i].size();
+      } else if (sizes_[i] > 0) {
+        out.push_back(Dim(sizes_[i]));
+        target_known *= sizes_[i];
+      } else {
+        out.push_back(Dim(dynamic));  // replaced below
+      }
+    }
+    // What the input has beyond the cancelled dims: a known product and dynamic dims left.
+    std::int64_t input_known = 1;
+    std::vector<const Dim*> input_dynamic;
+    for (std::size_t i = 0; i < x.rank(); ++i) {
+      if (x[i].is_static())
+        input_known *= x[i].size();
+      else if (!input_dim_used[i])
+        input_dynamic.push_back(&x[i]);
+    }
+    const std::string what = util::cat("cannot reshape ", x.to_string(), " into ", sizes_to_string(sizes_));
+    if (infer_at >= 0) {
+      auto& slot = out[static_cast<std::size_t>(infer_at)];
+      if (target_known == 0)
+        throw Error(util::cat(what, ": the other sizes multiply to 0, so -1 could be any size"));
+      if (input_dynamic.empty()) {
+        if (input_known % target_known != 0)
+          throw Error(util::cat(what, ": ", input_known, " elements are not divisible by ", target_known));
+        slot = Dim(input_known / target_known);
+      } else if (input_dynamic.size() == 1 && input_known == target_known) {
+        slot = *input_dynamic[0];  // -1 stands for exactly that unknown
+      }                            // else: unknowable until load, stays dynamic
+    } else if (input_dynamic.empty() && input_known != target_known) {
+      throw Error(util::cat(what, ": ", input_known, " elements vs ", target_known));
+    }
+    return out;
+  }
+
+  void cpu_forward(CpuContext& ctx) const override { copy_view(ctx); }
+
+ private:
+  std::vector<std::int64_t> sizes_;
+};
+
+// Copies with a fixed-size element type so that any dtype is handled by its width.
+template <class F>
+void dispatch_width(std::size_t width, F&& fn) {
+  switch (width) {
+    case 1:
+      fn(std::uint8_t{});
+      return;
+    case 2:
+      fn(std::uint16_t{});
+      return;
+    case 4:
+      fn(std::uint32_t{});
+      return;
+    case 8:
+      fn(std::uint64_t{});
+      return;
+    default:
+      throw Error(util::cat("unsupported element width ", width));
+  }
+}
+
+// ---- nn.permute (transpose too) ----
+
+class PermuteOp final : public CustomOp {
+ public:
+  explicit PermuteOp(std::vector<std::int64_t> dims) : dims_(std::move(dims)) {}
+  // transpose(dim0, dim1): the permutation is built once the rank is known.
+  PermuteOp(std::int64_t dim0, std::int64_t dim1) : transpose_(true), t0_(dim0), t1_(dim1) {}
+  std::string name() const override { return "nn.permute"; }
+  std::string attributes() const override {
+    return transpose_ ? util::cat("transpose=", t0_, ",", t1_) : util::cat("dims=", sizes_to_string(dims_));
+  }
+
+  // The permutation for an input of `rank` dims: output dim i is input dim perm[i].
+  std::vector<std::size_t> perm(std::size_t rank) const {
+    std::vector<std::size_t> p(rank);
+    if (transpose_) {
+      std::iota(p.begin(), p.end(), std::size_t{0});
+      std::swap(p[static_cast<std::size_t>(normalize_dim(t0_, rank, "dim0"))],
+                p[static_cast<std::size_t>(normalize_dim(t1_, rank, "dim1"))]);
+      return p;
+    }
+    if (dims_.size() != rank)
+      throw Error(util::cat("dims ", sizes_to_string(dims_), " have ", dims_.size(),
+                            " entries for an input of rank ", rank));
+    std::vector<bool> seen(rank, false);
+    for (std::size_t i = 0; i < rank; ++i) {
+      const auto d = static_cast<std::size_t>(normalize_dim(dims_[i], rank));
+      if (seen[d])
+        throw Error(util::cat("dims ", sizes_to_string(dims_), " name dim ", d,
+                              " twice; a permutation names each once"));
+      seen[d] = true;
+      p[i] = d;
+    }
+    return p;
+  }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    require_inputs(in, 1);
+    const Shape& x = in[0];
+    if (transpose_ && x.rank() == 0)
+      throw Error(util::cat("transpose needs an input of rank >= 1, got a scalar ", x.to_string()));
+    Shape out;
+    for (std::size_t d : perm(x.rank())) out.push_back(x[d]);
+    return out;
+  }
+
+  void cpu_forward(CpuContext& ctx) const override {
+    const Tensor& x = ctx.inputs[0];
+    const auto& s = x.shape();
+    const std::size_t r = s.size();
+    const std::int64_t total = x.numel();
+    if (total == 0) return;
+    if (r == 0) {
+      std::memcpy(ctx.output.raw(), x.raw(), x.nbytes());
+      return;
+    }
+    const std::vector<std::size_t> p = perm(r);
+    std::vector<std::int64_t> in_stride(r), out_shape(r), src_stride(r);
+    std::int64_t st = 1;
+    for (std::size_t i = r; i-- > 0;) {
+      in_stride[i] = st;
+      st *= s[i];
+    }
+    for (std::size_t i = 0; i < r; ++i) {
+      out_shape[i] = s[p[i]];
+      src_stride[i] = in_stride[p[i]];  // input step per output step along output dim i
+    }
+    const std::int64_t last = out_shape[r - 1], rows = total / last, last_stride = src_stride[r - 1];
+    dispatch_width(dtype_size(x.dtype()), [&](auto zero) {
+      using E = decltype(zero);
+      const E* src = static_cast<const E*>(x.raw());
+      E* dst = static_cast<E*>(ctx.output.raw());
+      ctx.parallel_for(rows, std::max<std::int64_t>(1, 16384 / last), [&](std::int64_t r0, std::int64_t r1) {
+        for (std::int64_t row = r0; row < r1; ++row) {
+          std::int64_t off = 0, rem = row;
+          for (std::size_t i = r - 1; i-- > 0;) {
+            off += (rem % out_shape[i]) * src_stride[i];
+            rem /= out_shape[i];
+          }
+          E* o = dst + row * last;
+          if (last_stride == 1) {
+            std::memcpy(o, src + off, static_cast<std::size_t>(last) * sizeof(E));
+          } else {
+            for (std::int64_t j = 0; j < last; ++j) o[j] = src[off + j * last_stride];
+          }
+        }
+      });
+    });
+  }
+
+ private:
+  std::vector<std::int64_t> dims_;
+  bool transpose_ = false;
+  std::int64_t t0_ = 0, t1_ = 0;
+};
+
+// Copies `total` output bytes in parallel blocks; `piece(p, &src, &avail)` gives the source of
+// output byte p and how many bytes from there are contiguous in both.
+template <class F>
+void parallel_gather(CpuContext& ctx, std::byte* dst, std::int64_t total, const F& piece) {
+  ctx.parallel_for(total, 1 << 16, [&](std::int64_t b0, std::int64_t b1) {
+    std::int64_t p = b0;
+    while (p < b1) {
+      const std::byte* src = nullptr;
+      std::int64_t avail = 0;
+      piece(p, &src, &avail);
+      const std::int64_t len = std::min(avail, b1 - p);
+      std::memcpy(dst + p, src, static_cast<std::size_t>(len));
+      p += len;
+    }
+  });
+}
+
+// ---- nn.concat ----
+
+class ConcatOp final : public CustomOp {
+ public:
+  explicit ConcatOp(std::int64_t dim) : dim_(dim) {}
+  std::string name() const override { return "nn.concat"; }
+  std::string attributes() const override { return util::cat("dim=", dim_); }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    if (in.empty()) throw Error("expects at least one input, got none");
+    const Shape& first = in[0];
+    if (first.rank() == 0)
+      throw Error(util::cat("cannot concatenate scalars (input 0 is ", first.to_string(), ")"));
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, first.rank()));
+    Shape out = first;
+    std::vector<Dim> along{first[d]};
+    for (std::size_t k = 1; k < in.size(); ++k) {
+      const Shape& s = in[k];
+      if (s.rank() != first.rank())
+        throw Error(util::cat("input ", k, " ", s.to_string(), " has rank ", s.rank(), " but input 0 ",
+                              first.to_string(), " has rank ", first.rank()));
+      for (std::size_t i = 0; i < s.rank(); ++i) {
+        if (i == d) continue;
+        const Dim &a = out[i], &b = s[i];
+        if (a.is_static() && b.is_static()) {
+          if (a.size() != b.size())
+            throw Error(util::cat("input ", k, " ", s.to_string(), " differs from input 0 ",
+                                  first.to_string(), " in dim ", i, " (", b.size(), " vs ", a.size(),
+                                  "); only dim ", d, " may differ"));
+        } else if (a.is_dynamic() && b.is_static()) {
+          out[i] = b;  // the dynamic one must be this size at load
+        }
+      }
+      along.push_back(s[d]);
+    }
+    // Sum along the concatenated dim: dynamic when any part is.
+    std::int64_t sum = 0;
+    bool dyn = false;
+    for (const Dim& a : along) {
+      if (a.is_dynamic())
+        dyn = true;
+      else
+        sum += a.size();
+    }
+    out[d] = dyn ? Dim(dynamic) : Dim(sum);
+    return out;
+  }
+
+  DType infer_output_dtype(const std::vector<DType>& in) const override {
+    for (std::size_t k = 1; k < in.size(); ++k)
+      if (in[k] != in[0])
+        throw Error(util::cat("inputs must share one dtype: input 0 is ", dtype_name(in[0]), ", input ", k,
+                              " is ", dtype_name(in[k])));
+    return CustomOp::infer_output_dtype(in);
+  }
+
+  void cpu_forward(CpuContext& ctx) const override {
+    const auto& s0 = ctx.inputs[0].shape();
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, s0.size()));
+    const std::int64_t es = static_cast<std::int64_t>(dtype_size(ctx.output.dtype()));
+    std::int64_t outer = 1, inner = 1;
+    for (std::size_t i = 0; i < s0.size(); ++i) {
+      if (i < d) outer *= s0[i];
+      if (i > d) inner *= s0[i];
+    }
+    // Each output row (one outer index) is the inputs' chunks side by side.
+    std::vector<std::int64_t> chunk, start;
+    std::int64_t row = 0;
+    for (const Tensor& t : ctx.inputs) {
+      start.push_back(row);
+      chunk.push_back(t.shape()[d] * inner * es);
+      row += chunk.back();
+    }
+    if (row == 0 || outer == 0) return;
+    auto* dst = static_cast<std::byte*>(ctx.output.raw());
+    parallel_gather(ctx, dst, outer * row, [&](std::int64_t p, const std::byte** src, std::int64_t* avail) {
+      const std::int64_t o = p / row, within = p % row;
+      const auto k =
+          static_cast<std::size_t>(std::upper_bound(start.begin(), start.end(), within) - start.begin() - 1);
+      // Empty chunks share a start with the next input; upper_bound lands past them.
+      const std::int64_t off = within - start[k];
+      *src = static_cast<const std::byte*>(ctx.inputs[k].raw()) + o * chunk[k] + off;
+      *avail = chunk[k] - off;
+    });
+  }
+
+ private:
+  std::int64_t dim_;
+};
+
+// ---- nn.slice ----
+
+// Python's rule for one slice bound against a known size.
+std::int64_t clamp_bound(std::int64_t v, std::int64_t size) {
+  if (v < 0) v += size;
+  return std::clamp<std::int64_t>(v, 0, size);
+}
+
+class SliceOp final : public CustomOp {
+ public:
+  SliceOp(std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step)
+      : dim_(dim), start_(start), end_(end), step_(step) {}
+  std::string name() const override { return "nn.slice"; }
+  std::string attributes() const override {
+    return util::cat("dim=", dim_, " start=", start_, " end=", end_, " step=", step_);
+  }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    require_inputs(in, 1);
+    const Shape& x = in[0];
+    if (step_ <= 0) throw Error(util::cat("step must be positive, got ", step_));
+    if (x.rank() == 0) throw Error(util::cat("cannot slice a scalar ", x.to_string()));
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, x.rank()));
+    Shape out = x;
+    const Dim& D = x[d];
+    if (D.is_static()) {
+      out[d] = Dim(length(D.size()));
+    } else if (start_ == 0 && end_ == std::numeric_limits<std::int64_t>::max() && step_ == 1) {
+      out[d] = D;  // the whole dim
+    } else if (start_ >= 0 && end_ >= 0 && end_ <= start_) {
+      out[d] = Dim(0);  // empty whatever the size
+    } else {
+      out[d] = Dim(dynamic);  // depends on the size, known at load
+    }
+    return out;
+  }
+
+  void cpu_forward(CpuContext& ctx) const override {
+    const Tensor& x = ctx.inputs[0];
+    const auto& s = x.shape();
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, s.size()));
+    const std::int64_t es = static_cast<std::int64_t>(dtype_size(x.dtype()));
+    std::int64_t outer = 1, inner = 1;
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (i < d) outer *= s[i];
+      if (i > d) inner *= s[i];
+    }
+    const std::int64_t size = s[d], len = length(size), begin = clamp_bound(start_, size);
+    const std::int64_t total = outer * len * inner * es;
+    if (total == 0) return;
+    const auto* src0 = static_cast<const std::byte*>(x.raw());
+    auto* dst = static_cast<std::byte*>(ctx.output.raw());
+    const std::int64_t inner_bytes = inner * es, out_row = len * inner_bytes;
+    if (step_ == 1) {
+      // Each outer index takes one contiguous run.
+      parallel_gather(ctx, dst, total, [&](std::int64_t p, const std::byte** src, std::int64_t* avail) {
+        const std::int64_t o = p / out_row, within = p % out_row;
+        *src = src0 + (o * size + begin) * inner_bytes + within;
+        *avail = out_row - within;
+      });
+    } else if (inner > 1) {
+      parallel_gather(ctx, dst, total, [&](std::int64_t p, const std::byte** src, std::int64_t* avail) {
+        const std::int64_t o = p / out_row, j = (p % out_row) / inner_bytes, r = p % inner_bytes;
+        *src = src0 + (o * size + begin + j * step_) * inner_bytes + r;
+        *avail = inner_bytes - r;
+      });
+    } else {
+      // Single strided elements: a typed loop.
+      dispatch_width(static_cast<std::size_t>(es), [&](auto zero) {
+        using E = decltype(zero);
+        const E* sp = static_cast<const E*>(x.raw());
+        E* dp = static_cast<E*>(ctx.output.raw());
+        ctx.parallel_for(outer, std::max<std::int64_t>(1, 16384 / len),
+                         [&](std::int64_t o0, std::int64_t o1) {
+                           for (std::int64_t o = o0; o < o1; ++o)
+                             for (std::int64_t j = 0; j < len; ++j)
+                               dp[o * len + j] = sp[o * size + begin + j * step_];
+                         });
+      });
+    }
+  }
+
+ private:
+  // Elements taken from a dim of `size`.
+  std::int64_t length(std::int64_t size) const {
+    const std::int64_t b = clamp_bound(start_, size), e = clamp_bound(end_, size);
+    return e > b ? (e - b + step_ - 1) / step_ : 0;
+  }
+
+  std::int64_t dim_, start_, end_, step_;
+};
+
+}  // namespace
+}  // namespace kg::ops
+
+namespace kg {
+
+SymTensor flatten(const SymTensor& x, std::int64_t start_dim, std::int64_t end_dim, const std::string& name) {
+  return x.record_custom(CustomData::make<ops::FlattenOp>(start_dim, end_dim), {}, std::nullopt, name);
+}
+
+SymTensor reshape(const SymTensor& x, const std::vector<std::int64_t>& sizes, const std::string& name) {
+  return x.record_custom(CustomData::make<ops::ReshapeOp>(sizes), {}, std::nullopt, name);
+}
+
+SymTensor transpose(const SymTensor& x, std::int64_t dim0, std::int64_t dim1, const std::string& name) {
+  return x.record_custom(CustomData::make<ops::PermuteOp>(dim0, dim1), {}, std::nullopt, name);
+}
+
+SymTensor permute(const SymTensor& x, const std::vector<std::int64_t>& dims, const std::string& name) {
+  return x.record_custom(CustomData::make<ops::PermuteOp>(dims), {}, std::nullopt, name);
+}
+
+SymTensor concat(const std::vector<SymTensor>& xs, std::int64_t dim, const std::string& name) {
+  if (xs.empty()) throw Error("[nn.concat] needs at least one tensor, got none");
+  return xs[0].record_custom(CustomData::make<ops::ConcatOp>(dim), {xs.begin() + 1, xs.end()}, std::nullopt,
+                             name);
+}
+
+SymTensor slice(const SymTensor& x, std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step,
+                const std::string& name) {
+  return x.record_custom(CustomData::make<ops::SliceOp>(dim, start, end, step), {}, std::nullopt, name);
+}
+
+}  // namespace kg

@@ -1,0 +1,143 @@
+// nn.softmax and nn.log_softmax over one dim, numerically stable (the max is subtracted).
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+#include "kg/ops.hpp"
+#include "ops/op_util.hpp"
+
+namespace kg::ops {
+namespace {
+
+class SoftmaxOp final : public CustomOp {
+ public:
+  SoftmaxOp(std::int64_t dim, bool log) : dim_(dim), log_(log) {}
+  std::string name() const override { return log_ ? "nn.log_softmax" : "nn.softmax"; }
+  std::string attributes() const override { return util::cat("dim=", dim_); }
+
+  Shape infer_output_shape(const std::vector<Shape>& in) const override {
+    require_inputs(in, 1);
+    // A scalar behaves as one element along dim 0 (or -1), as in PyTorch.
+    normalize_dim(dim_, std::max<std::size_t>(in[0].rank(), 1));
+    return in[0];
+  }
+  DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+
+  void cpu_forward(CpuContext& ctx) const override {
+    const Tensor& x = ctx.inputs[0];
+    const auto& shape = x.shape();
+    const std::size_t d = shape.empty() ? 0 : static_cast<std::size_t>(normalize_dim(dim_, shape.size()));
+    std::int64_t outer = 1, n = 1, inner = 1;
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+      if (i < d)
+        outer *= shape[i];
+      else if (i == d)
+        n = shape[i];
+      else
+        inner *= shape[i];
+    }
+    if (outer * n * inner == 0) return;
+    dispatch_float(x.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* xp = x.data<T>();
+      T* y = ctx.output.data<T>();
+      if (inner == 1)
+        contiguous(ctx, xp, y, outer, n);
+      else
+        strided(ctx, xp, y, outer, n, inner);
+    });
+  }
+
+ private:
+  // Rows of n contiguous elements.
+  template <class T>
+  void contiguous(CpuContext& ctx, const T* xp, T* y, std::int64_t rows, std::int64_t n) const {
+    ctx.parallel_for(rows, std::max<std::int64_t>(1, 8192 / n), [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const T* src = xp + r * n;
+        T* dst = y + r * n;
+        T m = src[0];
+        for (std::int64_t i = 1; i < n; ++i) m = std::max(m, src[i]);
+        if (std::isinf(m) && m < 0) m = 0;  // a row of -inf: exp(-inf - 0) = 0 everywhere
+        double sum = 0;
+        if (log_) {
+          for (std::int64_t i = 0; i < n; ++i) sum += std::exp(src[i] - m);
+          // (x - max) - log(sum): adding max to the log first would round it at max's scale.
+          const T ls = static_cast<T>(std::log(sum));
+          for (std::int64_t i = 0; i < n; ++i) dst[i] = (src[i] - m) - ls;
+        } else {
+          for (std::int64_t i = 0; i < n; ++i) {
+            const T e = std::exp(src[i] - m);
+            dst[i] = e;
+            sum += e;
+          }
+          const T inv = static_cast<T>(1.0 / sum);
+          for (std::int64_t i = 0; i < n; ++i) dst[i] *= inv;
+        }
+      }
+    });
+  }
+
+  // Elements of one softmax are `inner` apart: each task takes a block of adjacent columns so
+  // that every pass over the n rows reads contiguous memory.
+  template <class T>
+  void strided(CpuContext& ctx, const T* xp, T* y, std::int64_t outer, std::int64_t n,
+               std::int64_t inner) const {
+    constexpr std::int64_t kBlock = 256;
+    const std::int64_t blocks = (inner + kBlock - 1) / kBlock;
+    ctx.parallel_for(outer * blocks, std::max<std::int64_t>(1, 8192 / (n * std::min(inner, kBlock))),
+                     [&](std::int64_t t0, std::int64_t t1) {
+                       std::array<T, kBlock> mx;
+                       std::array<double, kBlock> sum;
+                       for (std::int64_t t = t0; t < t1; ++t) {
+                         const std::int64_t o = t / blocks, j0 = (t % blocks) * kBlock;
+                         const std::int64_t w = std::min(kBlock, inner - j0);
+                         const T* src = xp + o * n * inner + j0;
+                         T* dst = y + o * n * inner + j0;
+                         for (std::int64_t j = 0; j < w; ++j) mx[j] = src[j];
+                         for (std::int64_t i = 1; i < n; ++i)
+                           for (std::int64_t j = 0; j < w; ++j) mx[j] = std::max(mx[j], src[i * inner + j]);
+                         for (std::int64_t j = 0; j < w; ++j) {
+                           if (std::isinf(mx[j]) && mx[j] < 0) mx[j] = 0;
+                           sum[j] = 0;
+                         }
+                         for (std::int64_t i = 0; i < n; ++i)
+                           for (std::int64_t j = 0; j < w; ++j) {
+                             const T e = std::exp(src[i * inner + j] - mx[j]);
+                             if (!log_) dst[i * inner + j] = e;
+                             sum[j] += e;
+                           }
+                         if (log_) {
+                           std::array<T, kBlock> ls;
+                           for (std::int64_t j = 0; j < w; ++j) ls[j] = static_cast<T>(std::log(sum[j]));
+                           for (std::int64_t i = 0; i < n; ++i)
+                             for (std::int64_t j = 0; j < w; ++j)
+                               dst[i * inner + j] = (src[i * inner + j] - mx[j]) - ls[j];
+                         } else {
+                           for (std::int64_t j = 0; j < w; ++j) sum[j] = 1.0 / sum[j];
+                           for (std::int64_t i = 0; i < n; ++i)
+                             for (std::int64_t j = 0; j < w; ++j)
+                               dst[i * inner + j] = static_cast<T>(dst[i * inner + j] * sum[j]);
+                         }
+                       }
+                     });
+  }
+
+  std::int64_t dim_;
+  bool log_;
+};
+
+}  // namespace
+}  // namespace kg::ops
+
+namespace kg {
+
+SymTensor softmax(const SymTensor& x, std::int64_t dim, const std::string& name) {
+  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, false), {}, std::nullopt, name);
+}
+
+SymTensor log_softmax(const SymTensor& x, std::int64_t dim, const std::string& name) {
+  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, true), {}, std::nullopt, name);
+}
+
+}  // namespace kg

@@ -1,0 +1,258 @@
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "support/test_util.hpp"
+
+using kg_test::fresh_seed;
+
+namespace {
+
+struct PoolCfg {
+  bool max;  // max_pool2d, else avg_pool2d
+  kg::Size2 kernel, stride = 0, padding = 0, dilation = 1;
+  bool ceil_mode = false;
+  bool count_include_pad = true;
+
+  std::string text() const {
+    std::ostringstream os;
+    os << (max ? "max" : "avg") << " k=" << kernel.h << "x" << kernel.w << " s=" << stride.h << "x" << stride.w
+       << " p=" << padding.h << "x" << padding.w << " d=" << dilation.h << "x" << dilation.w << " ceil=" << ceil_mode
+       << " count_include_pad=" << count_include_pad;
+    return os.str();
+  }
+  kg::SymTensor record(const kg::SymTensor& x) const {
+    return max ? kg::max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, "pool")
+               : kg::avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, "pool");
+  }
+};
+
+// Output size written out from PyTorch's documentation (not through the library's helper).
+std::int64_t pool_out(std::int64_t in, std::int64_t k, std::int64_t s, std::int64_t p, std::int64_t d, bool ceil) {
+  const double span = static_cast<double>(in + 2 * p - d * (k - 1) - 1) / static_cast<double>(s);
+  auto out = static_cast<std::int64_t>(ceil ? std::ceil(span) : std::floor(span)) + 1;
+  if (ceil && (out - 1) * s >= in + p) --out;
+  return out;
+}
+
+// Max or average over each window, in double, element by element.
+kg::Tensor naive_pool(const kg::Tensor& x, const PoolCfg& cfg) {
+  const std::int64_t n = x.dim(0), c = x.dim(1), h = x.dim(2), w = x.dim(3);
+  const kg::Size2 s(cfg.stride.h ? cfg.stride.h : cfg.kernel.h, cfg.stride.w ? cfg.stride.w : cfg.kernel.w);
+  const std::int64_t ho = pool_out(h, cfg.kernel.h, s.h, cfg.padding.h, cfg.dilation.h, cfg.ceil_mode);
+  const std::int64_t wo = pool_out(w, cfg.kernel.w, s.w, cfg.padding.w, cfg.dilation.w, cfg.ceil_mode);
+  kg::Tensor y = kg::Tensor::empty(kg::DType::F64, {n, c, ho, wo});
+  for (std::int64_t pl = 0; pl < n * c; ++pl)
+    for (std::int64_t i = 0; i < ho; ++i)
+      for (std::int64_t j = 0; j < wo; ++j) {
+        double best = -std::numeric_limits<double>::infinity(), sum = 0;
+        std::int64_t inside = 0, padded = 0;
+        for (std::int64_t ky = 0; ky < cfg.kernel.h; ++ky)
+          for (std::int64_t kx = 0; kx < cfg.kernel.w; ++kx) {
+            const std::int64_t iy = i * s.h - cfg.padding.h + ky * cfg.dilation.h;
+            const std::int64_t ix = j * s.w - cfg.padding.w + kx * cfg.dilation.w;
+            // A tap counts toward count_include_pad's divisor while inside the padded input.
+            if (iy < h + cfg.padding.h && ix < w + cfg.padding.w) ++padded;
+            if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
+            const double v = x.item((pl * h + iy) * w + ix);
+            best = std::max(best, v);
+            sum += v;
+            ++inside;
+          }
+        y.data<double>()[(pl * ho + i) * wo + j] =
+            cfg.max ? best : sum / static_cast<double>(cfg.count_include_pad ? padded : inside);
+      }
+  return y;
+}
+
+// Records `build` on an input declared [batch, C, H, W] (H and W dynamic when `dynamic_hw`),
+// loads it for x's shape with poisoned buffers and runs it.
+kg::Tensor run_declared(const kg::Tensor& x, bool dynamic_hw,
+                        const std::function<kg::SymTensor(const kg::SymTensor&)>& build) {
+  auto g = kg::Graph::create();
+  kg::Shape s{kg::Dim::named("batch"), x.dim(1), dynamic_hw ? kg::Dim(kg::dynamic) : kg::Dim(x.dim(2)),
+              dynamic_hw ? kg::Dim(kg::dynamic) : kg::Dim(x.dim(3))};
+  kg::Model model(g, {build(g->input(x.dtype(), s, "x"))});
+  kg::LoadOptions opt;
+  opt.poison_buffers = true;
+  kg::Tensor out = model.load(kg::Device::cpu(), {x.shape()}, opt).forward({x})[0];
+  EXPECT_TRUE(kg_test::all_written(out)) << "the op left output elements unwritten";
+  return out;
+}
+
+std::vector<std::int64_t> pair_of(const std::string& s) {
+  const auto comma = s.find(',');
+  return {std::stoll(s.substr(0, comma)), std::stoll(s.substr(comma + 1))};
+}
+
+}  // namespace
+
+TEST(Pool2d, ShapeInference) {
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 64, 112, 112});
+  auto m = kg::max_pool2d(x, 3, 2, 1, 1, false, "maxpool");
+  EXPECT_EQ(m.shape().to_string(), "[batch, 64, 56, 56]");
+  EXPECT_EQ(g->node(m.node()).op->name(), "nn.max_pool2d");
+  EXPECT_EQ(g->node(m.node()).op->op().attributes(), "k=3 s=2 p=1");
+  EXPECT_TRUE(g->node(m.node()).params.empty());
+  // Stride defaults to the kernel.
+  EXPECT_EQ(kg::max_pool2d(x, 2).shape().to_string(), "[batch, 64, 56, 56]");
+  EXPECT_EQ(kg::avg_pool2d(x, {3, 2}).shape().to_string(), "[batch, 64, 37, 56]");
+  // ceil_mode: 8 → (8 - 3)/2 = 2.5 → 3 + 1 = 4 windows; the last one must start inside the input.
+  auto [s, g2] = kg::SymTensor::input(kg::DType::F64, {2, 3, 8, 7});
+  EXPECT_EQ(kg::max_pool2d(s, 3, 2, 0, 1, true).shape().to_string(), "[2, 3, 4, 3]");
+  EXPECT_EQ(kg::max_pool2d(s, 3, 2, 0, 1, false).shape().to_string(), "[2, 3, 3, 3]");
+  // 7 + 2 - 2 = 7 → ceil(7/2) + 1 = 5, but window 5 would start at 8 >= 7 + 1: dropped.
+  EXPECT_EQ(kg::avg_pool2d(s, 2, 2, 1, true).shape().to_string(), "[2, 3, 5, 4]");
+  EXPECT_EQ(kg::max_pool2d(s, 3, 1, 1, 2).shape().to_string(), "[2, 3, 6, 5]");
+  // Dynamic H and W propagate; global pooling makes them 1.
+  auto [d, g3] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, kg::dynamic, kg::dynamic, 16});
+  EXPECT_EQ(kg::max_pool2d(d, 2).shape().to_string(), "[?, ?, ?, 8]");
+  EXPECT_EQ(kg::global_avg_pool(d).shape().to_string(), "[?, ?, 1, 1]");
+  EXPECT_EQ(kg::upsample_nearest2d(d, {2, 3}).shape().to_string(), "[?, ?, ?, 48]");
+  EXPECT_EQ(kg::global_avg_pool(x, "gap").shape().to_string(), "[batch, 64, 1, 1]");
+  EXPECT_EQ(kg::upsample_nearest2d(x, 2).shape().to_string(), "[batch, 64, 224, 224]");
+}
+
+TEST(Pool2d, RejectsBadInputs) {
+  auto [flat, g0] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 784});
+  kg_test::expect_error([&] { kg::max_pool2d(flat, 2, 0, 0, 1, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "expects a 4-D input [N, C, H, W], got 2-D [?, 784]"});
+  kg_test::expect_error([&] { kg::avg_pool2d(flat, 2, 0, 0, false, true, "p"); },
+                        {"[nn.avg_pool2d @ p]", "expects a 4-D input", "[?, 784]"});
+  kg_test::expect_error([&] { kg::global_avg_pool(flat, "p"); },
+                        {"[nn.global_avg_pool @ p]", "expects a 4-D input", "[?, 784]"});
+  kg_test::expect_error([&] { kg::upsample_nearest2d(flat, 2, "p"); },
+                        {"[nn.upsample_nearest2d @ p]", "expects a 4-D input", "[?, 784]"});
+
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 3, 6, 6});
+  kg_test::expect_error([&] { kg::max_pool2d(x, 7, 0, 0, 1, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "input height of 6 with padding 0 is smaller than the window 7"});
+  kg_test::expect_error([&] { kg::max_pool2d(x, 3, 1, 0, {1, 3}, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "input width of 6 with padding 0", "window 7 (kernel 3, dilation 3)"});
+  kg_test::expect_error([&] { kg::max_pool2d(x, 3, 1, 2, 1, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "padding 2x2 must be at most half the kernel size 3x3"});
+  kg_test::expect_error([&] { kg::avg_pool2d(x, {2, 4}, 1, {1, 3}, false, true, "p"); },
+                        {"[nn.avg_pool2d @ p]", "padding 1x3 must be at most half the kernel size 2x4"});
+  kg_test::expect_error([&] { kg::max_pool2d(x, 3, {1, -1}, 0, 1, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "stride must be positive, got 1x-1"});
+  kg_test::expect_error([&] { kg::max_pool2d(x, {0, 2}, 1, 0, 1, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "kernel size must be positive, got 0x2"});
+  kg_test::expect_error([&] { kg::max_pool2d(x, 3, 1, 0, 0, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "dilation must be positive, got 0x0"});
+  kg_test::expect_error([&] { kg::avg_pool2d(x, 3, 1, -1, false, true, "p"); },
+                        {"[nn.avg_pool2d @ p]", "padding must be non-negative, got -1x-1"});
+  kg_test::expect_error([&] { kg::upsample_nearest2d(x, {2, 0}, "p"); },
+                        {"[nn.upsample_nearest2d @ p]", "scale factors must be positive integers, got 2x0"});
+  auto [e, g1] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 3, 0, 6});
+  kg_test::expect_error([&] { kg::global_avg_pool(e, "p"); },
+                        {"[nn.global_avg_pool @ p]", "non-empty H and W", "[?, 3, 0, 6]"});
+  auto [i, g2] = kg::SymTensor::input(kg::DType::I64, {kg::dynamic, 3, 6, 6});
+  kg_test::expect_error([&] { kg::max_pool2d(i, 2, 0, 0, 1, false, "p"); }, {"[nn.max_pool2d @ p]", "f32 and f64", "i64"});
+  kg_test::expect_error([&] { kg::global_avg_pool(i, "p"); }, {"[nn.global_avg_pool @ p]", "f32 and f64", "i64"});
+
+  // A dynamic height that turns out too small is reported at load.
+  auto [d, g3] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 3, kg::dynamic, 8});
+  auto y = kg::avg_pool2d(d, 3, 0, 0, false, true, "p");
+  kg::Model model(g3, {y});
+  kg_test::expect_error([&] { model.load(kg::Device::cpu(), {{1, 3, 2, 8}}); },
+                        {"[nn.avg_pool2d @ p]", "[1, 3, 2, 8]", "input height of 2 with padding 0 is smaller than the window 3"});
+}
+
+TEST(Pool2d, MatchesPyTorchFixtures) {
+  for (const char* name : {"pool_max_resnet", "pool_max_default_stride", "pool_max_ceil", "pool_max_dilation",
+                           "pool_avg_pad", "pool_avg_nopad_count", "pool_avg_ceil", "pool_avg_ceil_nopad"}) {
+    SCOPED_TRACE(name);
+    std::map<std::string, std::string> meta;
+    auto t = kg_test::fixture(std::string(name) + ".safetensors", &meta);
+    auto k = pair_of(meta.at("kernel")), s = pair_of(meta.at("stride")), p = pair_of(meta.at("padding")),
+         d = pair_of(meta.at("dilation"));
+    PoolCfg cfg{meta.at("op") == "max", kg::Size2(k[0], k[1]), kg::Size2(s[0], s[1]), kg::Size2(p[0], p[1]),
+                kg::Size2(d[0], d[1]), meta.at("ceil_mode") == "1", meta.at("count_include_pad") == "1"};
+    SCOPED_TRACE(cfg.text());
+    kg::Tensor y = kg_test::run_op([&](const kg::SymTensor& x) { return cfg.record(x); }, t.at("x"));
+    EXPECT_TRUE(kg_test::all_close(y, t.at("y"), 1e-6, 1e-6));
+  }
+  auto gap = kg_test::fixture("pool_global_avg.safetensors");
+  EXPECT_TRUE(kg_test::all_close(
+      kg_test::run_op([](const kg::SymTensor& x) { return kg::global_avg_pool(x); }, gap.at("x")), gap.at("y"), 1e-6,
+      1e-6));
+  std::map<std::string, std::string> meta;
+  auto up = kg_test::fixture("pool_upsample_nearest.safetensors", &meta);
+  auto sc = pair_of(meta.at("scale"));
+  EXPECT_TRUE(kg_test::all_close(
+      kg_test::run_op([&](const kg::SymTensor& x) { return kg::upsample_nearest2d(x, {sc[0], sc[1]}); }, up.at("x")),
+      up.at("y"), 0, 1e-300));
+}
+
+TEST(Pool2d, MatchesNaiveReferenceAtSeveralBatches) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<PoolCfg> configs = {
+      {true, 3, 2, 1},                          // ResNet's stem
+      {true, 2},                                // stride = kernel
+      {true, 3, 2, 0, 1, true},                 // ceil_mode
+      {true, {3, 2}, {1, 2}, 1, {2, 1}},        // dilated, rectangular
+      {true, {1, 3}, 1, {0, 1}},                // 1-row windows
+      {false, 3, 2, 1},                         // padding counted
+      {false, 3, 2, 1, 1, false, false},        // padding not counted
+      {false, {3, 2}, 2, 1, 1, true, true},     // ceil_mode with padding counted
+      {false, {3, 2}, 2, 1, 1, true, false},    // ceil_mode without
+      {false, 2},
+  };
+  for (const PoolCfg& cfg : configs) {
+    for (std::int64_t batch : {1, 7, 64}) {
+      for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+        SCOPED_TRACE(cfg.text() + " batch " + std::to_string(batch) + " " + std::string(kg::dtype_name(dt)));
+        kg::Tensor x = kg_test::random_tensor(rng, dt, {batch, 3, 9, 10});
+        kg::Tensor y = run_declared(x, batch == 7, [&](const kg::SymTensor& t) { return cfg.record(t); });
+        EXPECT_TRUE(kg_test::all_close(y, naive_pool(x, cfg), dt == kg::DType::F32 ? 1e-6 : 1e-14, 1e-7));
+      }
+    }
+  }
+}
+
+TEST(Pool2d, GlobalAverageAndUpsampleMatchNaiveReference) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (std::int64_t batch : {1, 7, 64}) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      SCOPED_TRACE("batch " + std::to_string(batch) + " " + std::string(kg::dtype_name(dt)));
+      // 37 elements per plane: the vector body and the tail of the sum both run.
+      kg::Tensor x = kg_test::random_tensor(rng, dt, {batch, 4, 37, 1});
+      kg::Tensor mean = kg::Tensor::empty(kg::DType::F64, {batch, 4, 1, 1});
+      for (std::int64_t pl = 0; pl < batch * 4; ++pl) {
+        double s = 0;
+        for (std::int64_t i = 0; i < 37; ++i) s += x.item(pl * 37 + i);
+        mean.data<double>()[pl] = s / 37;
+      }
+      EXPECT_TRUE(kg_test::all_close(run_declared(x, batch == 7, [](const kg::SymTensor& t) { return kg::global_avg_pool(t); }),
+                                     mean, dt == kg::DType::F32 ? 1e-5 : 1e-13, 1e-7));
+
+      kg::Tensor u = kg_test::random_tensor(rng, dt, {batch, 2, 3, 5});
+      kg::Tensor up = kg::Tensor::empty(kg::DType::F64, {batch, 2, 9, 10});
+      for (std::int64_t pl = 0; pl < batch * 2; ++pl)
+        for (std::int64_t i = 0; i < 9; ++i)
+          for (std::int64_t j = 0; j < 10; ++j) up.data<double>()[(pl * 9 + i) * 10 + j] = u.item((pl * 3 + i / 3) * 5 + j / 2);
+      EXPECT_TRUE(kg_test::all_close(
+          run_declared(u, batch == 7, [](const kg::SymTensor& t) { return kg::upsample_nearest2d(t, {3, 2}); }), up, 0, 1e-300));
+    }
+  }
+}
+
+TEST(Pool2d, MaxPoolPropagatesNaN) {
+  // PyTorch: a NaN in the window wins.
+  std::vector<float> v(16);
+  for (int i = 0; i < 16; ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(i);
+  v[5] = std::numeric_limits<float>::quiet_NaN();
+  kg::Tensor x = kg::Tensor::from_vector<float>({1, 1, 4, 4}, v);
+  kg::Tensor y = kg_test::run_graph([](const std::vector<kg::SymTensor>& xs) {
+                   return std::vector<kg::SymTensor>{kg::max_pool2d(xs[0], 2)};
+                 }, {x}, {}, true, false)[0];
+  ASSERT_EQ(y.shape(), (std::vector<std::int64_t>{1, 1, 2, 2}));
+  EXPECT_TRUE(std::isnan(y.item(0)));
+  EXPECT_EQ(y.item(1), 7.0);
+  EXPECT_EQ(y.item(2), 13.0);
+  EXPECT_EQ(y.item(3), 15.0);
+}

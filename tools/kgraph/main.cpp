@@ -1,0 +1,148 @@
+// kgraph: inspect and run kernelgraph models from the command line.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <iostream>
+#include <string>
+
+#include "commands.hpp"
+#include "kg/error.hpp"
+
+#ifndef KG_VERSION
+#define KG_VERSION "0.1.0"
+#endif
+
+namespace {
+
+// Error text for one line: line breaks become spaces, trailing blanks go.
+std::string one_line(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  while (!text.empty() && (text.back() == ' ' || text.back() == '\t')) text.pop_back();
+  return text;
+}
+
+// Error text that may keep its lines (a kg::Error listing several problems).
+std::string trimmed(std::string text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+// A whole number >= 1 ("--batch 0" and "--batch two" are usage errors).
+const CLI::Validator positive_integer(
+    [](std::string& value) -> std::string {
+      std::size_t used = 0;
+      long long v = 0;
+      try {
+        v = std::stoll(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != value.size() || value.empty() || v < 1)
+        return "expects a whole number >= 1, got '" + value + "'";
+      return {};
+    },
+    "N>=1");
+
+int fail(const std::string& message, int code) {
+  std::cerr << "kgraph: error: " << message << "\n";
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Inspect and run kernelgraph models.", "kgraph"};
+  app.set_version_flag("--version", "kgraph " KG_VERSION);
+  app.require_subcommand(1);
+  app.footer(
+      "Examples:\n"
+      "  kgraph models\n"
+      "  kgraph inspect lenet5 --batch 4\n"
+      "  kgraph run lenet5 --random --batch 2\n"
+      "Run 'kgraph <command> --help' for a command's options.");
+
+  CLI::App* models = app.add_subcommand("models", "List the models of the zoo");
+
+  kgraph::InspectArgs ia;
+  std::int64_t inspect_batch = 0;
+  CLI::App* inspect = app.add_subcommand("inspect", "Print a model's graph: nodes, shapes, parameters");
+  inspect->add_option("MODEL", ia.model, "Model name (see 'kgraph models')")->required();
+  CLI::Option* inspect_batch_opt = inspect
+                                       ->add_option("--batch", inspect_batch,
+                                                    "Also load on the CPU for this batch size and print the "
+                                                    "concrete output shapes and the memory plan")
+                                       ->check(positive_integer)
+                                       ->option_text("N");
+  inspect
+      ->add_option("--dot", ia.dot_path,
+                   "Write the graph as Graphviz DOT to FILE ('-': standard output only)")
+      ->option_text("FILE");
+  inspect->add_option("--render", ia.render_path, "Render the graph with graphviz to FILE.svg, .png or .pdf")
+      ->option_text("FILE");
+  inspect->add_flag("--recorded", ia.recorded,
+                    "Show the graph as recorded, before the inference fusion passes");
+
+  kgraph::RunArgs ra;
+  std::int64_t run_batch = 0;
+  CLI::App* run = app.add_subcommand("run", "Load a model, run it and print its outputs and time");
+  run->add_option("MODEL", ra.model, "Model name (see 'kgraph models')")->required();
+  run->add_option("--device", ra.device, "cpu (the default), cuda, cuda:N or auto")->option_text("DEVICE");
+  run->add_option("--weights", ra.weights_path, "Load parameters from a safetensors file (by dotted name)")
+      ->option_text("FILE");
+  CLI::Option* input_opt =
+      run->add_option("--input", ra.input_path,
+                      "Input tensor from a safetensors file (its only tensor, or the one named like the "
+                      "model's input)")
+          ->option_text("FILE");
+  CLI::Option* random_opt =
+      run->add_flag("--random", ra.random, "Random input, uniform in [-1, 1) (the default without --input)");
+  input_opt->excludes(random_opt);
+  CLI::Option* run_batch_opt =
+      run->add_option("--batch", run_batch, "Batch size (default 1, or the input file's)")
+          ->check(positive_integer)
+          ->option_text("N");
+  run->add_option("--seed", ra.seed,
+                  "Seed of the random input and the default parameter initialisation (default 0)")
+      ->option_text("S");
+  run->add_option("--output", ra.output_path, "Write the outputs to a safetensors file, by output name")
+      ->option_text("FILE");
+  run->add_option("--runs", ra.runs, "Forward passes to time; the median is printed (default 3)")
+      ->check(positive_integer)
+      ->option_text("N");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::string where = "kgraph";
+    for (const CLI::App* sub : app.get_subcommands()) where += " " + sub->get_name();
+    if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
+      return fail(std::string("unknown command '") + argv[1] +
+                      "' (expected models, inspect or run; see 'kgraph --help')",
+                  2);
+    return fail(one_line(e.what()) + " (see '" + where + " --help')", 2);
+  }
+
+  try {
+    if (*inspect_batch_opt) ia.batch = inspect_batch;
+    if (*run_batch_opt) ra.batch = run_batch;
+    if (*models) kgraph::list_models(std::cout);
+    if (*inspect) kgraph::inspect(ia, std::cout);
+    if (*run) kgraph::run(ra, std::cout);
+    std::cout.flush();
+    if (!std::cout) return fail("cannot write to standard output", 1);
+  } catch (const kg::Error& e) {
+    std::cout.flush();
+    return fail(trimmed(e.what()), 1);
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    return fail(one_line(e.what()), 1);
+  } catch (...) {
+    return fail("unknown failure", 1);
+  }
+  return 0;
+}
