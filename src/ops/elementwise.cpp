@@ -272,7 +272,7 @@ class ScalarOp final : public CustomOp {
   ScalarOp(BinaryFn fn, double scalar, bool reversed) : fn_(fn), scalar_(scalar), reversed_(reversed) {}
   std::string name() const override {
     const BinaryEntry& e = binary_entry(fn_);
-    return reversed_ ? e.rscalar_op_name : e.scalar_op_name;
+    return reversed_ && e.rscalar_op_name ? e.rscalar_op_name : e.scalar_op_name;  // add, mul commute
   }
   std::string attributes() const override { return "scalar=" + format_double(scalar_); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {

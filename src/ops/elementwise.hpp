@@ -1,6 +1,7 @@
 // The elementwise op family: activations, dropout and broadcasting arithmetic. Every formula is
-// written once here, as a scalar function selected by an enum, so that the CPU loops, fusion
-// passes (a convolution epilogue, a chain of activations) and a GPU lowering share it.
+// written once here, as a scalar function selected by an enum (one table of unary ops, one of
+// binary ops), so that the CPU loops and fusion (a convolution epilogue applying an activation)
+// share it, and a GPU lowering maps the same enums to device functions.
 #pragma once
 
 #include <cmath>

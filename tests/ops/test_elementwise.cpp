@@ -163,6 +163,7 @@ TEST(ElementwiseShape, OpNamesAndAttributes) {
   EXPECT_EQ(op(x - 1.0), "nn.sub_scalar");
   EXPECT_EQ(op(1.0 - x), "nn.rsub_scalar");
   EXPECT_EQ(op(x * 0.1), "nn.mul_scalar");
+  EXPECT_EQ(attrs(x * 2), "scalar=2");  // an integer literal is a scalar too
   EXPECT_EQ(attrs(x * 0.1), "scalar=0.1");
   EXPECT_EQ(op(3.0 * x), "nn.mul_scalar");
   EXPECT_EQ(op(x / 4.0), "nn.div_scalar");
