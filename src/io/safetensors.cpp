@@ -142,7 +142,8 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__") throw Error("write_safetensors: '__metadata__' is not a tensor name");
     if (!t.defined())
-      throw Error("write_safetensors '" + path + "': tensor '" + name + "' has no data (default-constructed)");
+      throw Error("write_safetensors '" + path + "': tensor '" + name +
+                  "' has no data (default-constructed)");
     header[name] = {{"dtype", dtype_safetensors_code(t.dtype())},
                     {"shape", t.shape()},
                     {"data_offsets", {offset, offset + t.nbytes()}}};

@@ -265,8 +265,11 @@ TEST(Graph, EmptySymTensorIsAnError) {
   expect_error([&] { (void)e.name(); }, {"empty"});
   expect_error([&] { kg::nn::linear(e, 3); }, {"empty"});
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 4}, "x");
-  expect_error([&] { x.record_custom(kg::CustomData::make<ScaleOp>(1.0), {x, e}, std::nullopt, "s"); },
-               {"[test.scale @ s]", "input 2", "empty tensor"});
+  expect_error(
+      [&] {
+        x.record_custom(kg::CustomData::make<ScaleOp>(1.0), {x, e}, std::nullopt, "s");
+      },
+      {"[test.scale @ s]", "input 2", "empty tensor"});
   EXPECT_EQ(g->nodes().size(), 1u);
   expect_error([] { kg::CustomData d(nullptr); }, {"null op"});
 }
@@ -314,21 +317,31 @@ TEST(Graph, OutputDtypeInferredOrExplicit) {
 TEST(Graph, ParameterSpecsAreValidated) {
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 4}, "x");
   using PS = std::vector<kg::ParamSpec>;
-  kg::SymTensor ok = x.record_custom(
-      kg::CustomData::make<ParamOp>(PS{{"w", {2, 3}, kg::DType::F32, kg::ParamInit::constant(1), true},
-                                       {"running_mean", {3}, kg::DType::F32, kg::ParamInit::constant(0), false}}),
-      {}, std::nullopt, "p");
+  kg::SymTensor ok =
+      x.record_custom(kg::CustomData::make<ParamOp>(
+                          PS{{"w", {2, 3}, kg::DType::F32, kg::ParamInit::constant(1), true},
+                             {"running_mean", {3}, kg::DType::F32, kg::ParamInit::constant(0), false}}),
+                      {}, std::nullopt, "p");
   const auto& params = g->node(ok.node()).params;
   ASSERT_EQ(params.size(), 2u);
   EXPECT_EQ(params[0].name, "p.w");
   EXPECT_EQ(params[1].name, "p.running_mean");
   EXPECT_FALSE(params[1].trainable);
-  expect_error([&] { x.record_custom(kg::CustomData::make<ParamOp>(PS{{"w", {2}}, {"w", {3}}}), {}, std::nullopt, "q"); },
-               {"[test.params @ q]", "unique", "'q.w'"});
-  expect_error([&] { x.record_custom(kg::CustomData::make<ParamOp>(PS{{"", {2}}}), {}, std::nullopt, "q"); },
-               {"[test.params @ q] parameter 0 has an empty name"});
-  expect_error([&] { x.record_custom(kg::CustomData::make<ParamOp>(PS{{"w", {2, -1}}}), {}, std::nullopt, "q"); },
-               {"[test.params @ q]", "'q.w'", "negative"});
+  expect_error(
+      [&] {
+        x.record_custom(kg::CustomData::make<ParamOp>(PS{{"w", {2}}, {"w", {3}}}), {}, std::nullopt, "q");
+      },
+      {"[test.params @ q]", "unique", "'q.w'"});
+  expect_error(
+      [&] {
+        x.record_custom(kg::CustomData::make<ParamOp>(PS{{"", {2}}}), {}, std::nullopt, "q");
+      },
+      {"[test.params @ q] parameter 0 has an empty name"});
+  expect_error(
+      [&] {
+        x.record_custom(kg::CustomData::make<ParamOp>(PS{{"w", {2, -1}}}), {}, std::nullopt, "q");
+      },
+      {"[test.params @ q]", "'q.w'", "negative"});
   EXPECT_EQ(g->nodes().size(), 2u);
 }
 

@@ -60,7 +60,10 @@ std::string file_bytes(std::string header, const std::string& data, bool pad = t
 
 std::string raw_of(const void* p, std::size_t n) { return std::string(static_cast<const char*>(p), n); }
 
-template <class T> std::string raw_values(const std::vector<T>& v) { return raw_of(v.data(), v.size() * sizeof(T)); }
+template <class T>
+std::string raw_values(const std::vector<T>& v) {
+  return raw_of(v.data(), v.size() * sizeof(T));
+}
 
 // A tensor of `dt` with random bytes (bool: 0 or 1).
 kg::Tensor random_bytes(std::mt19937_64& rng, kg::DType dt, std::vector<std::int64_t> shape) {
@@ -161,7 +164,8 @@ TEST(Safetensors, ReadsFilesWrittenLikePython) {
       R"("empty":{"dtype":"F32","shape":[0,4],"data_offsets":[44,44]},)"
       R"("flags":{"dtype":"BOOL","shape":[3],"data_offsets":[44,47]}})";
   // bf16 1.0 = 0x3F80, -2.5 = 0xC020.
-  const std::string data = raw_values<float>({0.5f, -1.f, 2.f, 3.25f}) + raw_values<std::int64_t>({7, -8, 1LL << 40}) +
+  const std::string data = raw_values<float>({0.5f, -1.f, 2.f, 3.25f}) +
+                           raw_values<std::int64_t>({7, -8, 1LL << 40}) +
                            raw_values<std::uint16_t>({0x3F80, 0xC020}) + std::string("\x01\x00\x01", 3);
   for (bool pad : {true, false}) {  // unpadded: the data is not aligned and gets copied
     SCOPED_TRACE(pad ? "padded" : "unpadded");
@@ -262,7 +266,8 @@ TEST(Safetensors, MalformedFilesAreErrors) {
   check(file_bytes(R"({"t": {"dtype": "F32",)", f32x2), {"header is not valid JSON"});
   check(file_bytes("[1, 2, 3]", ""), {"header is not a JSON object"});
   check(file_bytes("\"str\"", ""), {"header is not a JSON object"});
-  check(file_bytes(one(R"({"dtype":"F32","shape":[2]})"), f32x2), {"tensor 't' needs dtype, shape and data_offsets"});
+  check(file_bytes(one(R"({"dtype":"F32","shape":[2]})"), f32x2),
+        {"tensor 't' needs dtype, shape and data_offsets"});
   check(file_bytes(one(R"({"shape":[2],"data_offsets":[0,8]})"), f32x2), {"tensor 't' needs dtype"});
   check(file_bytes(one(R"({"dtype":"F32","data_offsets":[0,8]})"), f32x2), {"tensor 't' needs"});
   check(file_bytes(one("[1]"), f32x2), {"tensor 't' needs"});
@@ -289,7 +294,8 @@ TEST(Safetensors, MalformedFilesAreErrors) {
         {"tensor 't'", "too many elements"});
   check(file_bytes(one(R"({"dtype":"F32","shape":[2],"data_offsets":[0,100]})"), f32x2),
         {"tensor 't': data_offsets [0, 100] exceed the 8 data bytes"});
-  check(file_bytes(one(R"({"dtype":"F32","shape":[1],"data_offsets":[8,4]})"), f32x2), {"data_offsets [8, 4]"});
+  check(file_bytes(one(R"({"dtype":"F32","shape":[1],"data_offsets":[8,4]})"), f32x2),
+        {"data_offsets [8, 4]"});
   check(file_bytes(one(R"({"dtype":"F32","shape":[2],"data_offsets":[0]})"), f32x2),
         {"tensor 't': data_offsets must be two non-negative integers"});
   check(file_bytes(one(R"({"dtype":"F32","shape":[2],"data_offsets":[-8,0]})"), f32x2),
@@ -327,7 +333,8 @@ TEST(Safetensors, MalformedFilesAreErrors) {
   const std::string path = tmp.path("meta.safetensors");
   write_bytes(path, file_bytes(R"({"__metadata__":{"epoch":3}})", ""));
   std::map<std::string, std::string> meta;
-  expect_error([&] { kg::read_safetensors(path, &meta); }, {path, "__metadata__ value 'epoch' is not a string"});
+  expect_error([&] { kg::read_safetensors(path, &meta); },
+               {path, "__metadata__ value 'epoch' is not a string"});
 
   // Not a file at all.
   const std::string missing = tmp.path("missing.safetensors");
@@ -351,9 +358,9 @@ TEST(Safetensors, EveryTruncationIsAnError) {
   std::mt19937_64 rng(seed);
   TempDir tmp;
   const std::string path = tmp.path("full.safetensors");
-  kg::write_safetensors(path,
-                        {{"w", random_bytes(rng, kg::DType::F32, {3, 4})}, {"z", random_bytes(rng, kg::DType::I64, {5})}},
-                        {{"k", "v"}});
+  kg::write_safetensors(
+      path, {{"w", random_bytes(rng, kg::DType::F32, {3, 4})}, {"z", random_bytes(rng, kg::DType::I64, {5})}},
+      {{"k", "v"}});
   const std::string full = read_bytes(path);
   const std::string cut = tmp.path("cut.safetensors");
   write_bytes(cut, full);
@@ -420,12 +427,22 @@ TEST(Safetensors, CorruptHeadersNeverCrash) {
 TEST(Safetensors, WriteErrors) {
   TempDir tmp;
   const std::string nodir = tmp.path("no/such/dir/w.safetensors");
-  expect_error([&] { kg::write_safetensors(nodir, {{"x", kg::Tensor::zeros(kg::DType::F32, {2})}}); },
-               {"cannot write", "no/such/dir/w.safetensors"});
-  expect_error([&] { kg::write_safetensors(tmp.path("m.safetensors"), {{"__metadata__", kg::Tensor::zeros(kg::DType::F32, {1})}}); },
-               {"'__metadata__' is not a tensor name"});
-  expect_error([&] { kg::write_safetensors(tmp.path("u.safetensors"), {{"ghost", kg::Tensor()}}); },
-               {"u.safetensors", "tensor 'ghost' has no data"});
+  expect_error(
+      [&] {
+        kg::write_safetensors(nodir, {{"x", kg::Tensor::zeros(kg::DType::F32, {2})}});
+      },
+      {"cannot write", "no/such/dir/w.safetensors"});
+  expect_error(
+      [&] {
+        kg::write_safetensors(tmp.path("m.safetensors"),
+                              {{"__metadata__", kg::Tensor::zeros(kg::DType::F32, {1})}});
+      },
+      {"'__metadata__' is not a tensor name"});
+  expect_error(
+      [&] {
+        kg::write_safetensors(tmp.path("u.safetensors"), {{"ghost", kg::Tensor()}});
+      },
+      {"u.safetensors", "tensor 'ghost' has no data"});
   // Nothing was left behind by the failed writes.
   EXPECT_EQ(std::distance(fs::directory_iterator(tmp.dir), fs::directory_iterator()), 0);
   // An empty map writes a valid, empty file.

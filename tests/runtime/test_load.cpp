@@ -33,7 +33,8 @@ class ScaleOp final : public kg::CustomOp {
   }
 
  private:
-  template <class T> void run(const kg::CpuContext& ctx, const T* x, T* y, std::int64_t n) const {
+  template <class T>
+  void run(const kg::CpuContext& ctx, const T* x, T* y, std::int64_t n) const {
     ctx.parallel_for(n, 16, [&](std::int64_t b, std::int64_t e) {
       for (std::int64_t i = b; i < e; ++i) y[i] = static_cast<T>(f_ * x[i]);
     });
@@ -65,13 +66,29 @@ class FlattenView final : public kg::CustomOp {
   void cpu_forward(kg::CpuContext&) const override { throw kg::Error("a view must not be executed"); }
 };
 
+// y = a + b for two inputs of one shape (f32).
+class AddOp final : public kg::CustomOp {
+ public:
+  std::string name() const override { return "test.add"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override {
+    if (in.size() != 2 || in[0].rank() != in[1].rank()) throw kg::Error("expects two inputs of one rank");
+    return in[0];
+  }
+  void cpu_forward(kg::CpuContext& ctx) const override {
+    const float* a = ctx.inputs[0].data<float>();
+    const float* b = ctx.inputs[1].data<float>();
+    float* y = ctx.output.data<float>();
+    for (std::int64_t i = 0; i < ctx.output.numel(); ++i) y[i] = a[i] + b[i];
+  }
+};
+
 // How an op's infer_output_shape lies at load.
 enum class Lie {
-  Dynamic,        // returns a dynamic dim even for concrete inputs
-  StaticAtRecord, // declares [in0, 5] at record time, computes [in0, in1] at load
-  FlipAtLoad,     // declares the input's shape, returns it reversed at load
-  GrowAtLoad,     // declares the input's shape, appends a dim at load
-  ThrowAtLoad,    // fine at record time, throws at load
+  Dynamic,         // returns a dynamic dim even for concrete inputs
+  StaticAtRecord,  // declares [in0, 5] at record time, computes [in0, in1] at load
+  FlipAtLoad,      // declares the input's shape, returns it reversed at load
+  GrowAtLoad,      // declares the input's shape, appends a dim at load
+  ThrowAtLoad,     // fine at record time, throws at load
 };
 
 class LyingOp final : public kg::CustomOp {
@@ -82,9 +99,12 @@ class LyingOp final : public kg::CustomOp {
     const kg::Shape& s = in.at(0);
     const bool load = s.is_concrete();
     switch (lie_) {
-      case Lie::Dynamic: return kg::Shape{s[0], kg::dynamic};
-      case Lie::StaticAtRecord: return load ? s : kg::Shape{s[0], 5};
-      case Lie::FlipAtLoad: return load ? kg::Shape{s[1], s[0]} : s;
+      case Lie::Dynamic:
+        return kg::Shape{s[0], kg::dynamic};
+      case Lie::StaticAtRecord:
+        return load ? s : kg::Shape{s[0], 5};
+      case Lie::FlipAtLoad:
+        return load ? kg::Shape{s[1], s[0]} : s;
       case Lie::GrowAtLoad: {
         kg::Shape g = s;
         if (load) g.push_back(1);
@@ -111,8 +131,10 @@ class BoomOp final : public kg::CustomOp {
   kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
   void cpu_forward(kg::CpuContext& ctx) const override {
     switch (how_) {
-      case Boom::KgError: throw kg::Error("exploded at row 3");
-      case Boom::StdError: throw std::runtime_error("vector::_M_range_check");
+      case Boom::KgError:
+        throw kg::Error("exploded at row 3");
+      case Boom::StdError:
+        throw std::runtime_error("vector::_M_range_check");
       case Boom::InWorker:
         ctx.parallel_for(1000, 1, [](std::int64_t b, std::int64_t e) {
           if (b > 0 && b < e) throw kg::Error("worker chunk failed");
@@ -204,9 +226,9 @@ std::map<std::string, kg::Tensor> random_params(const kg::LoadedModel& m, std::m
 // Same shape, dtype and every element bit-for-bit equal in value.
 ::testing::AssertionResult same_values(const kg::Tensor& a, const kg::Tensor& b) {
   if (a.shape() != b.shape() || a.dtype() != b.dtype())
-    return ::testing::AssertionFailure() << kg::sizes_to_string(a.shape()) << " " << kg::dtype_name(a.dtype())
-                                         << " vs " << kg::sizes_to_string(b.shape()) << " "
-                                         << kg::dtype_name(b.dtype());
+    return ::testing::AssertionFailure()
+           << kg::sizes_to_string(a.shape()) << " " << kg::dtype_name(a.dtype()) << " vs "
+           << kg::sizes_to_string(b.shape()) << " " << kg::dtype_name(b.dtype());
   for (std::int64_t i = 0; i < a.numel(); ++i)
     if (!(a.item(i) == b.item(i)))
       return ::testing::AssertionFailure() << "element " << i << ": " << a.item(i) << " vs " << b.item(i);
@@ -278,8 +300,11 @@ TEST(Load, InputShapeErrorsNameTheInputAndSizes) {
   expect_error([&] { model.load(cpu, {{24}}); },
                {"input 'x'", "declared [batch, 12]", "got [24]", "rank 1 where 2 was declared"});
   expect_error([&] { model.load(cpu, {{2, 12, 1}}); }, {"input 'x'", "[2, 12, 1]", "rank 3 where 2"});
-  expect_error([&] { model.load(cpu, {{4, 13}}); },
-               {"input 'x'", "declared [batch, 12]", "got [4, 13]", "dim 1 is 13, declared 12"});
+  expect_error(
+      [&] {
+        model.load(cpu, {{4, 13}});
+      },
+      {"input 'x'", "declared [batch, 12]", "got [4, 13]", "dim 1 is 13, declared 12"});
   expect_error([&] { model.load(cpu, {{-1, 12}}); }, {"input 'x'", "negative size", "[-1, 12]"});
 
   // Two inputs sharing the symbol "batch" must agree.
@@ -289,9 +314,12 @@ TEST(Load, InputShapeErrorsNameTheInputAndSizes) {
   kg::Model two(g, {scale(a, 1.0, "sa"), scale(b, 1.0, "sb")});
   EXPECT_EQ(two.outputs()[0].first, "output0");
   EXPECT_EQ(two.outputs()[1].first, "output1");
-  expect_error([&] { two.load(cpu, {{3, 4}, {5, 4}}); },
-               {"input 'b'", "declared [batch, len]", "got [5, 4]", "dim 0 ('batch') is 5",
-                "'batch' is already bound to 3"});
+  expect_error(
+      [&] {
+        two.load(cpu, {{3, 4}, {5, 4}});
+      },
+      {"input 'b'", "declared [batch, len]", "got [5, 4]", "dim 0 ('batch') is 5",
+       "'batch' is already bound to 3"});
   kg::LoadedModel ok = two.load(cpu, {{3, 4}, {3, 9}});
   EXPECT_EQ(ok.output_shapes(), (std::vector<std::vector<std::int64_t>>{{3, 4}, {3, 9}}));
   // Anonymous dynamic dims are independent unknowns.
@@ -312,20 +340,35 @@ TEST(Load, LyingShapeInferenceIsCaught) {
     return kg::Model(g, {scale(y, 1.0)});
   };
   // (a) a dynamic dim although every input dim is known.
-  expect_error([&] { build(Lie::Dynamic).load(cpu, {{3, 4}}); },
-               {"[test.liar @ head.decode]", "infer_output_shape returned [3, ?]", "concrete inputs [3, 4]",
-                "every output dim must be known"});
+  expect_error(
+      [&] {
+        build(Lie::Dynamic).load(cpu, {{3, 4}});
+      },
+      {"[test.liar @ head.decode]", "infer_output_shape returned [3, ?]", "concrete inputs [3, 4]",
+       "every output dim must be known"});
   // (b) the load-time answer disagrees with the record-time declaration.
-  expect_error([&] { build(Lie::StaticAtRecord).load(cpu, {{3, 4}}); },
-               {"[test.liar @ head.decode]", "disagrees with itself", "declared [batch, 5]", "inputs [3, 4]",
-                "gives [3, 4]", "dim 1 is 4, declared 5"});
-  expect_error([&] { build(Lie::FlipAtLoad).load(cpu, {{3, 4}}); },
-               {"[test.liar @ head.decode]", "declared [batch, 4]", "gives [4, 3]", "dim 0 ('batch') is 4",
-                "already bound to 3"});
-  expect_error([&] { build(Lie::GrowAtLoad).load(cpu, {{3, 4}}); },
-               {"[test.liar @ head.decode]", "declared [batch, 4]", "gives [3, 4, 1]", "rank 3 where 2"});
-  expect_error([&] { build(Lie::ThrowAtLoad).load(cpu, {{3, 4}}); },
-               {"[test.liar @ head.decode] at load, with inputs [3, 4]: cannot take [3, 4]"});
+  expect_error(
+      [&] {
+        build(Lie::StaticAtRecord).load(cpu, {{3, 4}});
+      },
+      {"[test.liar @ head.decode]", "disagrees with itself", "declared [batch, 5]", "inputs [3, 4]",
+       "gives [3, 4]", "dim 1 is 4, declared 5"});
+  expect_error(
+      [&] {
+        build(Lie::FlipAtLoad).load(cpu, {{3, 4}});
+      },
+      {"[test.liar @ head.decode]", "declared [batch, 4]", "gives [4, 3]", "dim 0 ('batch') is 4",
+       "already bound to 3"});
+  expect_error(
+      [&] {
+        build(Lie::GrowAtLoad).load(cpu, {{3, 4}});
+      },
+      {"[test.liar @ head.decode]", "declared [batch, 4]", "gives [3, 4, 1]", "rank 3 where 2"});
+  expect_error(
+      [&] {
+        build(Lie::ThrowAtLoad).load(cpu, {{3, 4}});
+      },
+      {"[test.liar @ head.decode] at load, with inputs [3, 4]: cannot take [3, 4]"});
   // The flip is only a lie when the sizes differ: a square input satisfies the declaration.
   kg::LoadedModel sq = build(Lie::FlipAtLoad).load(cpu, {{4, 4}});
   EXPECT_EQ(sq.output_shapes()[0], (std::vector<std::int64_t>{4, 4}));
@@ -337,10 +380,16 @@ TEST(Load, ForwardChecksItsInputs) {
   expect_error([&] { m.forward({}); }, {"forward", "1 input(s) but 0 tensor(s)"});
   kg::Tensor x = kg::Tensor::zeros(kg::DType::F32, {7, 12});
   expect_error([&] { m.forward({x, x}); }, {"1 input(s) but 2 tensor(s)"});
-  expect_error([&] { m.forward({kg::Tensor::zeros(kg::DType::F32, {8, 12})}); },
-               {"input 'x'", "loaded as [7, 12] f32", "got [8, 12] f32", "load the model again"});
-  expect_error([&] { m.forward({kg::Tensor::zeros(kg::DType::F64, {7, 12})}); },
-               {"input 'x'", "loaded as [7, 12] f32", "got [7, 12] f64"});
+  expect_error(
+      [&] {
+        m.forward({kg::Tensor::zeros(kg::DType::F32, {8, 12})});
+      },
+      {"input 'x'", "loaded as [7, 12] f32", "got [8, 12] f32", "load the model again"});
+  expect_error(
+      [&] {
+        m.forward({kg::Tensor::zeros(kg::DType::F64, {7, 12})});
+      },
+      {"input 'x'", "loaded as [7, 12] f32", "got [7, 12] f64"});
   expect_error([&] { m.forward({kg::Tensor::zeros(kg::DType::F32, {7, 12, 1})}); }, {"got [7, 12, 1] f32"});
   EXPECT_EQ(m.forward({x}).size(), 2u);
 }
@@ -354,12 +403,14 @@ TEST(Load, OpErrorsArePrefixedWithTheNodeLabel) {
     kg::LoadedModel m = kg::Model(g, {scale(y, 1.0)}).load(cpu, {{5, 4}}, poisoned(4));
     m.forward({kg::Tensor::zeros(kg::DType::F32, {5, 4})});
   };
-  expect_error([&] { run(kg::CustomData::make<BoomOp>(Boom::KgError)); }, {"[test.boom @ blk.b] exploded at row 3"});
+  expect_error([&] { run(kg::CustomData::make<BoomOp>(Boom::KgError)); },
+               {"[test.boom @ blk.b] exploded at row 3"});
   expect_error([&] { run(kg::CustomData::make<BoomOp>(Boom::StdError)); },
                {"[test.boom @ blk.b] cpu_forward failed: vector::_M_range_check"});
   expect_error([&] { run(kg::CustomData::make<BoomOp>(Boom::InWorker)); },
                {"[test.boom @ blk.b] worker chunk failed"});
-  expect_error([&] { run(kg::CustomData::make<NoCpuOp>()); }, {"[test.gpu_only @ blk.b] has no CPU implementation"});
+  expect_error([&] { run(kg::CustomData::make<NoCpuOp>()); },
+               {"[test.gpu_only @ blk.b] has no CPU implementation"});
 }
 
 TEST(Load, PoisonedBuffersRevealUnwrittenElements) {
@@ -429,15 +480,17 @@ TEST(Load, SameModelLoadedTwiceGivesIndependentModels) {
   kg::LoadOptions other;
   other.seed = 12345;
   kg::LoadedModel c = model.load(kg::Device::cpu(), {{2, 12}}, other);
-  EXPECT_FALSE(same_values(c.parameter("enc.fc1.weight"), model.load(kg::Device::cpu(), {{2, 12}})
-                                                                      .parameter("enc.fc1.weight")));
+  EXPECT_FALSE(same_values(c.parameter("enc.fc1.weight"),
+                           model.load(kg::Device::cpu(), {{2, 12}}).parameter("enc.fc1.weight")));
 }
 
 TEST(Load, DeadNodesAreNotExecuted) {
   std::atomic<int> live_runs{0}, dead_runs{0};
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 6}, "x");
-  kg::SymTensor used = x.record_custom(kg::CustomData::make<CountingOp>(&live_runs), {}, std::nullopt, "used");
-  kg::SymTensor dead = x.record_custom(kg::CustomData::make<CountingOp>(&dead_runs), {}, std::nullopt, "dead");
+  kg::SymTensor used =
+      x.record_custom(kg::CustomData::make<CountingOp>(&live_runs), {}, std::nullopt, "used");
+  kg::SymTensor dead =
+      x.record_custom(kg::CustomData::make<CountingOp>(&dead_runs), {}, std::nullopt, "dead");
   kg::SymTensor dead_fc = kg::nn::linear(dead, 4, "dead_fc");
   // A dead node's shape inference is not consulted at load either.
   dead_fc.record_custom(kg::CustomData::make<LyingOp>(Lie::ThrowAtLoad), {}, std::nullopt, "dead_liar");
@@ -550,7 +603,8 @@ TEST(Load, TrainingMode) {
   kg::Tensor in = kg::Tensor::from_vector<float>({1, 3}, {1.f, -2.f, 0.5f});
 
   kg::LoadedModel inf = kg::Model(g, {y}).load(kg::Device::cpu(), {{1, 3}});
-  expect_error([&] { inf.set_training(true); }, {"set_training", "lowered for inference", "LoweringMode::Training"});
+  expect_error([&] { inf.set_training(true); },
+               {"set_training", "lowered for inference", "LoweringMode::Training"});
   inf.set_training(false);
   EXPECT_EQ(inf.forward({in})[0].item(1), -2.0);
 
@@ -584,4 +638,28 @@ TEST(Load, DeviceParsing) {
   EXPECT_EQ(a.kind, kg::Device::cuda_available() ? kg::Device::Kind::Cuda : kg::Device::Kind::Cpu);
   for (const char* bad : {"gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:1x", "CPU", ""})
     expect_error([&] { kg::Device::parse(bad); }, {"unknown device '" + std::string(bad) + "'"});
+}
+
+TEST(Load, ViewKeepsItsSourceBufferAlive) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // a's bytes are read through the view only at the last step; the chain in between must not
+  // be placed over them.
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 4, 8}, "x");
+  kg::SymTensor a = scale(x, 3.0, "a");
+  kg::SymTensor v = a.record_custom(kg::CustomData::make<FlattenView>(), {}, std::nullopt, "v");
+  kg::SymTensor xf = x.record_custom(kg::CustomData::make<FlattenView>(), {}, std::nullopt, "xf");
+  kg::SymTensor c = xf;
+  for (int i = 0; i < 5; ++i) c = scale(c, 0.5);
+  kg::SymTensor y = v.record_custom(kg::CustomData::make<AddOp>(), {c}, std::nullopt, "sum");
+  kg::LoadedModel m = kg::Model(g, {y}).load(kg::Device::cpu(), {{6, 4, 8}}, poisoned());
+  const std::size_t buf = 6 * 32 * sizeof(float);
+  EXPECT_EQ(m.memory_plan().buffers, 7);
+  EXPECT_EQ(m.memory_plan().arena_bytes, 3 * buf);  // a, and two more at any step
+  kg::Tensor in = kg_test::random_tensor(rng, kg::DType::F32, {6, 4, 8});
+  kg::Tensor got = m.forward({in})[0];
+  kg::Tensor want = kg::Tensor::empty(kg::DType::F64, {6, 32});
+  for (std::int64_t i = 0; i < 6 * 32; ++i) want.data<double>()[i] = 3.0 * in.item(i) + in.item(i) / 32.0;
+  EXPECT_TRUE(kg_test::all_close(got, want));
 }

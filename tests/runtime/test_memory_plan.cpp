@@ -25,13 +25,14 @@ std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a;
     last_step = std::max(last_step, r.last);
   }
   if (p.unshared_bytes != unshared)
-    return ::testing::AssertionFailure() << "unshared_bytes " << p.unshared_bytes << ", expected " << unshared;
+    return ::testing::AssertionFailure()
+           << "unshared_bytes " << p.unshared_bytes << ", expected " << unshared;
   if (p.arena_bytes > unshared)
     return ::testing::AssertionFailure() << "arena " << p.arena_bytes << " exceeds the unshared " << unshared;
   for (std::size_t i = 0; i < req.size(); ++i) {
     if (p.offsets[i] % alignment != 0)
-      return ::testing::AssertionFailure() << "buffer " << i << " offset " << p.offsets[i] << " not aligned to "
-                                           << alignment;
+      return ::testing::AssertionFailure()
+             << "buffer " << i << " offset " << p.offsets[i] << " not aligned to " << alignment;
     if (req[i].bytes > 0 && p.offsets[i] + req[i].bytes > p.arena_bytes)
       return ::testing::AssertionFailure() << "buffer " << i << " ends at " << p.offsets[i] + req[i].bytes
                                            << " beyond the arena " << p.arena_bytes;
@@ -44,8 +45,9 @@ std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a;
       const std::size_t a0 = p.offsets[i], a1 = a0 + a.bytes, b0 = p.offsets[j], b1 = b0 + b.bytes;
       if (a0 < b1 && b0 < a1)
         return ::testing::AssertionFailure()
-               << "buffers " << i << " [" << a0 << ", " << a1 << ") steps " << a.first << ".." << a.last << " and "
-               << j << " [" << b0 << ", " << b1 << ") steps " << b.first << ".." << b.last << " overlap";
+               << "buffers " << i << " [" << a0 << ", " << a1 << ") steps " << a.first << ".." << a.last
+               << " and " << j << " [" << b0 << ", " << b1 << ") steps " << b.first << ".." << b.last
+               << " overlap";
     }
   // No placement can beat the bytes live at the busiest step.
   for (int s = 0; s <= last_step; ++s) {
@@ -53,8 +55,8 @@ std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a;
     for (const auto& r : req)
       if (r.first <= s && s <= r.last) live += r.bytes;
     if (p.arena_bytes < live)
-      return ::testing::AssertionFailure() << "arena " << p.arena_bytes << " below the " << live
-                                           << " bytes live at step " << s;
+      return ::testing::AssertionFailure()
+             << "arena " << p.arena_bytes << " below the " << live << " bytes live at step " << s;
   }
   return ::testing::AssertionSuccess();
 }
@@ -101,7 +103,8 @@ TEST(MemoryPlan, ChainReusesMemory) {
     const std::size_t one = round_up(bytes, 64);
     EXPECT_EQ(p.unshared_bytes, n * one);
     EXPECT_EQ(p.arena_bytes, 2 * one);
-    for (int i = 2; i < n; ++i) EXPECT_EQ(p.offsets[static_cast<std::size_t>(i)], p.offsets[static_cast<std::size_t>(i - 2)]);
+    for (int i = 2; i < n; ++i)
+      EXPECT_EQ(p.offsets[static_cast<std::size_t>(i)], p.offsets[static_cast<std::size_t>(i - 2)]);
   }
   // Growing sizes: each buffer may still reuse what two layers back freed.
   std::vector<BufferRequest> grow;

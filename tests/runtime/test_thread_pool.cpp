@@ -85,12 +85,13 @@ TEST(ThreadPool, ManyRunsInARow) {
 TEST(ThreadPool, ExceptionsPropagate) {
   ThreadPool pool(4);
   // From a worker's chunk (not the caller's, which is [0, ...)).
-  expect_error([&] {
-    pool.parallel_for(100, 1, [](std::int64_t b, std::int64_t) {
-      if (b >= 75) throw kg::Error("bad row " + std::to_string(b));
-    });
-  },
-               {"bad row 75"});
+  expect_error(
+      [&] {
+        pool.parallel_for(100, 1, [](std::int64_t b, std::int64_t) {
+          if (b >= 75) throw kg::Error("bad row " + std::to_string(b));
+        });
+      },
+      {"bad row 75"});
   // From the caller's chunk.
   EXPECT_THROW(pool.parallel_for(100, 1,
                                  [](std::int64_t b, std::int64_t) {
@@ -107,8 +108,9 @@ TEST(ThreadPool, ExceptionsPropagate) {
                std::runtime_error);
   EXPECT_EQ(ran.load(), 4);
   // Inline path (one chunk) too.
-  EXPECT_THROW(pool.parallel_for(3, 100, [](std::int64_t, std::int64_t) { throw std::logic_error("inline"); }),
-               std::logic_error);
+  EXPECT_THROW(
+      pool.parallel_for(3, 100, [](std::int64_t, std::int64_t) { throw std::logic_error("inline"); }),
+      std::logic_error);
   // The pool still works afterwards.
   check_cover(pool, 1000, 1);
 }

@@ -71,7 +71,8 @@ std::map<std::string, kg::Tensor> random_params(std::mt19937_64& rng, kg::DType 
 
 ::testing::AssertionResult same_values(const kg::Tensor& a, const kg::Tensor& b) {
   if (a.shape() != b.shape())
-    return ::testing::AssertionFailure() << kg::sizes_to_string(a.shape()) << " vs " << kg::sizes_to_string(b.shape());
+    return ::testing::AssertionFailure()
+           << kg::sizes_to_string(a.shape()) << " vs " << kg::sizes_to_string(b.shape());
   for (std::int64_t i = 0; i < a.numel(); ++i)
     if (!(a.item(i) == b.item(i)))
       return ::testing::AssertionFailure() << "element " << i << ": " << a.item(i) << " vs " << b.item(i);
@@ -82,10 +83,10 @@ std::map<std::string, kg::Tensor> random_params(std::mt19937_64& rng, kg::DType 
 struct TempFile {
   std::string path;
   explicit TempFile(const std::string& stem) {
-    path = (std::filesystem::temp_directory_path() /
-            ("kg_weights_" + stem + "_" + std::to_string(::getpid()) + "_" + std::to_string(fresh_seed()) +
-             ".safetensors"))
-               .string();
+    path =
+        (std::filesystem::temp_directory_path() / ("kg_weights_" + stem + "_" + std::to_string(::getpid()) +
+                                                   "_" + std::to_string(fresh_seed()) + ".safetensors"))
+            .string();
   }
   ~TempFile() { std::filesystem::remove(path); }
 };
@@ -137,9 +138,9 @@ TEST(Weights, DefaultInitFollowsPyTorchBounds) {
     }
     EXPECT_GE(lo, -bound);
     EXPECT_LE(hi, bound);
-    EXPECT_LT(lo, hi);  // not constant
-    EXPECT_TRUE(same_values(t, m1b.parameter(name)));       // same seed, same values
-    EXPECT_FALSE(same_values(t, m2.parameter(name)));       // another seed, other values
+    EXPECT_LT(lo, hi);                                 // not constant
+    EXPECT_TRUE(same_values(t, m1b.parameter(name)));  // same seed, same values
+    EXPECT_FALSE(same_values(t, m2.parameter(name)));  // another seed, other values
   }
 }
 
@@ -153,7 +154,8 @@ TEST(Weights, LoadStateDictSetsValuesUsedByForward) {
     m.load_state_dict(p);
     for (const auto& [name, t] : p) EXPECT_TRUE(same_values(m.parameter(name), t)) << name;
     kg::Tensor x = kg_test::random_tensor(rng, dt, {7, 6});
-    EXPECT_TRUE(kg_test::all_close(m.forward({x})[0], reference(x, p), dt == kg::DType::F32 ? 1e-5 : 1e-12, 1e-6));
+    EXPECT_TRUE(
+        kg_test::all_close(m.forward({x})[0], reference(x, p), dt == kg::DType::F32 ? 1e-5 : 1e-12, 1e-6));
     // The model keeps its own copy: changing the source afterwards changes nothing.
     p.at("head.weight").fill(0.0);
     EXPECT_FALSE(same_values(m.parameter("head.weight"), p.at("head.weight")));
@@ -189,8 +191,8 @@ TEST(Weights, SaveAndLoadRoundTrip) {
     dst.load_weights(file.path);
     for (const auto& [name, t] : p) EXPECT_TRUE(same_values(dst.parameter(name), t)) << name;
     kg::Tensor x = kg_test::random_tensor(rng, dt, {5, 6});
-    EXPECT_TRUE(kg_test::all_close(dst.forward({x})[0], reference(x, p), dt == kg::DType::F32 ? 1e-5 : 1e-12,
-                                   1e-6));
+    EXPECT_TRUE(
+        kg_test::all_close(dst.forward({x})[0], reference(x, p), dt == kg::DType::F32 ? 1e-5 : 1e-12, 1e-6));
     // state_dict -> load_state_dict round trip as well.
     kg::LoadedModel third = model.load(kg::Device::cpu(), {{1, 6}}, opt);
     third.load_state_dict(dst.state_dict());
@@ -205,8 +207,8 @@ TEST(Weights, StrictLoadListsEveryProblemAtOnce) {
   kg::LoadedModel m = two_layer(kg::DType::F32).load(kg::Device::cpu(), {{2, 6}});
   const auto before = m.state_dict();
   auto p = random_params(rng, kg::DType::F32);
-  p.erase("head.weight");                                                     // missing
-  p["extra.thing"] = kg_test::random_tensor(rng, kg::DType::F32, {3});        // extra
+  p.erase("head.weight");                                                    // missing
+  p["extra.thing"] = kg_test::random_tensor(rng, kg::DType::F32, {3});       // extra
   p["enc.fc.weight"] = kg_test::random_tensor(rng, kg::DType::F32, {5, 7});  // mis-shaped
   int errors = 0;
   try {
@@ -227,8 +229,9 @@ TEST(Weights, StrictLoadListsEveryProblemAtOnce) {
   // The same through a file: the error also names the file.
   TempFile file("strict");
   kg::write_safetensors(file.path, p);
-  expect_error([&] { m.load_weights(file.path); },
-               {file.path, "head.weight [2, 5] f32", "extra.thing [3] f32", "enc.fc.weight: file has [5, 7] f32"});
+  expect_error(
+      [&] { m.load_weights(file.path); },
+      {file.path, "head.weight [2, 5] f32", "extra.thing [3] f32", "enc.fc.weight: file has [5, 7] f32"});
 
   // Not strict: missing and extra are fine, a mis-shaped tensor is still an error.
   expect_error([&] { m.load_state_dict(p, false); }, {"wrong shape or dtype (1)", "enc.fc.weight"});

@@ -64,6 +64,7 @@ void ThreadPool::worker_loop(int index) {
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (err && !error_) error_ = err;
+      err = nullptr;  // drop this thread's reference before the caller may free the exception
       if (--pending_ == 0) done_cv_.notify_one();
     }
   }
