@@ -44,7 +44,7 @@ class SymTensor {
 
   // Starts a graph with one input: `auto [x, graph] = SymTensor::input(DType::F32, {dynamic, 784});`
   static std::pair<SymTensor, std::shared_ptr<Graph>> input(DType dtype, Shape shape,
-                                                            std::string name = "input");
+                                                            std::string name = "");
 
   // Records `data` with this tensor as first input, then `other_inputs`. `dtype` overrides the
   // op's output dtype; `name` is the node's name inside the current scope (default: derived
@@ -74,8 +74,8 @@ class Graph : public std::enable_shared_from_this<Graph> {
  public:
   static std::shared_ptr<Graph> create();
 
-  // Adds a model input. Names are unique.
-  SymTensor input(DType dtype, Shape shape, std::string name = "input");
+  // Adds a model input. Names are unique; without one it is "input", "input_1", ...
+  SymTensor input(DType dtype, Shape shape, std::string name = "");
   // Records an op node (SymTensor::record_custom is the usual way in).
   SymTensor record(const CustomData& data, const std::vector<SymTensor>& inputs,
                    std::optional<DType> dtype = std::nullopt, const std::string& name = "");

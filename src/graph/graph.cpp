@@ -76,7 +76,7 @@ SymTensor Graph::input(DType dtype, Shape shape, std::string name) {
   n.id = static_cast<int>(nodes_.size());
   n.kind = Node::Kind::Input;
   try {
-    n.name = unique_name(name.empty() ? "input" : name, "input");
+    n.name = unique_name(name, "input");
   } catch (const Error& e) {
     throw Error(util::cat("[input @ ", scope().empty() ? "" : scope() + ".", name.empty() ? "input" : name,
                           "] ", e.what()));

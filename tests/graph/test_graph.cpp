@@ -112,8 +112,10 @@ TEST(Graph, InputStartsAGraph) {
   EXPECT_EQ(g->find("nothing"), -1);
   // Input names are unique like every node name.
   expect_error([&] { g->input(kg::DType::F32, {2}, "mask"); }, {"'mask'", "already used", "input"});
-  expect_error([&] { g->input(kg::DType::F32, {2}); }, {"'input'", "already used"});
   EXPECT_EQ(g->inputs().size(), 3u);
+  // Unnamed inputs are numbered.
+  EXPECT_EQ(g->input(kg::DType::F32, {2}).name(), "input");
+  EXPECT_EQ(g->input(kg::DType::F32, {2}).name(), "input_1");
 }
 
 TEST(Graph, SymTensorIsAHandle) {
