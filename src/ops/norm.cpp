@@ -5,9 +5,105 @@
 #include <cmath>
 
 #include "kg/ops.hpp"
+#include "ops/fast_div.hpp"
+#include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
+namespace {
+
+constexpr unsigned kNormThreads = 256;  // KG_NORM_THREADS in norm.cu
+
+// nn.batch_norm2d on the GPU, inference mode: launch 0 folds the running statistics into a
+// per-channel scale and shift (in scratch), launch 1 applies them elementwise.
+class BatchNorm2dRuntime final : public RuntimeOp {
+ public:
+  BatchNorm2dRuntime(std::int64_t channels, double eps, DType dtype)
+      : c_(channels), eps_(eps), dtype_(dtype) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {{c_}, {c_}, {c_}, {c_}, {}};
+  }
+  std::size_t scratch_bytes(const std::vector<std::vector<std::int64_t>>&,
+                            const std::vector<std::int64_t>&) const override {
+    return static_cast<std::size_t>(2 * c_) * dtype_size(dtype_);
+  }
+  int n_launches(const std::vector<std::int64_t>&) const override { return 2; }
+  void pack_args(const std::vector<DeviceTensor>&, const std::vector<DeviceTensor>&, const DeviceTensor&,
+                 const std::vector<std::int64_t>&, std::int64_t, ArgVisitor&) const override {
+    throw Error("nn.batch_norm2d: its launches need the scratch buffer; pack them with pack_args_for_launch");
+  }
+  void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
+                            const std::vector<DeviceTensor>& params, const DeviceTensor& output,
+                            const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr scratch,
+                            ArgVisitor& v) const override {
+    v.pointer(inputs[0].ptr);
+    for (int i = 0; i < 4; ++i) v.pointer(params[static_cast<std::size_t>(i)].ptr);
+    v.pointer(output.ptr);
+    v.pointer(scratch);
+    v.i64(numel_of(shape));
+    v.i64(c_);
+    v.f64(eps_);
+    v.i32(launch);
+    const FastDiv hw = fast_div(shape[2] * shape[3]), c = fast_div(c_);
+    v.bytes(&hw, sizeof hw);
+    v.bytes(&c, sizeof c);
+  }
+  Dim3 block() const override { return {kNormThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    return grid_1d((numel_of(shape) + kUnroll - 1) / kUnroll, kNormThreads);  // kg_for_each_unrolled
+  }
+  Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
+    return launch == 0 ? grid_1d(c_, kNormThreads) : grid(shape);
+  }
+
+ private:
+  std::int64_t c_;
+  double eps_;
+  DType dtype_;
+};
+
+// nn.layer_norm on the GPU: one warp per row up to 1024 elements (8 rows per block), else one
+// block per row.
+class LayerNormRuntime final : public RuntimeOp {
+ public:
+  LayerNormRuntime(std::vector<std::int64_t> normalized_shape, double eps, bool affine)
+      : shape_(std::move(normalized_shape)), inner_(numel_of(shape_)), eps_(eps), affine_(affine) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    if (!affine_) return {};
+    return {shape_, shape_};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    v.pointer(inputs[0].ptr);
+    v.pointer(affine_ ? params[0].ptr : 0);
+    v.pointer(affine_ ? params[1].ptr : 0);
+    v.pointer(output.ptr);
+    v.i64(rows(shape));
+    v.i64(inner_);
+    v.f64(eps_);
+  }
+  Dim3 block() const override { return {kNormThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    const std::int64_t r = rows(shape);
+    // KG_LN_WARP_MAX in norm.cu: shorter rows take a warp each.
+    const std::int64_t blocks = inner_ <= 1024 ? (r + kNormThreads / 32 - 1) / (kNormThreads / 32) : r;
+    return {static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, 65535LL * 32)), 1, 1};
+  }
+
+ private:
+  std::int64_t rows(const std::vector<std::int64_t>& shape) const { return numel_of(shape) / inner_; }
+  std::vector<std::int64_t> shape_;
+  std::int64_t inner_;
+  double eps_;
+  bool affine_;
+};
+
+}  // namespace
 
 // ---- nn.batch_norm2d ----
 
@@ -43,6 +139,13 @@ std::vector<ParamSpec> BatchNorm2dOp::parameters() const {
       {"running_var", {channels_}, dtype_, ParamInit::constant(1.0), false},
       {"num_batches_tracked", {}, DType::I64, ParamInit::constant(0.0), false},
   };
+}
+
+// Inference only: the kernel normalises with the running statistics. Training mode (batch
+// statistics, running-average updates) is not lowered yet.
+std::optional<Lowered> BatchNorm2dOp::lower() const {
+  return Lowered{"nn.batch_norm2d", kernel_file("norm.cu"), entry_for("kg_batch_norm2d", dtype_),
+                 std::make_shared<BatchNorm2dRuntime>(channels_, eps_, dtype_)};
 }
 
 void BatchNorm2dOp::cpu_forward(CpuContext& ctx) const {
@@ -160,6 +263,11 @@ class LayerNormOp final : public CustomOp {
     if (!affine_) return {};
     return {{"weight", shape_, dtype_, ParamInit::constant(1.0), true},
             {"bias", shape_, dtype_, ParamInit::constant(0.0), true}};
+  }
+
+  std::optional<Lowered> lower() const override {
+    return Lowered{"nn.layer_norm", kernel_file("norm.cu"), entry_for("kg_layer_norm", dtype_),
+                   std::make_shared<LayerNormRuntime>(shape_, eps_, affine_)};
   }
 
   void cpu_forward(CpuContext& ctx) const override {

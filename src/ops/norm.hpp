@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,8 @@ class BatchNorm2dOp final : public CustomOp {
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
   DType infer_output_dtype(const std::vector<DType>& in) const override;
   std::vector<ParamSpec> parameters() const override;
+  // The GPU kernel (src/ops/norm.cu); it normalises with the running statistics.
+  std::optional<Lowered> lower() const override;
   void cpu_forward(CpuContext& ctx) const override;
 
   std::int64_t channels() const { return channels_; }

@@ -6,10 +6,30 @@
 #include <numeric>
 
 #include "kg/ops.hpp"
+#include "ops/fast_div.hpp"
+#include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
+
+constexpr unsigned kCopyThreads = 256;  // KG_COPY_THREADS in shape_ops.cu
+
+// The copy kernel for a dtype, by element width: "<stem>_u8" ... "<stem>_u64".
+std::string width_entry(const std::string& stem, DType t) {
+  switch (dtype_size(t)) {
+    case 1:
+      return stem + "_u8";
+    case 2:
+      return stem + "_u16";
+    case 4:
+      return stem + "_u32";
+    case 8:
+      return stem + "_u64";
+    default:
+      throw Error(util::cat(stem, ": no copy kernel for ", dtype_name(t), " (", dtype_size(t), " bytes)"));
+  }
+}
 
 // Copies the input's bytes when the runtime did not alias the output to it.
 void copy_view(CpuContext& ctx) {
@@ -172,9 +192,10 @@ void dispatch_width(std::size_t width, F&& fn) {
 
 class PermuteOp final : public CustomOp {
  public:
-  explicit PermuteOp(std::vector<std::int64_t> dims) : dims_(std::move(dims)) {}
+  PermuteOp(std::vector<std::int64_t> dims, DType dtype) : dims_(std::move(dims)), dtype_(dtype) {}
   // transpose(dim0, dim1): the permutation is built once the rank is known.
-  PermuteOp(std::int64_t dim0, std::int64_t dim1) : transpose_(true), t0_(dim0), t1_(dim1) {}
+  PermuteOp(std::int64_t dim0, std::int64_t dim1, DType dtype)
+      : transpose_(true), t0_(dim0), t1_(dim1), dtype_(dtype) {}
   std::string name() const override { return "nn.permute"; }
   std::string attributes() const override {
     return transpose_ ? util::cat("transpose=", t0_, ",", t1_) : util::cat("dims=", sizes_to_string(dims_));
@@ -213,6 +234,8 @@ class PermuteOp final : public CustomOp {
     for (std::size_t d : perm(x.rank())) out.push_back(x[d]);
     return out;
   }
+
+  std::optional<Lowered> lower() const override;
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -262,7 +285,112 @@ class PermuteOp final : public CustomOp {
   std::vector<std::int64_t> dims_;
   bool transpose_ = false;
   std::int64_t t0_ = 0, t1_ = 0;
+  DType dtype_;  // the input's, recorded to pick the kernel's element width
 };
+
+constexpr std::size_t kPermuteMaxDims = 8;  // KG_PERMUTE_MAX_DIMS
+constexpr std::int64_t kTile = 32;          // KG_TILE
+constexpr std::int64_t kTiledMin = 16;      // both tiled dims at least this long
+
+// Laid out as the kernel's KgPermuteArgs.
+struct PermuteArgs {
+  std::int64_t total = 0;
+  std::int64_t rank = 0;
+  std::int64_t tiled_p = -1;
+  FastDiv tiles_a, tiles_b;
+  FastDiv size[kPermuteMaxDims] = {};
+  std::int64_t src_stride[kPermuteMaxDims] = {};
+  std::int64_t dst_stride[kPermuteMaxDims] = {};
+};
+static_assert(sizeof(PermuteArgs) == 24 + 32 + 32 * kPermuteMaxDims);
+
+// nn.permute on the GPU: see shape_ops.cu for the gather and tiled paths.
+class PermuteRuntime final : public RuntimeOp {
+ public:
+  explicit PermuteRuntime(PermuteOp op) : op_(std::move(op)) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    const PermuteArgs args = plan(shape);
+    v.pointer(inputs[0].ptr);
+    v.pointer(output.ptr);
+    v.bytes(&args, sizeof args);
+  }
+  Dim3 block() const override { return {kCopyThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    const PermuteArgs a = plan(shape);
+    if (a.tiled_p < 0) return grid_1d((a.total + kUnroll - 1) / kUnroll, kCopyThreads);
+    const std::int64_t tiles =
+        a.tiles_a.d * a.tiles_b.d * (a.total / (a.size[a.tiled_p].d * a.size[a.rank - 1].d));
+    return {static_cast<unsigned>(std::clamp<std::int64_t>(tiles, 1, 65535LL * 32)), 1, 1};
+  }
+
+  // The copy as the kernel sees it, from the output shape: size-1 dims dropped, output dims that
+  // are adjacent in the input too merged, and the path chosen.
+  PermuteArgs plan(const std::vector<std::int64_t>& out_shape) const {
+    const std::size_t r = out_shape.size();
+    const std::vector<std::size_t> p = op_.perm(r);
+    std::vector<std::int64_t> in_shape(r), in_stride(r);
+    for (std::size_t i = 0; i < r; ++i) in_shape[p[i]] = out_shape[i];
+    std::int64_t st = 1;
+    for (std::size_t i = r; i-- > 0;) {
+      in_stride[i] = st;
+      st *= in_shape[i];
+    }
+    std::vector<std::int64_t> size, src;
+    for (std::size_t i = 0; i < r; ++i) {
+      const std::int64_t n = out_shape[i], stride = in_stride[p[i]];
+      if (n == 1) continue;
+      if (!size.empty() && src.back() == stride * n) {
+        size.back() *= n;
+        src.back() = stride;
+      } else {
+        size.push_back(n);
+        src.push_back(stride);
+      }
+    }
+    if (size.empty()) {
+      size.push_back(1);
+      src.push_back(1);
+    }
+    if (size.size() > kPermuteMaxDims)
+      throw Error(util::cat("nn.permute: output ", sizes_to_string(out_shape), " needs ", size.size(),
+                            " dims after merging; the GPU kernel handles ", kPermuteMaxDims));
+    PermuteArgs a;
+    a.rank = std::ssize(size);
+    a.total = numel_of(out_shape);
+    std::int64_t dst = 1;
+    for (std::size_t i = size.size(); i-- > 0;) {
+      a.size[i] = fast_div(size[i]);
+      a.src_stride[i] = src[i];
+      a.dst_stride[i] = dst;
+      dst *= size[i];
+    }
+    // The input's last dim is the output dim of stride 1; tile when it is not the output's last.
+    if (src.back() != 1 && size.back() >= kTiledMin) {
+      for (std::size_t i = 0; i + 1 < size.size(); ++i)
+        if (src[i] == 1 && size[i] >= kTiledMin) a.tiled_p = static_cast<std::int64_t>(i);
+    }
+    if (a.tiled_p >= 0) {
+      a.tiles_a = fast_div((size[static_cast<std::size_t>(a.tiled_p)] + kTile - 1) / kTile);
+      a.tiles_b = fast_div((size.back() + kTile - 1) / kTile);
+    }
+    return a;
+  }
+
+ private:
+  PermuteOp op_;
+};
+
+std::optional<Lowered> PermuteOp::lower() const {
+  return Lowered{"nn.permute", kernel_file("shape_ops.cu"), width_entry("kg_permute", dtype_),
+                 std::make_shared<PermuteRuntime>(*this)};
+}
 
 // Copies `total` output bytes in parallel blocks; `piece(p, &src, &avail)` gives the source of
 // output byte p and how many bytes from there are contiguous in both.
@@ -283,9 +411,84 @@ void parallel_gather(CpuContext& ctx, std::byte* dst, std::int64_t total, const 
 
 // ---- nn.concat ----
 
+constexpr std::size_t kConcatMax = 16;  // KG_CONCAT_MAX
+
+// Laid out as the kernel's KgConcatArgs.
+struct ConcatArgs {
+  std::uint64_t src[kConcatMax] = {};
+  std::int64_t chunk[kConcatMax] = {};
+  std::int64_t offset[kConcatMax] = {};
+  FastDiv chunk_div[kConcatMax] = {};
+  std::int64_t outer = 0;
+  std::int64_t row = 0;
+};
+static_assert(sizeof(ConcatArgs) == 16 + 40 * kConcatMax);
+
+// nn.concat on the GPU: one launch per 16 inputs; within a launch, blockIdx.y picks the input.
+class ConcatRuntime final : public RuntimeOp {
+ public:
+  ConcatRuntime(std::int64_t dim, std::size_t n_inputs) : dim_(dim), n_inputs_(n_inputs) {}
+  int n_activation_inputs() const override { return static_cast<int>(n_inputs_); }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  int n_launches(const std::vector<std::int64_t>&) const override {
+    return static_cast<int>((n_inputs_ + kConcatMax - 1) / kConcatMax);
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t row_stride,
+                 ArgVisitor& v) const override {
+    pack_args_for_launch(0, inputs, params, output, shape, row_stride, 0, v);
+  }
+  void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
+                            const std::vector<DeviceTensor>&, const DeviceTensor& output,
+                            const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr,
+                            ArgVisitor& v) const override {
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, shape.size()));
+    ConcatArgs a;
+    std::int64_t inner = 1;
+    a.outer = 1;
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+      if (i < d) a.outer *= shape[i];
+      if (i > d) inner *= shape[i];
+    }
+    a.row = shape[d] * inner;
+    const std::size_t first = static_cast<std::size_t>(launch) * kConcatMax;
+    std::int64_t offset = 0;
+    for (std::size_t k = 0; k < inputs.size() && k < first + kConcatMax; ++k) {
+      const std::int64_t chunk = inputs[k].shape[d] * inner;
+      if (k >= first) {
+        const std::size_t j = k - first;
+        a.src[j] = inputs[k].ptr;
+        a.chunk[j] = chunk;
+        a.offset[j] = offset;
+        a.chunk_div[j] = fast_div(chunk);
+      }
+      offset += chunk;
+    }
+    v.pointer(output.ptr);
+    v.bytes(&a, sizeof a);
+  }
+  Dim3 block() const override { return {kCopyThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return grid_for_launch(0, shape); }
+  Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
+    const std::size_t first = static_cast<std::size_t>(launch) * kConcatMax;
+    const std::size_t count = std::min(kConcatMax, n_inputs_ - std::min(first, n_inputs_));
+    // The blocks of each input stride over its elements; 1024 blocks fill the GPU.
+    return {grid_1d((numel_of(shape) + kUnroll - 1) / kUnroll, kCopyThreads, 1024).x,
+            static_cast<unsigned>(std::max<std::size_t>(count, 1)), 1};
+  }
+
+ private:
+  std::int64_t dim_;
+  std::size_t n_inputs_;
+};
+
 class ConcatOp final : public CustomOp {
  public:
-  explicit ConcatOp(std::int64_t dim) : dim_(dim) {}
+  ConcatOp(std::int64_t dim, std::size_t n_inputs, DType dtype)
+      : dim_(dim), n_inputs_(n_inputs), dtype_(dtype) {}
   std::string name() const override { return "nn.concat"; }
   std::string attributes() const override { return util::cat("dim=", dim_); }
 
@@ -337,6 +540,11 @@ class ConcatOp final : public CustomOp {
     return CustomOp::infer_output_dtype(in);
   }
 
+  std::optional<Lowered> lower() const override {
+    return Lowered{"nn.concat", kernel_file("shape_ops.cu"), width_entry("kg_concat", dtype_),
+                   std::make_shared<ConcatRuntime>(dim_, n_inputs_)};
+  }
+
   void cpu_forward(CpuContext& ctx) const override {
     const auto& s0 = ctx.inputs[0].shape();
     const auto d = static_cast<std::size_t>(normalize_dim(dim_, s0.size()));
@@ -369,6 +577,8 @@ class ConcatOp final : public CustomOp {
 
  private:
   std::int64_t dim_;
+  std::size_t n_inputs_;  // recorded: the GPU lowering sizes its launches from it
+  DType dtype_;
 };
 
 // ---- nn.slice ----
@@ -379,10 +589,49 @@ std::int64_t clamp_bound(std::int64_t v, std::int64_t size) {
   return std::clamp<std::int64_t>(v, 0, size);
 }
 
+// nn.slice on the GPU: out[o, j, r] = in[o, begin + j*step, r], gathered element by element.
+class SliceRuntime final : public RuntimeOp {
+ public:
+  SliceRuntime(std::int64_t dim, std::int64_t start, std::int64_t step)
+      : dim_(dim), start_(start), step_(step) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    const auto& in = inputs[0].shape;
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, in.size()));
+    std::int64_t inner = 1;
+    for (std::size_t i = d + 1; i < in.size(); ++i) inner *= in[i];
+    const std::int64_t size = in[d], len = shape[d], begin = clamp_bound(start_, size);
+    // A step-1 slice takes len * inner contiguous elements per outer index.
+    const std::int64_t run = step_ == 1 ? len * inner : inner, per = step_ == 1 ? 1 : len;
+    const FastDiv run_div = fast_div(run), per_div = fast_div(per);
+    v.pointer(inputs[0].ptr);
+    v.pointer(output.ptr);
+    v.i64(numel_of(shape));
+    v.bytes(&run_div, sizeof run_div);
+    v.bytes(&per_div, sizeof per_div);
+    v.i64(size * inner);
+    v.i64(begin * inner);
+    v.i64(step_ * inner);
+  }
+  Dim3 block() const override { return {kCopyThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    return grid_1d((numel_of(shape) + kUnroll - 1) / kUnroll, kCopyThreads);
+  }
+
+ private:
+  std::int64_t dim_, start_, step_;
+};
+
 class SliceOp final : public CustomOp {
  public:
-  SliceOp(std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step)
-      : dim_(dim), start_(start), end_(end), step_(step) {}
+  SliceOp(std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step, DType dtype)
+      : dim_(dim), start_(start), end_(end), step_(step), dtype_(dtype) {}
   std::string name() const override { return "nn.slice"; }
   std::string attributes() const override {
     return util::cat("dim=", dim_, " start=", start_, " end=", end_, " step=", step_);
@@ -406,6 +655,11 @@ class SliceOp final : public CustomOp {
       out[d] = Dim(dynamic);  // depends on the size, known at load
     }
     return out;
+  }
+
+  std::optional<Lowered> lower() const override {
+    return Lowered{"nn.slice", kernel_file("shape_ops.cu"), width_entry("kg_slice", dtype_),
+                   std::make_shared<SliceRuntime>(dim_, start_, step_)};
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -461,6 +715,7 @@ class SliceOp final : public CustomOp {
   }
 
   std::int64_t dim_, start_, end_, step_;
+  DType dtype_;  // the input's, recorded to pick the kernel's element width
 };
 
 }  // namespace
@@ -477,22 +732,23 @@ SymTensor reshape(const SymTensor& x, const std::vector<std::int64_t>& sizes, co
 }
 
 SymTensor transpose(const SymTensor& x, std::int64_t dim0, std::int64_t dim1, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::PermuteOp>(dim0, dim1), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::PermuteOp>(dim0, dim1, x.dtype()), {}, std::nullopt, name);
 }
 
 SymTensor permute(const SymTensor& x, const std::vector<std::int64_t>& dims, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::PermuteOp>(dims), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::PermuteOp>(dims, x.dtype()), {}, std::nullopt, name);
 }
 
 SymTensor concat(const std::vector<SymTensor>& xs, std::int64_t dim, const std::string& name) {
   if (xs.empty()) throw Error("[nn.concat] needs at least one tensor, got none");
-  return xs[0].record_custom(CustomData::make<ops::ConcatOp>(dim), {xs.begin() + 1, xs.end()}, std::nullopt,
-                             name);
+  return xs[0].record_custom(CustomData::make<ops::ConcatOp>(dim, xs.size(), xs[0].dtype()),
+                             {xs.begin() + 1, xs.end()}, std::nullopt, name);
 }
 
 SymTensor slice(const SymTensor& x, std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step,
                 const std::string& name) {
-  return x.record_custom(CustomData::make<ops::SliceOp>(dim, start, end, step), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::SliceOp>(dim, start, end, step, x.dtype()), {}, std::nullopt,
+                         name);
 }
 
 }  // namespace kg

@@ -4,14 +4,77 @@
 #include <cmath>
 
 #include "kg/ops.hpp"
+#include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
 
+// The input as [outer, n, inner] with the softmax over n.
+struct SoftmaxExtents {
+  std::int64_t outer = 1, n = 1, inner = 1;
+};
+
+SoftmaxExtents softmax_extents(const std::vector<std::int64_t>& shape, std::int64_t dim) {
+  SoftmaxExtents e;
+  if (shape.empty()) return e;  // a scalar: one element
+  const auto d = static_cast<std::size_t>(normalize_dim(dim, shape.size()));
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i < d)
+      e.outer *= shape[i];
+    else if (i == d)
+      e.n = shape[i];
+    else
+      e.inner *= shape[i];
+  }
+  return e;
+}
+
+// The GPU half: see softmax.cu for the three row layouts.
+class SoftmaxRuntime final : public RuntimeOp {
+ public:
+  static constexpr unsigned kThreads = 256;       // KG_SOFTMAX_THREADS
+  static constexpr std::int64_t kWarpMax = 1024;  // KG_SOFTMAX_WARP_MAX
+
+  explicit SoftmaxRuntime(std::int64_t dim) : dim_(dim) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    const SoftmaxExtents e = softmax_extents(shape, dim_);
+    v.pointer(inputs[0].ptr);
+    v.pointer(output.ptr);
+    v.i64(e.outer);
+    v.i64(e.n);
+    v.i64(e.inner);
+  }
+  Dim3 block() const override { return {kThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    const SoftmaxExtents e = softmax_extents(shape, dim_);
+    if (e.inner > 1) {
+      // Blocks of `width` adjacent columns: a power of two from 2 to 32 (kg_softmax_width).
+      std::int64_t width = 2;
+      while (width < 32 && width < e.inner) width *= 2;
+      const std::int64_t blocks = e.outer * ((e.inner + width - 1) / width);
+      return {static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, 65535LL * 32)), 1, 1};
+    }
+    const std::int64_t rows_per_block = e.n <= kWarpMax ? kThreads / 32 : 1;
+    return {static_cast<unsigned>(
+                std::clamp<std::int64_t>((e.outer + rows_per_block - 1) / rows_per_block, 1, 65535LL * 32)),
+            1, 1};
+  }
+
+ private:
+  std::int64_t dim_;
+};
+
 class SoftmaxOp final : public CustomOp {
  public:
-  SoftmaxOp(std::int64_t dim, bool log) : dim_(dim), log_(log) {}
+  SoftmaxOp(std::int64_t dim, bool log, DType dtype) : dim_(dim), log_(log), dtype_(dtype) {}
   std::string name() const override { return log_ ? "nn.log_softmax" : "nn.softmax"; }
   std::string attributes() const override { return util::cat("dim=", dim_); }
 
@@ -22,6 +85,12 @@ class SoftmaxOp final : public CustomOp {
     return in[0];
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+
+  std::optional<Lowered> lower() const override {
+    return Lowered{name(), kernel_file("softmax.cu"),
+                   entry_for(log_ ? "kg_log_softmax" : "kg_softmax", dtype_),
+                   std::make_shared<SoftmaxRuntime>(dim_)};
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -125,6 +194,7 @@ class SoftmaxOp final : public CustomOp {
 
   std::int64_t dim_;
   bool log_;
+  DType dtype_;  // the input's, recorded to pick the kernel
 };
 
 }  // namespace
@@ -133,11 +203,11 @@ class SoftmaxOp final : public CustomOp {
 namespace kg {
 
 SymTensor softmax(const SymTensor& x, std::int64_t dim, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, false), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, false, x.dtype()), {}, std::nullopt, name);
 }
 
 SymTensor log_softmax(const SymTensor& x, std::int64_t dim, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, true), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, true, x.dtype()), {}, std::nullopt, name);
 }
 
 }  // namespace kg

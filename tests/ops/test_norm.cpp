@@ -1,5 +1,7 @@
 #include <cmath>
 
+#include "compile/compiler.hpp"
+#include "lower/dry_run.hpp"
 #include "ops/norm.hpp"
 #include "support/test_util.hpp"
 
@@ -85,6 +87,31 @@ kg::Tensor run_training_graph(const std::function<kg::SymTensor(const kg::SymTen
   kg::Tensor y = m.forward({x})[0];
   EXPECT_TRUE(kg_test::all_written(y));
   return y;
+}
+
+// kg_test::check_lowering with the given parameters (it keeps the default ones, which make a
+// batch norm nearly the identity): a dry run at sm_90 where NVRTC is present, returning its
+// launches, and where a GPU is present the GPU output compared with the CPU's.
+std::optional<kg::lower::DryRun> check_lowering_with_params(
+    const std::function<kg::SymTensor(const kg::SymTensor&)>& build, const kg::Tensor& x,
+    const std::map<std::string, kg::Tensor>& params, double rtol, double atol) {
+  kg::Shape s = kg::Shape::of(x.shape());
+  s[0] = kg::Dim::named("batch");
+  auto [in, g] = kg::SymTensor::input(x.dtype(), s, "x");
+  kg::Model model(g, {build(in)});
+  std::optional<kg::lower::DryRun> dry;
+  if (kg::compile::Compiler::available()) dry = kg::lower::dry_run(model, {x.shape()}, 90);
+  if (!kg::Device::cuda_available()) return dry;
+  kg::LoadOptions opt;
+  opt.poison_buffers = true;
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {x.shape()}, opt);
+  kg::LoadedModel gpu = model.load(kg::Device::cuda(), {x.shape()}, opt);
+  cpu.load_state_dict(params, false);
+  gpu.load_state_dict(params, false);
+  const kg::Tensor want = cpu.forward({x})[0], got = gpu.forward({x})[0];
+  EXPECT_TRUE(kg_test::all_written(got)) << "the kernel left output elements unwritten";
+  EXPECT_TRUE(kg_test::all_close(got, want, rtol, atol)) << "the GPU output differs from the CPU's";
+  return dry;
 }
 
 }  // namespace
@@ -237,6 +264,60 @@ TEST(BatchNorm2d, MatchesPyTorch) {
   }
 }
 
+TEST(BatchNorm2d, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (std::int64_t batch : {1, 7, 96}) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      SCOPED_TRACE(::testing::Message() << "batch " << batch << " " << kg::dtype_name(dt));
+      kg::Tensor x = kg_test::random_tensor(rng, dt, {batch, 6, 9, 13}, -3, 3);
+      const std::map<std::string, kg::Tensor> params{
+          {"bn.weight", kg_test::random_tensor(rng, dt, {6})},
+          {"bn.bias", kg_test::random_tensor(rng, dt, {6})},
+          {"bn.running_mean", kg_test::random_tensor(rng, dt, {6})},
+          {"bn.running_var", kg_test::random_tensor(rng, dt, {6}, 0.2, 2.0)}};
+      // Scale and shift are computed in double as on the CPU; only y = x*scale + shift may round
+      // differently (a fused multiply-add).
+      auto dry = check_lowering_with_params(
+          [](const kg::SymTensor& t) { return kg::nn::batch_norm2d(t, "bn", 1e-3); }, x, params,
+          dt == kg::DType::F32 ? 1e-5 : 1e-12, 1e-6);
+      if (!dry) continue;
+      ASSERT_EQ(dry->launches.steps.size(), 1u);
+      const auto& step = dry->launches.steps[0];
+      EXPECT_EQ(step.entry, dt == kg::DType::F32 ? "kg_batch_norm2d_f32" : "kg_batch_norm2d_f64");
+      EXPECT_EQ(step.scratch_bytes, 2 * 6 * kg::dtype_size(dt));  // per-channel scale and shift
+      ASSERT_EQ(step.launches.size(), 2u);
+      EXPECT_EQ(step.launches[0].grid.x, 1u);  // 6 channels
+      // Four elements per thread, 256 threads per block.
+      EXPECT_EQ(step.launches[1].grid.x, static_cast<unsigned>((batch * 6 * 9 * 13 + 1023) / 1024));
+    }
+  }
+}
+
+TEST(BatchNorm2d, GpuRuntimePacksThroughItsLaunches) {
+  // The two launches share the scratch buffer, which only pack_args_for_launch receives.
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 4, 5, 5});
+  auto y = kg::nn::batch_norm2d(x, "bn");
+  auto lowered = g->node(y.node()).op->op().lower();
+  ASSERT_TRUE(lowered.has_value());
+  EXPECT_EQ(lowered->entry_point, "kg_batch_norm2d_f32");
+  struct Ignore final : kg::ArgVisitor {
+    void pointer(kg::DevicePtr) override {}
+    void i32(std::int32_t) override {}
+    void i64(std::int64_t) override {}
+    void u32(std::uint32_t) override {}
+    void f32(float) override {}
+    void f64(double) override {}
+    void bytes(const void*, std::size_t) override {}
+  } visitor;
+  kg_test::expect_error(
+      [&] {
+        lowered->runtime_op->pack_args({{0, {2, 4, 5, 5}}}, {}, {0, {2, 4, 5, 5}}, {2, 4, 5, 5}, 5, visitor);
+      },
+      {"nn.batch_norm2d", "scratch", "pack_args_for_launch"});
+}
+
 // ---- LayerNorm ----
 
 TEST(LayerNorm, ShapeAndParameters) {
@@ -328,5 +409,41 @@ TEST(LayerNorm, MatchesPyTorch) {
     kg::Tensor z = kg_test::run_op(
         [&](const kg::SymTensor& s) { return kg::nn::layer_norm(s, {6}, "ln", eps, false); }, x);
     EXPECT_TRUE(kg_test::all_close(z, fx.at("y_plain_" + tag), t, t));
+  }
+}
+
+TEST(LayerNorm, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // Rows of 33 elements take one warp each, rows of 1200 one block each.
+  const std::vector<std::vector<std::int64_t>> layouts = {{33}, {4, 300}};
+  for (std::int64_t batch : {1, 7, 130}) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      for (const auto& normalized : layouts) {
+        for (bool affine : {true, false}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "batch " << batch << " " << kg::dtype_name(dt) << " normalized "
+                       << kg::sizes_to_string(normalized) << " affine " << affine);
+          std::vector<std::int64_t> shape{batch, 3};
+          shape.insert(shape.end(), normalized.begin(), normalized.end());
+          kg::Tensor x = kg_test::random_tensor(rng, dt, shape, -3, 5);
+          std::map<std::string, kg::Tensor> params;
+          if (affine) {
+            params["ln.weight"] = kg_test::random_tensor(rng, dt, normalized);
+            params["ln.bias"] = kg_test::random_tensor(rng, dt, normalized);
+          }
+          // The kernel sums in the input's precision, the CPU in double: f32 needs atol 1e-5.
+          auto dry = check_lowering_with_params(
+              [&](const kg::SymTensor& t) { return kg::nn::layer_norm(t, normalized, "ln", 1e-4, affine); },
+              x, params, dt == kg::DType::F32 ? 1e-5 : 1e-12, dt == kg::DType::F32 ? 1e-5 : 1e-12);
+          if (!dry) continue;
+          const auto& step = dry->launches.steps.at(0);
+          EXPECT_EQ(step.entry, dt == kg::DType::F32 ? "kg_layer_norm_f32" : "kg_layer_norm_f64");
+          const std::int64_t rows = batch * 3, blocks = normalized.size() == 1 ? (rows + 7) / 8 : rows;
+          EXPECT_EQ(step.launches.at(0).grid.x, static_cast<unsigned>(blocks));
+        }
+      }
+    }
   }
 }

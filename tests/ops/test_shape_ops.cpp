@@ -1,6 +1,9 @@
 #include <cstring>
 #include <limits>
 
+#include "compile/compiler.hpp"
+#include "lower/dry_run.hpp"
+#include "support/gpu_util.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -100,6 +103,59 @@ kg::Tensor iota_i64(std::vector<std::int64_t> shape, std::int64_t base) {
   std::vector<std::int64_t> v(static_cast<std::size_t>(kg::numel_of(shape)));
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = base + static_cast<std::int64_t>(i) * 3;
   return kg::Tensor::from_vector<std::int64_t>(std::move(shape), v);
+}
+
+// Random values of an integer dtype (i8, i16, i32, i64, u8), to check copies by element width.
+kg::Tensor random_ints(std::mt19937_64& rng, kg::DType dt, const std::vector<std::int64_t>& shape) {
+  auto fill = [&](auto zero) {
+    using T = decltype(zero);
+    std::uniform_int_distribution<std::int64_t> u(std::is_signed_v<T> ? -100 : 0, 100);
+    std::vector<T> v(static_cast<std::size_t>(kg::numel_of(shape)));
+    for (T& e : v) e = static_cast<T>(u(rng));
+    return kg::Tensor::from_vector<T>(shape, v);
+  };
+  switch (dt) {
+    case kg::DType::U8:
+      return fill(std::uint8_t{});
+    case kg::DType::I16:
+      return fill(std::int16_t{});
+    case kg::DType::I32:
+      return fill(std::int32_t{});
+    case kg::DType::I64:
+      return fill(std::int64_t{});
+    default:
+      ADD_FAILURE() << "random_ints: " << kg::dtype_name(dt);
+      return kg::Tensor{};
+  }
+}
+
+// Every element width the copy kernels have (1, 2, 4 and 8 bytes), floats and integers.
+const kg::DType kEveryWidth[] = {kg::DType::U8,  kg::DType::I16, kg::DType::F32,
+                                 kg::DType::I32, kg::DType::F64, kg::DType::I64};
+
+kg::Tensor random_of(std::mt19937_64& rng, kg::DType dt, const std::vector<std::int64_t>& shape) {
+  return kg::is_floating(dt) ? kg_test::random_tensor(rng, dt, shape) : random_ints(rng, dt, shape);
+}
+
+const char* width_suffix(kg::DType dt) {
+  switch (kg::dtype_size(dt)) {
+    case 1:
+      return "_u8";
+    case 2:
+      return "_u16";
+    case 4:
+      return "_u32";
+    default:
+      return "_u64";
+  }
+}
+
+// The dry run of `outputs` recorded on inputs of the given shapes (nullopt without NVRTC).
+std::optional<kg::lower::DryRun> dry_run_of(const std::shared_ptr<kg::Graph>& g,
+                                            const std::vector<kg::SymTensor>& outputs,
+                                            const std::vector<std::vector<std::int64_t>>& shapes) {
+  if (!kg::compile::Compiler::available()) return std::nullopt;
+  return kg::lower::dry_run(kg::Model(g, outputs), shapes, 90);
 }
 
 }  // namespace
@@ -540,4 +596,203 @@ TEST(Slice, LargeTensorsAndIntegers) {
   kg::Tensor yi = kg_test::run_op([](const kg::SymTensor& t) { return kg::slice(t, 1, 1, -1, 3); }, xi);
   ASSERT_EQ(yi.dtype(), kg::DType::I64);
   EXPECT_TRUE(same_values(yi, naive_slice(xi, 1, python_slice(8, 1, -1, 3))));
+}
+
+// ---- GPU lowerings ----
+
+TEST(Permute, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Case {
+    std::vector<std::int64_t> shape;  // after the batch dim
+    std::vector<std::int64_t> perm;
+  };
+  const std::vector<Case> cases = {
+      // Gathered element by element (short dims, or the last dim kept).
+      {{3, 5, 4}, {0, 2, 3, 1}},
+      {{3, 5, 4}, {3, 2, 1, 0}},
+      {{3, 5, 4}, {1, 0, 3, 2}},
+      {{3, 5, 4}, {2, 0, 1, 3}},
+      {{40, 50}, {1, 0, 2}},
+      // Through 32×32 tiles: the input's last dim and the output's are both long.
+      {{40, 50}, {0, 2, 1}},
+      {{32, 6, 8}, {0, 2, 3, 1}},    // NCHW -> NHWC
+      {{20, 17, 33}, {0, 3, 1, 2}},  // NHWC -> NCHW, partial tiles
+      {{33, 2, 47}, {3, 1, 2, 0}},
+  };
+  for (std::int64_t batch : {1, 7, 70}) {
+    for (kg::DType dt : kEveryWidth) {
+      // Every case in f32; one gathered and one tiled in the other widths (dry runs are not free).
+      for (std::size_t ci = 0; ci < cases.size(); ++ci) {
+        if (dt != kg::DType::F32 && ci != 1 && ci != 7) continue;
+        const Case& c = cases[ci];
+        SCOPED_TRACE(::testing::Message()
+                     << "batch " << batch << " " << kg::dtype_name(dt) << " shape "
+                     << kg::sizes_to_string(c.shape) << " perm " << kg::sizes_to_string(c.perm));
+        std::vector<std::int64_t> shape{batch};
+        shape.insert(shape.end(), c.shape.begin(), c.shape.end());
+        kg_test::check_lowering(
+            [&](const std::vector<kg::SymTensor>& xs) {
+              return std::vector<kg::SymTensor>{kg::permute(xs[0], c.perm)};
+            },
+            {random_of(rng, dt, shape)}, 0, 0);  // copies are exact
+      }
+      SCOPED_TRACE("transpose(1, -1)");
+      kg_test::check_lowering(
+          [&](const std::vector<kg::SymTensor>& xs) {
+            return std::vector<kg::SymTensor>{kg::transpose(xs[0], 1, -1)};
+          },
+          {random_of(rng, dt, {batch, 36, 3, 20})}, 0, 0);
+    }
+  }
+}
+
+TEST(Permute, GpuPicksGatherOrTiles) {
+  auto grid_of = [](kg::DType dt, std::vector<std::int64_t> shape, std::vector<std::int64_t> perm) {
+    auto [x, g] = kg::SymTensor::input(dt, kg::Shape::of(shape), "x");
+    auto dry = dry_run_of(g, {kg::permute(x, perm)}, {shape});
+    if (!dry) return 0u;
+    const auto& step = dry->launches.steps.at(0);
+    EXPECT_EQ(step.entry, std::string("kg_permute") + width_suffix(dt));
+    return step.launches.at(0).grid.x;
+  };
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "built without NVRTC";
+  // Gather: one thread per four elements, 256 threads per block.
+  EXPECT_EQ(grid_of(kg::DType::F32, {7, 3, 5, 4}, {0, 2, 3, 1}), (7u * 60 + 1023) / 1024);
+  EXPECT_EQ(grid_of(kg::DType::U8, {7, 40, 50}, {1, 0, 2}), (7u * 2000 + 1023) / 1024);
+  // Tiles of 32×32 for each batch entry.
+  EXPECT_EQ(grid_of(kg::DType::F64, {7, 40, 50}, {0, 2, 1}), 7u * 2 * 2);
+  EXPECT_EQ(grid_of(kg::DType::I16, {5, 32, 6, 8}, {0, 2, 3, 1}), 5u * 2 * 1);  // [5, 48, 32]
+  EXPECT_EQ(grid_of(kg::DType::F32, {1, 20, 17, 33}, {0, 3, 1, 2}), 2u * 11);   // [33, 340]
+  // A long dim against a short one gathers.
+  EXPECT_EQ(grid_of(kg::DType::F32, {7, 3, 500}, {0, 2, 1}), (7u * 1500 + 1023) / 1024);
+}
+
+TEST(Permute, GpuRejectsTooManyDims) {
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "built without NVRTC";
+  // Reversing 9 dims leaves no two of them adjacent in the input: nothing merges.
+  std::vector<std::int64_t> shape(9, 2), perm(9);
+  for (std::int64_t i = 0; i < 9; ++i) perm[static_cast<std::size_t>(i)] = 8 - i;
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, kg::Shape::of(shape), "x");
+  auto y = kg::permute(x, perm, "p");
+  kg_test::expect_error([&] { dry_run_of(g, {y}, {shape}); },
+                        {"nn.permute", kg::sizes_to_string(shape), "9 dims after merging", "handles 8"});
+}
+
+TEST(Concat, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (std::int64_t batch : {1, 7, 70}) {
+    for (kg::DType dt : kEveryWidth) {
+      for (std::int64_t dim : {1, 2, 3, -1}) {
+        if (dt != kg::DType::F32 && dim != 2) continue;  // every dim in f32, one in the other widths
+        SCOPED_TRACE(::testing::Message()
+                     << "batch " << batch << " " << kg::dtype_name(dt) << " dim " << dim);
+        const auto d = static_cast<std::size_t>(dim < 0 ? dim + 4 : dim);
+        std::vector<kg::Tensor> xs;
+        for (std::int64_t along : {2, 0, 3, 1}) {  // an empty input among them
+          std::vector<std::int64_t> s{batch, 3, 4, 5};
+          s[d] = along;
+          xs.push_back(random_of(rng, dt, s));
+        }
+        kg_test::check_lowering(
+            [&](const std::vector<kg::SymTensor>& in) {
+              return std::vector<kg::SymTensor>{kg::concat(in, dim)};
+            },
+            xs, 0, 0);
+      }
+      // More inputs than one launch takes (16): two launches.
+      SCOPED_TRACE(::testing::Message() << "batch " << batch << " " << kg::dtype_name(dt) << " 21 inputs");
+      std::vector<kg::Tensor> many;
+      for (std::int64_t k = 0; k < 21; ++k) many.push_back(random_of(rng, dt, {batch, k % 4, 7}));
+      kg_test::check_lowering(
+          [&](const std::vector<kg::SymTensor>& in) { return std::vector<kg::SymTensor>{kg::concat(in, 1)}; },
+          many, 0, 0);
+    }
+  }
+}
+
+TEST(Concat, GpuLaunchesAndTheBatchDim) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // Inputs of different sizes along dim 0, recorded with static shapes.
+  std::vector<kg::Tensor> xs{random_of(rng, kg::DType::F64, {500, 2}),
+                             random_of(rng, kg::DType::F64, {300, 2}),
+                             random_of(rng, kg::DType::F64, {1, 2})};
+  auto g = kg::Graph::create();
+  std::vector<kg::SymTensor> in;
+  for (std::size_t i = 0; i < xs.size(); ++i)
+    in.push_back(g->input(xs[i].dtype(), kg::Shape::of(xs[i].shape()), "x" + std::to_string(i)));
+  auto y = kg::concat(in, 0, "cat");
+  kg::Model model(g, {y});
+  if (kg::compile::Compiler::available()) {
+    auto dry = kg::lower::dry_run(model, {xs[0].shape(), xs[1].shape(), xs[2].shape()}, 90);
+    const auto& step = dry.launches.steps.at(0);
+    EXPECT_EQ(step.entry, "kg_concat_u64");
+    ASSERT_EQ(step.launches.size(), 1u);
+    EXPECT_EQ(step.launches[0].grid.y, 3u);                        // one row of blocks per input
+    EXPECT_EQ(step.launches[0].grid.x, (801u * 2 + 1023) / 1024);  // four elements per thread
+  }
+  if (kg::Device::cuda_available()) {
+    kg::LoadOptions opt;
+    opt.poison_buffers = true;
+    std::vector<std::vector<std::int64_t>> shapes{xs[0].shape(), xs[1].shape(), xs[2].shape()};
+    const kg::Tensor want = model.load(kg::Device::cpu(), shapes, opt).forward(xs)[0];
+    const kg::Tensor got = model.load(kg::Device::cuda(), shapes, opt).forward(xs)[0];
+    EXPECT_TRUE(same_values(got, want));
+  }
+  // 40 inputs: launches of 16, 16 and 8, each a row of blocks per input.
+  if (!kg::compile::Compiler::available()) return;
+  auto [x, g2] = kg::SymTensor::input(kg::DType::F32, {4, 3}, "x");
+  auto many = kg::concat(std::vector<kg::SymTensor>(40, x), 1, "cat");
+  auto dry = dry_run_of(g2, {many}, {{4, 3}});
+  const auto& launches = dry->launches.steps.at(0).launches;
+  ASSERT_EQ(launches.size(), 3u);
+  EXPECT_EQ(launches[0].grid.y, 16u);
+  EXPECT_EQ(launches[1].grid.y, 16u);
+  EXPECT_EQ(launches[2].grid.y, 8u);
+}
+
+TEST(Slice, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<std::int64_t> bound(-9, 9), steps(1, 4);
+  for (std::int64_t batch : {1, 7, 70}) {
+    for (kg::DType dt : kEveryWidth) {
+      kg::Tensor x = random_of(rng, dt, {batch, 6, 5, 4});
+      for (std::int64_t d = 0; d < 4; ++d) {
+        // Every dim in f32 (four slices each), a random dim in the other widths (two slices).
+        if (dt != kg::DType::F32 && d != std::uniform_int_distribution<std::int64_t>(0, 3)(rng)) continue;
+        for (int trial = 0; trial < (dt == kg::DType::F32 ? 4 : 2); ++trial) {
+          // Trial 0 takes a step-1 run to the end; the batch dim takes Python bounds too.
+          const std::int64_t start = bound(rng), end = trial == 0 ? kEnd : bound(rng);
+          const std::int64_t step = trial == 0 ? 1 : steps(rng);
+          SCOPED_TRACE(::testing::Message() << "batch " << batch << " " << kg::dtype_name(dt) << " dim " << d
+                                            << " " << start << ":" << end << ":" << step);
+          kg_test::check_lowering(
+              [&](const std::vector<kg::SymTensor>& xs) {
+                return std::vector<kg::SymTensor>{kg::slice(xs[0], d, start, end, step)};
+              },
+              {x}, 0, 0);
+        }
+      }
+    }
+  }
+}
+
+TEST(Slice, GpuGridCoversTheOutput) {
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "built without NVRTC";
+  for (kg::DType dt : kEveryWidth) {
+    SCOPED_TRACE(kg::dtype_name(dt));
+    auto [x, g] = kg::SymTensor::input(dt, {4, 300, 257}, "x");
+    auto y = kg::slice(x, 2, -200, 250, 3, "s");  // 65 of 257
+    auto dry = dry_run_of(g, {y}, {{4, 300, 257}});
+    const auto& step = dry->launches.steps.at(0);
+    EXPECT_EQ(step.entry, std::string("kg_slice") + width_suffix(dt));
+    EXPECT_EQ(step.launches.at(0).grid.x, (4u * 300 * 65 + 1023) / 1024);  // four elements per thread
+  }
 }

@@ -1,5 +1,8 @@
 #include <cmath>
 
+#include "compile/compiler.hpp"
+#include "lower/dry_run.hpp"
+#include "support/gpu_util.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -152,4 +155,66 @@ TEST(Softmax, MatchesPyTorch) {
         kg_test::all_close(kg_test::run_op([](const kg::SymTensor& t) { return kg::log_softmax(t); }, x),
                            large.at("log_softmax_" + tag), tol, tol));
   }
+}
+
+TEST(Softmax, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Case {
+    std::vector<std::int64_t> shape;  // after the batch dim
+    std::int64_t dim;
+    double lo, hi;
+  };
+  const std::vector<Case> cases = {
+      {{37}, -1, -6, 6},          // contiguous rows, one warp each
+      {{3, 1000}, 2, -6, 6},      // the longest rows a warp takes
+      {{2000}, 1, -6, 6},         // longer rows, one block each
+      {{5, 6}, 1, -6, 6},         // strided: blocks of 8 columns
+      {{5, 6}, 0, -6, 6},         // strided over the batch dim
+      {{300, 2}, 1, -6, 6},       // two columns, long softmaxes
+      {{40, 37}, 1, -6, 6},       // blocks of 32 columns, the second one partial
+      {{9, 40}, -1, 2000, 2050},  // far beyond exp's range: the maximum is subtracted
+      {{4, 9, 6}, -2, 2000, 2050},
+  };
+  for (std::int64_t batch : {1, 7, 130}) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      for (const Case& c : cases) {
+        for (bool log : {false, true}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "batch " << batch << " " << kg::dtype_name(dt) << " shape "
+                       << kg::sizes_to_string(c.shape) << " dim " << c.dim << (log ? " log" : ""));
+          std::vector<std::int64_t> shape{batch};
+          shape.insert(shape.end(), c.shape.begin(), c.shape.end());
+          kg::Tensor x = kg_test::random_tensor(rng, dt, shape, c.lo, c.hi);
+          // The kernel sums the exponentials in the input's precision, the CPU in double.
+          kg_test::check_lowering(
+              [&](const std::vector<kg::SymTensor>& xs) {
+                return std::vector<kg::SymTensor>{apply(xs[0], c.dim, log)};
+              },
+              {x}, dt == kg::DType::F32 ? 1e-5 : 1e-12, dt == kg::DType::F32 ? 1e-6 : 1e-12);
+        }
+      }
+    }
+  }
+}
+
+TEST(Softmax, GpuGridFollowsTheRowLayout) {
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "built without NVRTC";
+  auto grid_of = [](std::vector<std::int64_t> shape, std::int64_t dim, bool log) {
+    auto [x, g] = kg::SymTensor::input(kg::DType::F32, kg::Shape::of(shape), "x");
+    kg::Model model(g, {apply(x, dim, log)});
+    auto dry = kg::lower::dry_run(model, {shape}, 90);
+    const auto& step = dry.launches.steps.at(0);
+    EXPECT_EQ(step.entry, log ? "kg_log_softmax_f32" : "kg_softmax_f32");
+    EXPECT_EQ(step.launches.at(0).block.x, 256u);
+    return step.launches.at(0).grid.x;
+  };
+  EXPECT_EQ(grid_of({130, 37}, 1, false), 17u);           // 130 rows, 8 per block (a warp each)
+  EXPECT_EQ(grid_of({130, 1024}, -1, true), 17u);         // still a warp per row
+  EXPECT_EQ(grid_of({130, 1025}, 1, false), 130u);        // a block per row
+  EXPECT_EQ(grid_of({130, 5, 600}, 1, true), 130u * 19);  // 600 columns in blocks of 32
+  EXPECT_EQ(grid_of({130, 5, 3}, 1, false), 130u);        // 3 columns: one block of width 4
+  EXPECT_EQ(grid_of({70, 9}, 0, false), 1u);              // 9 columns: one block of width 16
+  EXPECT_EQ(grid_of({}, 0, false), 1u);                   // a scalar: one row of one
 }

@@ -1,0 +1,50 @@
+// Index helpers for memory-bound kernels (copies, elementwise normalisation):
+//  - division by a divisor fixed for a launch through a precomputed multiplier (Granlund and
+//    Montgomery's round-up method); the host side is ops/fast_div.hpp, and both lay KgDivider
+//    out the same way (16 bytes, passed by value);
+//  - a grid-stride loop that keeps KG_UNROLL loads in flight per thread.
+#pragma once
+
+#include "kg_device.cuh"
+
+struct KgDivider {
+  unsigned mul;    // magic multiplier, valid when the divisor and dividends are below 2^31
+  unsigned shift;  // ceil(log2(d))
+  long long d;     // the divisor itself, for the 64-bit path
+};
+
+// n / d for 0 <= n. With Small (every dividend and the divisor below 2^31) it takes a multiply-high,
+// an add and a shift; otherwise it is a plain 64-bit division.
+template <bool Small>
+__device__ __forceinline__ kg_index kg_div(const KgDivider& f, kg_index n) {
+  if (Small) {
+    const unsigned u = (unsigned)n;
+    return (kg_index)((__umulhi(u, f.mul) + u) >> f.shift);
+  }
+  return n / f.d;
+}
+
+#define KG_UNROLL 4
+
+// For every i in [0, total): v = load(i), then store(i, v). Each thread takes KG_UNROLL indices a
+// grid stride apart per round and issues their loads before their stores, so that each thread
+// has several memory requests in flight; adjacent threads still touch adjacent indices. Size
+// the grid for total / KG_UNROLL threads (any grid is correct). U = 1 keeps rare paths (64-bit
+// index math) small.
+template <class V, int U = KG_UNROLL, class Load, class Store>
+__device__ __forceinline__ void kg_for_each_unrolled(kg_index total, Load load, Store store) {
+  const kg_index stride = kg_grid_stride();
+  for (kg_index i0 = kg_thread_index(); i0 < total; i0 += U * stride) {
+    V v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const kg_index i = i0 + u * stride;
+      if (i < total) v[u] = load(i);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const kg_index i = i0 + u * stride;
+      if (i < total) store(i, v[u]);
+    }
+  }
+}

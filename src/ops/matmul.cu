@@ -1,0 +1,65 @@
+// nn.matmul on the GPU: C[z] = A[z'] B[z''] for every output batch entry z through the tiled
+// GEMM, where z' and z'' are the operands' batch entries under broadcasting. The batch index is
+// split over up to KG_MATMUL_MAX_LEVELS broadcast levels (adjacent dims that broadcast alike are
+// merged on the host), each with its size and the element strides of A and B (0 where that
+// operand is broadcast). Grid: x over n tiles, y over m tiles, z over batch entries; y and z are
+// capped (65535) and the kernel loops over the rest.
+#include "gemm.cuh"
+
+#define KG_MATMUL_MAX_LEVELS 8
+
+struct KgMatmulBatch {
+  long long batches;  // output batch entries (product of the level sizes)
+  long long levels;
+  long long size[KG_MATMUL_MAX_LEVELS];  // outermost first
+  long long stride_a[KG_MATMUL_MAX_LEVELS];
+  long long stride_b[KG_MATMUL_MAX_LEVELS];
+};
+
+template <class T>
+__device__ __forceinline__ void kg_matmul(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
+                                          long long m, long long n, long long k, long long sam, long long sak,
+                                          long long sbk, long long sbn, const KgMatmulBatch& batch) {
+  for (kg_index z = blockIdx.z; z < batch.batches; z += gridDim.z) {
+    kg_index oa = 0, ob = 0, rem = z;
+    for (int l = (int)batch.levels - 1; l >= 0; --l) {
+      const kg_index q = rem / batch.size[l];
+      const kg_index i = rem - q * batch.size[l];
+      oa += i * batch.stride_a[l];
+      ob += i * batch.stride_b[l];
+      rem = q;
+    }
+    // Rows beyond gridDim.y tiles are taken in further passes.
+    for (kg_index m0 = 0; m0 < m; m0 += (kg_index)gridDim.y * KG_GEMM_BM) {
+      KgGemmArgs<T> p;
+      p.a = a + oa + m0 * sam;
+      p.b = b + ob;
+      p.c = c + z * m * n + m0 * n;
+      p.bias = 0;
+      p.m = m - m0;
+      p.n = n;
+      p.k = k;
+      p.sam = sam;
+      p.sak = sak;
+      p.sbk = sbk;
+      p.sbn = sbn;
+      p.scm = n;
+      p.batch_a = p.batch_b = p.batch_c = 0;
+      kg_gemm_tile<T>(p);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_matmul_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
+                  long long m, long long n, long long k, long long sam, long long sak, long long sbk,
+                  long long sbn, KgMatmulBatch batch) {
+  kg_matmul<float>(a, b, c, m, n, k, sam, sak, sbk, sbn, batch);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_matmul_f64(const double* __restrict__ a, const double* __restrict__ b, double* __restrict__ c,
+                  long long m, long long n, long long k, long long sam, long long sak, long long sbk,
+                  long long sbn, KgMatmulBatch batch) {
+  kg_matmul<double>(a, b, c, m, n, k, sam, sak, sbk, sbn, batch);
+}

@@ -1,0 +1,233 @@
+// nn.permute, nn.concat and nn.slice on the GPU: copies that move elements by their width, so
+// every dtype is served by the entries for 1-, 2-, 4- and 8-byte elements (_u8 ... _u64).
+// Index math divides through KgDivider (32-bit multiply-high when the tensor has fewer than 2^31
+// elements, plain 64-bit division otherwise).
+#include "index.cuh"
+
+#define KG_COPY_THREADS 256
+
+// ---- nn.permute ----
+// The host merges dims that stay adjacent and drops size-1 dims, then picks one of two paths:
+//   gather (tiled_p < 0): each output element read from the source offset of its index;
+//     the reads are coalesced when the last output dim is the input's last dim;
+//   tiled (tiled_p = the output dim that is the input's last): 32×32 tiles through shared
+//     memory, read along the input's last dim and written along the output's last dim, for
+//     each entry of the other dims.
+
+#define KG_PERMUTE_MAX_DIMS 8
+#define KG_TILE 32
+
+struct KgPermuteArgs {
+  long long total;                            // elements
+  long long rank;                             // dims after merging, 1..KG_PERMUTE_MAX_DIMS
+  long long tiled_p;                          // see above
+  KgDivider tiles_a, tiles_b;                 // tiled: tiles along dim tiled_p and the last dim
+  KgDivider size[KG_PERMUTE_MAX_DIMS];        // output dims, outermost first
+  long long src_stride[KG_PERMUTE_MAX_DIMS];  // input elements per step along each output dim
+  long long dst_stride[KG_PERMUTE_MAX_DIMS];  // output elements per step along each output dim
+};
+
+template <class E, bool Small>
+__device__ __forceinline__ void kg_permute_gather(const E* __restrict__ src, E* __restrict__ dst,
+                                                  const KgPermuteArgs& p) {
+  const int rank = (int)p.rank;
+  kg_for_each_unrolled<E, Small ? KG_UNROLL : 1>(
+      p.total,
+      [&](kg_index i) {
+        kg_index rem = i, off = 0;
+#pragma unroll
+        for (int d = KG_PERMUTE_MAX_DIMS - 1; d > 0; --d) {
+          if (d < rank) {
+            const kg_index q = kg_div<Small>(p.size[d], rem);
+            off += (rem - q * p.size[d].d) * p.src_stride[d];
+            rem = q;
+          }
+        }
+        return src[off + rem * p.src_stride[0]];
+      },
+      [&](kg_index i, E v) { dst[i] = v; });
+}
+
+template <class E, bool Small>
+__device__ __forceinline__ void kg_permute_tiled(const E* __restrict__ src, E* __restrict__ dst,
+                                                 const KgPermuteArgs& p) {
+  __shared__ E tile[KG_TILE][KG_TILE + 1];
+  const int rank = (int)p.rank, pa = (int)p.tiled_p, pb = rank - 1;
+  kg_index a_size = 0, b_size = 0, b_src_stride = 0, a_dst_stride = 0;
+#pragma unroll
+  for (int d = 0; d < KG_PERMUTE_MAX_DIMS; ++d) {
+    if (d == pa) a_size = p.size[d].d, a_dst_stride = p.dst_stride[d];
+    if (d == pb) b_size = p.size[d].d, b_src_stride = p.src_stride[d];
+  }
+  const kg_index tiles = p.tiles_a.d * p.tiles_b.d * (p.total / (a_size * b_size));
+  const int tx = threadIdx.x % KG_TILE, ty = threadIdx.x / KG_TILE;
+  const int rows = KG_COPY_THREADS / KG_TILE;
+  for (kg_index t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const kg_index u = kg_div<Small>(p.tiles_a, t), ta = t - u * p.tiles_a.d;
+    kg_index rem = kg_div<Small>(p.tiles_b, u), so = 0, dso = 0;
+    const kg_index tb = u - rem * p.tiles_b.d;
+#pragma unroll
+    for (int d = KG_PERMUTE_MAX_DIMS - 1; d >= 0; --d) {
+      if (d < rank && d != pa && d != pb) {
+        const kg_index q = kg_div<Small>(p.size[d], rem), c = rem - q * p.size[d].d;
+        so += c * p.src_stride[d];
+        dso += c * p.dst_stride[d];
+        rem = q;
+      }
+    }
+    const kg_index a0 = ta * KG_TILE, b0 = tb * KG_TILE;
+#pragma unroll
+    for (int j = ty; j < KG_TILE; j += rows) {
+      const kg_index a = a0 + tx, b = b0 + j;
+      if (a < a_size && b < b_size) tile[j][tx] = src[so + a + b * b_src_stride];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = ty; j < KG_TILE; j += rows) {
+      const kg_index a = a0 + j, b = b0 + tx;
+      if (a < a_size && b < b_size) dst[dso + a * a_dst_stride + b] = tile[tx][j];
+    }
+    __syncthreads();
+  }
+}
+
+template <class E>
+__device__ __forceinline__ void kg_permute(const E* __restrict__ src, E* __restrict__ dst,
+                                           const KgPermuteArgs& p) {
+  if (p.tiled_p >= 0 && p.total < (1LL << 31))
+    kg_permute_tiled<E, true>(src, dst, p);
+  else if (p.tiled_p >= 0)
+    kg_permute_tiled<E, false>(src, dst, p);
+  else if (p.total < (1LL << 31))
+    kg_permute_gather<E, true>(src, dst, p);
+  else
+    kg_permute_gather<E, false>(src, dst, p);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_permute_u8(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, KgPermuteArgs p) {
+  kg_permute<unsigned char>(src, dst, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_permute_u16(const unsigned short* __restrict__ src, unsigned short* __restrict__ dst,
+                   KgPermuteArgs p) {
+  kg_permute<unsigned short>(src, dst, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_permute_u32(const unsigned int* __restrict__ src, unsigned int* __restrict__ dst, KgPermuteArgs p) {
+  kg_permute<unsigned int>(src, dst, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_permute_u64(const unsigned long long* __restrict__ src, unsigned long long* __restrict__ dst,
+                   KgPermuteArgs p) {
+  kg_permute<unsigned long long>(src, dst, p);
+}
+
+// ---- nn.concat ----
+// The output is [outer, row]; input k fills columns offset[k] .. offset[k] + chunk[k] of each
+// row. One launch copies up to KG_CONCAT_MAX inputs, blockIdx.y choosing the input; its blocks
+// stride over that input's outer * chunk elements, read contiguously.
+
+#define KG_CONCAT_MAX 16
+
+struct KgConcatArgs {
+  unsigned long long src[KG_CONCAT_MAX];  // input addresses
+  long long chunk[KG_CONCAT_MAX];         // elements of input k per outer index
+  long long offset[KG_CONCAT_MAX];        // where they start in an output row
+  KgDivider chunk_div[KG_CONCAT_MAX];
+  long long outer;
+  long long row;
+};
+
+template <class E, bool Small>
+__device__ __forceinline__ void kg_concat_copy(const E* __restrict__ src, E* __restrict__ dst, kg_index n,
+                                               kg_index chunk, const KgDivider& div, kg_index row) {
+  kg_for_each_unrolled<E, Small ? KG_UNROLL : 1>(
+      n, [&](kg_index i) { return src[i]; },
+      [&](kg_index i, E v) {
+        const kg_index o = kg_div<Small>(div, i);
+        dst[o * row + (i - o * chunk)] = v;
+      });
+}
+
+template <class E>
+__device__ __forceinline__ void kg_concat(E* __restrict__ dst, const KgConcatArgs& p) {
+  const int k = blockIdx.y;
+  const kg_index chunk = p.chunk[k], n = p.outer * chunk;
+  const E* src = (const E*)p.src[k];
+  E* out = dst + p.offset[k];
+  if (n < (1LL << 31))
+    kg_concat_copy<E, true>(src, out, n, chunk, p.chunk_div[k], p.row);
+  else
+    kg_concat_copy<E, false>(src, out, n, chunk, p.chunk_div[k], p.row);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_u8(unsigned char* __restrict__ dst, KgConcatArgs p) {
+  kg_concat<unsigned char>(dst, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_u16(unsigned short* __restrict__ dst, KgConcatArgs p) {
+  kg_concat<unsigned short>(dst, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_u32(unsigned int* __restrict__ dst, KgConcatArgs p) {
+  kg_concat<unsigned int>(dst, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_u64(unsigned long long* __restrict__ dst, KgConcatArgs p) {
+  kg_concat<unsigned long long>(dst, p);
+}
+
+// ---- nn.slice ----
+// The output is [outer, len, inner]: out[o, j, r] = src[o * src_outer + src_begin + j * src_step
+// + r] (element offsets). A step-1 slice is passed with len = 1 and inner = len * inner.
+
+template <class E, bool Small>
+__device__ __forceinline__ void kg_slice(const E* __restrict__ src, E* __restrict__ dst, kg_index total,
+                                         const KgDivider& inner, const KgDivider& len, kg_index src_outer,
+                                         kg_index src_begin, kg_index src_step) {
+  kg_for_each_unrolled<E, Small ? KG_UNROLL : 1>(
+      total,
+      [&](kg_index i) {
+        const kg_index q = kg_div<Small>(inner, i), r = i - q * inner.d;
+        const kg_index o = kg_div<Small>(len, q), j = q - o * len.d;
+        return src[o * src_outer + src_begin + j * src_step + r];
+      },
+      [&](kg_index i, E v) { dst[i] = v; });
+}
+
+template <class E>
+__device__ __forceinline__ void kg_slice_any(const E* __restrict__ src, E* __restrict__ dst, long long total,
+                                             const KgDivider& inner, const KgDivider& len,
+                                             long long src_outer, long long src_begin, long long src_step) {
+  if (total < (1LL << 31))
+    kg_slice<E, true>(src, dst, total, inner, len, src_outer, src_begin, src_step);
+  else
+    kg_slice<E, false>(src, dst, total, inner, len, src_outer, src_begin, src_step);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_u8(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, long long total,
+                KgDivider inner, KgDivider len, long long src_outer, long long src_begin,
+                long long src_step) {
+  kg_slice_any<unsigned char>(src, dst, total, inner, len, src_outer, src_begin, src_step);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_u16(const unsigned short* __restrict__ src, unsigned short* __restrict__ dst, long long total,
+                 KgDivider inner, KgDivider len, long long src_outer, long long src_begin,
+                 long long src_step) {
+  kg_slice_any<unsigned short>(src, dst, total, inner, len, src_outer, src_begin, src_step);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_u32(const unsigned int* __restrict__ src, unsigned int* __restrict__ dst, long long total,
+                 KgDivider inner, KgDivider len, long long src_outer, long long src_begin,
+                 long long src_step) {
+  kg_slice_any<unsigned int>(src, dst, total, inner, len, src_outer, src_begin, src_step);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_u64(const unsigned long long* __restrict__ src, unsigned long long* __restrict__ dst,
+                 long long total, KgDivider inner, KgDivider len, long long src_outer, long long src_begin,
+                 long long src_step) {
+  kg_slice_any<unsigned long long>(src, dst, total, inner, len, src_outer, src_begin, src_step);
+}
