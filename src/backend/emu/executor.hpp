@@ -1,0 +1,53 @@
+// Running CUDA kernels on the CPU: a single launch of a kernel source with packed arguments, or a
+// whole model lowered exactly as for a GPU (same kernels, same RuntimeOps, same argument packs)
+// with host addresses in place of device ones. In checked mode every pointer argument gets its own
+// guarded copy (an access past either end faults at once and is reported with the argument's
+// name and the element index), and every launch runs twice, its threads in forward and in reverse
+// order between barriers: a difference in the results is a race.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "backend/emu/emu_runtime.hpp"
+#include "kg/model.hpp"
+#include "kg/runtime_op.hpp"
+#include "lower/launch_check.hpp"
+
+namespace kg::emu {
+
+// Host memory a launch may touch: pointer arguments are matched to these in checked mode.
+struct HostBuffer {
+  DevicePtr address = 0;
+  std::size_t bytes = 0;
+  std::string name;
+};
+
+struct LaunchOptions {
+  // Guarded copies of `buffers`, the launch run in both orders and the results compared.
+  bool checked = false;
+  // Every buffer the pointer arguments point into (checked mode; a pointer outside all of them
+  // is an error). Empty: pointer arguments are not guarded.
+  std::vector<HostBuffer> buffers;
+  std::string label;             // error prefix; default "[<name>]"
+  Order order = Order::Forward;  // unchecked launches
+};
+
+// Compiles `source` for the CPU (cached) and runs `entry` ("" for the only __global__ function)
+// on the grid. The arguments are checked against the kernel's C++ signature: count, byte size and
+// kind, naming the parameter.
+void launch(const std::string& name, const std::string& source, const std::string& entry, Dim3 grid,
+            Dim3 block, std::size_t shared, const lower::ArgPack& args);
+void launch(const std::string& name, const std::string& source, const std::string& entry, Dim3 grid,
+            Dim3 block, std::size_t shared, const lower::ArgPack& args, const LaunchOptions& options);
+
+// Lowers `model`, sizes its launches for the shapes of `inputs`, places the arena, inputs and
+// parameters in host memory (the arena filled with 0xFF bytes: NaN for floats) and runs every
+// launch through the emulator. `params` replace parameters by full dotted name (the others keep
+// their initialisation with seed 0). Returns the model's outputs.
+std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inputs,
+                              const std::map<std::string, Tensor>& params, bool checked);
+
+}  // namespace kg::emu

@@ -1,0 +1,93 @@
+// CUDA C++ → a shared object for the CPU, with the host C++ compiler: the kernel source compiled
+// against the emulation header (cuda_emu.hpp) and our .cuh helpers, plus generated trampolines
+// that call each __global__ function with packed arguments. Disk-cached by content hash beside
+// the PTX cache (KG_CACHE_DIR/emu/<key>.so, written through a temporary file and a rename) and
+// cached per process; loaded with dlopen.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/emu/emu_abi.hpp"
+
+namespace kg::emu {
+
+// A kernel parameter: its C++ type as the compiler sees it, and its name and spelling in the
+// source.
+struct ParamDesc {
+  KgEmuParam info{};
+  std::string name;  // "" when the signature could not be read
+  std::string type;  // "const float*"
+};
+
+// One __global__ function of a module.
+struct KernelEntry {
+  std::string module_name;  // the op or kernel name the source was compiled under
+  std::string entry;
+  void (*run)(const KgEmuThreadInfo*, void**) = nullptr;
+  std::vector<ParamDesc> params;
+  int max_threads = 0;  // __launch_bounds__'s first argument (0: none)
+};
+
+struct JitModule {
+  std::string name;
+  std::string key;             // content hash
+  std::filesystem::path path;  // the shared object
+  bool from_disk = false;      // served by the disk cache
+  double compile_seconds = 0;  // host compile time when it was built here
+  std::vector<KernelEntry> entries;
+  // The entry named `entry`, or the only one when `entry` is empty. `label` prefixes errors.
+  const KernelEntry& find(const std::string& entry, const std::string& label) const;
+};
+
+// A __global__ function as the source spells it.
+struct KernelSignature {
+  std::string name;
+  std::vector<std::string> param_names, param_types;
+  std::string launch_bounds;  // the first argument of __launch_bounds__, or ""
+  bool extern_c = false;
+};
+
+// The non-template __global__ functions of `source`, in order of appearance.
+std::vector<KernelSignature> find_kernels(const std::string& source);
+
+// `extern __shared__ T name[];` → a pointer to the block's dynamic shared memory.
+std::string rewrite_dynamic_shared(const std::string& source);
+
+// The emulation header's text (kg_cuda_emu.h).
+const std::string& emulation_header();
+
+class HostJit {
+ public:
+  // The process-wide JIT, caching under compile::Compiler::global().cache_dir() / "emu".
+  static HostJit& global();
+  explicit HostJit(std::filesystem::path dir);
+
+  // Builds (or finds) the module of `source`; `name` names the op or kernel in errors. A failed
+  // compile throws kg::Error with the compiler's full output.
+  std::shared_ptr<const JitModule> load(const std::string& name, const std::string& source);
+
+  struct Stats {
+    int compiled = 0, disk_hits = 0, memory_hits = 0;
+    double compile_seconds = 0;
+  };
+  Stats stats() const;
+  const std::filesystem::path& cache_dir() const { return dir_; }
+  // The host compiler command: $KG_EMU_CXX (split by the shell: "ccache g++" works), else g++.
+  static std::string compiler();
+
+ private:
+  std::filesystem::path include_dir();
+  std::filesystem::path dir_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<const JitModule>> modules_;
+  std::string include_dir_;
+  std::string compiler_id_;
+  Stats stats_;
+};
+
+}  // namespace kg::emu
