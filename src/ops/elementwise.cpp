@@ -1,5 +1,7 @@
 // The elementwise op family: activations (one op class driven by the UnaryFn table), dropout,
 // and arithmetic with numpy broadcasting (one class for tensor ⊙ tensor, one for tensor ⊙ scalar).
+// On the GPU (elementwise.cu) every op has its own entry, named in the tables; two RuntimeOps
+// launch them all: one for y = f(x), one for broadcasting tensor ⊙ tensor.
 #include "ops/elementwise.hpp"
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "kg/ops.hpp"
+#include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
@@ -39,11 +42,100 @@ static_assert(tables_in_enum_order());
 const UnaryEntry& unary_entry(UnaryFn fn) { return kUnaryOps[static_cast<std::size_t>(fn)]; }
 const BinaryEntry& binary_entry(BinaryFn fn) { return kBinaryOps[static_cast<std::size_t>(fn)]; }
 
+// ---- GPU launches ----
+
+constexpr unsigned kGpuThreads = 256;  // KG_EW_THREADS
+constexpr std::int64_t kUnroll = 4;    // KG_UNROLL
+
+// One thread per kUnroll 16-byte packs of output (kg_for_each_unrolled over the kernels'
+// vector width), in grid-stride loops.
+Dim3 elementwise_grid(const std::vector<std::int64_t>& out, DType dtype) {
+  const auto per_thread = static_cast<std::int64_t>(16 / dtype_size(dtype)) * kUnroll;
+  return grid_1d((numel_of(out) + per_thread - 1) / per_thread, kGpuThreads);
+}
+
+// y = f(x) over numel(y) elements: kernel(x, y, n) or, with a scalar, kernel(x, y, n, scalar).
+class MapRuntime final : public RuntimeOp {
+ public:
+  MapRuntime(DType dtype, std::optional<double> scalar) : dtype_(dtype), scalar_(scalar) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    v.pointer(inputs[0].ptr);
+    v.pointer(output.ptr);
+    v.i64(numel_of(shape));
+    if (scalar_) v.f64(*scalar_);
+  }
+  Dim3 block() const override { return {kGpuThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
+
+ private:
+  DType dtype_;
+  std::optional<double> scalar_;
+};
+
+// The kernel source of one op: elementwise.cu without its own entries, followed by the op's
+// entry, which passes its parameters to an entry body of that file.
+std::string entry_source(const std::string& entry, const std::string& params, const std::string& call) {
+  return util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"),
+                   "\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n    ", entry, "(",
+                   params, ") {\n  ", call, ";\n}\n");
+}
+
+const char* c_type(DType t) { return t == DType::F64 ? "double" : "float"; }
+
+// The lowering of y = f(x): entry(x, y, n) calling body(x, y, n), or with a scalar argument
+// `scalar_name` appended to both.
+Lowered map_lowering(const std::string& op_name, const std::string& entry, DType dtype,
+                     const std::string& body, const char* scalar_name, std::optional<double> scalar) {
+  const char* t = c_type(dtype);
+  std::string params = util::cat("const ", t, "* __restrict__ x, ", t, "* __restrict__ y, long long n");
+  std::string args = "x, y, n";
+  if (scalar) {
+    params += util::cat(", double ", scalar_name);
+    args += util::cat(", ", scalar_name);
+  }
+  return Lowered{op_name, entry_source(entry, params, util::cat(body, "(", args, ")")), entry,
+                 std::make_shared<MapRuntime>(dtype, scalar)};
+}
+
+// y = a ⊙ b with broadcasting: kernel(a, b, y, n, KgBroadcast).
+class BroadcastRuntime final : public RuntimeOp {
+ public:
+  BroadcastRuntime(DType dtype, const char* op_name) : dtype_(dtype), op_name_(op_name) {}
+  int n_activation_inputs() const override { return 2; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    const GpuBroadcast bc = gpu_broadcast(inputs[0].shape, inputs[1].shape, shape, op_name_);
+    v.pointer(inputs[0].ptr);
+    v.pointer(inputs[1].ptr);
+    v.pointer(output.ptr);
+    v.i64(numel_of(shape));
+    v.bytes(&bc, sizeof bc);
+  }
+  Dim3 block() const override { return {kGpuThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
+
+ private:
+  DType dtype_;
+  const char* op_name_;
+};
+
 // ---- unary activations ----
 
 class UnaryOp final : public CustomOp {
  public:
-  explicit UnaryOp(UnarySpec spec) : spec_(spec) {}
+  UnaryOp(UnarySpec spec, DType dtype) : spec_(spec), dtype_(dtype) {}
   std::string name() const override { return unary_entry(spec_.fn).op_name; }
   std::string attributes() const override {
     switch (spec_.fn) {
@@ -65,6 +157,12 @@ class UnaryOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
+  std::optional<Lowered> lower() const override {
+    const UnaryEntry& e = unary_entry(spec_.fn);
+    return map_lowering(name(), entry_for(e.kernel, dtype_), dtype_,
+                        util::cat("kg_unary_entry<", e.device_fn, ">"), "param", spec_.param);
+  }
+
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
     dispatch_float(x.dtype(), [&](auto zero) {
@@ -80,6 +178,7 @@ class UnaryOp final : public CustomOp {
 
  private:
   UnarySpec spec_;
+  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- dropout ----
@@ -106,7 +205,7 @@ void dropout_range(const T* x, T* y, std::int64_t b, std::int64_t e, std::uint64
 
 class DropoutOp final : public CustomOp {
  public:
-  explicit DropoutOp(double p) : p_(p) {}
+  DropoutOp(double p, DType dtype) : p_(p), dtype_(dtype) {}
   std::string name() const override { return "nn.dropout"; }
   std::string attributes() const override { return "p=" + format_double(p_); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -115,6 +214,13 @@ class DropoutOp final : public CustomOp {
     return in[0];
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+
+  // The GPU kernel is inference dropout, a copy: lower() has no mode, and the CUDA backend runs
+  // inference only. Training on the GPU will need a masking kernel seeded per run.
+  std::optional<Lowered> lower() const override {
+    return map_lowering(name(), entry_for("kg_dropout", dtype_), dtype_, "kg_dropout_entry", nullptr,
+                        std::nullopt);
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -138,6 +244,7 @@ class DropoutOp final : public CustomOp {
 
  private:
   double p_;
+  DType dtype_;
 };
 
 // ---- broadcasting walk ----
@@ -234,13 +341,24 @@ void binary_range(const BroadcastPlan& p, const T* a, const T* b, T* y, std::int
 
 class BinaryOp final : public CustomOp {
  public:
-  explicit BinaryOp(BinaryFn fn) : fn_(fn) {}
+  BinaryOp(BinaryFn fn, DType dtype) : fn_(fn), dtype_(dtype) {}
   std::string name() const override { return binary_entry(fn_).op_name; }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 2);
     return broadcast_shapes(in[0], in[1]);
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+
+  std::optional<Lowered> lower() const override {
+    const BinaryEntry& e = binary_entry(fn_);
+    const std::string entry = entry_for(e.kernel, dtype_);
+    const char* t = c_type(dtype_);
+    const std::string params = util::cat("const ", t, "* __restrict__ a, const ", t, "* __restrict__ b, ", t,
+                                         "* __restrict__ y, long long n, KgBroadcast bc");
+    const std::string call = util::cat("kg_binary_entry<", e.device_fn, ">(a, b, y, n, bc)");
+    return Lowered{e.op_name, entry_source(entry, params, call), entry,
+                   std::make_shared<BroadcastRuntime>(dtype_, e.op_name)};
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& a = ctx.inputs[0];
@@ -264,12 +382,14 @@ class BinaryOp final : public CustomOp {
 
  private:
   BinaryFn fn_;
+  DType dtype_;  // of both inputs
 };
 
 // x ⊙ s, or s ⊙ x when `reversed` (rsub, rdiv).
 class ScalarOp final : public CustomOp {
  public:
-  ScalarOp(BinaryFn fn, double scalar, bool reversed) : fn_(fn), scalar_(scalar), reversed_(reversed) {}
+  ScalarOp(BinaryFn fn, double scalar, bool reversed, DType dtype)
+      : fn_(fn), scalar_(scalar), reversed_(reversed), dtype_(dtype) {}
   std::string name() const override {
     const BinaryEntry& e = binary_entry(fn_);
     return reversed_ && e.rscalar_op_name ? e.rscalar_op_name : e.scalar_op_name;  // add, mul commute
@@ -280,6 +400,14 @@ class ScalarOp final : public CustomOp {
     return in[0];
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+
+  std::optional<Lowered> lower() const override {
+    const BinaryEntry& e = binary_entry(fn_);
+    const bool rev = reversed_ && e.rscalar_kernel;  // add and mul commute
+    return map_lowering(name(), entry_for(rev ? e.rscalar_kernel : e.scalar_kernel, dtype_), dtype_,
+                        util::cat("kg_scalar_entry<", e.device_fn, ", ", rev ? "true" : "false", ">"), "s",
+                        scalar_);
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -304,18 +432,19 @@ class ScalarOp final : public CustomOp {
   BinaryFn fn_;
   double scalar_;
   bool reversed_;
+  DType dtype_;
 };
 
 SymTensor record_unary(const SymTensor& x, UnaryFn fn, double param, const std::string& name) {
-  return x.record_custom(CustomData::make<UnaryOp>(UnarySpec{fn, param}), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<UnaryOp>(UnarySpec{fn, param}, x.dtype()), {}, std::nullopt, name);
 }
 
 SymTensor record_binary(const SymTensor& a, const SymTensor& b, BinaryFn fn, const std::string& name) {
-  return a.record_custom(CustomData::make<BinaryOp>(fn), {b}, std::nullopt, name);
+  return a.record_custom(CustomData::make<BinaryOp>(fn, a.dtype()), {b}, std::nullopt, name);
 }
 
 SymTensor record_scalar(const SymTensor& x, double s, BinaryFn fn, bool reversed, const std::string& name) {
-  return x.record_custom(CustomData::make<ScalarOp>(fn, s, reversed), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ScalarOp>(fn, s, reversed, x.dtype()), {}, std::nullopt, name);
 }
 
 }  // namespace
@@ -336,6 +465,57 @@ void apply_unary(const UnarySpec& spec, const T* x, T* y, std::int64_t n) {
 
 template void apply_unary<float>(const UnarySpec&, const float*, float*, std::int64_t);
 template void apply_unary<double>(const UnarySpec&, const double*, double*, std::int64_t);
+
+GpuBroadcast gpu_broadcast(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                           const std::vector<std::int64_t>& out, const char* op_name) {
+  GpuBroadcast g;
+  const std::int64_t n = numel_of(out);
+  if (n == 0) return g;  // nothing to write
+  const BroadcastPlan p = plan_broadcast(a, b, out);
+  const std::size_t rank = p.size.size();
+  if (rank == 1 && p.stride_a[0] != 0 && p.stride_b[0] != 0) {
+    g.mode = GpuBroadcastMode::Same;
+    return g;
+  }
+  if (rank == 1 && (p.stride_a[0] != 0) != (p.stride_b[0] != 0)) {
+    g.mode = p.stride_a[0] != 0 ? GpuBroadcastMode::ScalarB : GpuBroadcastMode::ScalarA;
+    return g;
+  }
+  // Per channel: one operand is the whole output; the other steps through one merged dim.
+  auto channel = [&](const std::vector<std::int64_t>& full, const std::vector<std::int64_t>& part_strides) {
+    if (numel_of(full) != n) return false;
+    std::size_t k = rank, nonzero = 0;
+    for (std::size_t d = 0; d < rank; ++d)
+      if (part_strides[d] != 0) k = d, ++nonzero;
+    if (nonzero != 1 || part_strides[k] != 1) return false;
+    std::int64_t inner = 1;
+    for (std::size_t d = k + 1; d < rank; ++d) inner *= p.size[d];
+    g.size[0] = fast_div(inner);
+    g.size[1] = fast_div(p.size[k]);
+    return true;
+  };
+  if (channel(a, p.stride_b)) {
+    g.mode = GpuBroadcastMode::ChannelB;
+    return g;
+  }
+  if (channel(b, p.stride_a)) {
+    g.mode = GpuBroadcastMode::ChannelA;
+    return g;
+  }
+  if (rank > static_cast<std::size_t>(kGpuBroadcastMaxDims))
+    throw Error(util::cat(op_name, ": broadcasting ", sizes_to_string(a), " with ", sizes_to_string(b),
+                          " to ", sizes_to_string(out), " needs ", rank,
+                          " dims after merging; the GPU kernel handles up to ", kGpuBroadcastMaxDims));
+  g.mode = GpuBroadcastMode::General;
+  g.rank = static_cast<std::int32_t>(rank);
+  for (std::size_t d = 0; d < rank; ++d) {  // innermost first
+    const std::size_t src = rank - 1 - d;
+    g.size[d] = fast_div(p.size[src]);
+    g.stride_a[d] = p.stride_a[src];
+    g.stride_b[d] = p.stride_b[src];
+  }
+  return g;
+}
 
 }  // namespace kg::ops
 
@@ -363,7 +543,7 @@ SymTensor tanh(const SymTensor& x, const std::string& name) {
   return ops::record_unary(x, UnaryFn::Tanh, 0.0, name);
 }
 SymTensor dropout(const SymTensor& x, double p, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::DropoutOp>(p), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::DropoutOp>(p, x.dtype()), {}, std::nullopt, name);
 }
 
 SymTensor add(const SymTensor& a, const SymTensor& b, const std::string& name) {

@@ -10,8 +10,10 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "kg/custom_op.hpp"
+#include "ops/fast_div.hpp"
 
 namespace kg::ops {
 
@@ -121,14 +123,20 @@ enum class UnaryFn : std::uint8_t { Relu, LeakyRelu, Silu, GeluErf, GeluTanh, Si
 
 struct UnaryEntry {
   UnaryFn fn;
-  const char* op_name;  // the CustomOp name, "nn.relu"
+  const char* op_name;    // the CustomOp name, "nn.relu"
+  const char* kernel;     // the GPU entry's stem, "kg_relu" (+ "_f32" / "_f64")
+  const char* device_fn;  // the formula in elementwise.cu, "KG_RELU"
 };
 
 // One row per unary op, in UnaryFn order.
 inline constexpr UnaryEntry kUnaryOps[] = {
-    {UnaryFn::Relu, "nn.relu"},    {UnaryFn::LeakyRelu, "nn.leaky_relu"}, {UnaryFn::Silu, "nn.silu"},
-    {UnaryFn::GeluErf, "nn.gelu"}, {UnaryFn::GeluTanh, "nn.gelu"},        {UnaryFn::Sigmoid, "nn.sigmoid"},
-    {UnaryFn::Tanh, "nn.tanh"},
+    {UnaryFn::Relu, "nn.relu", "kg_relu", "KG_RELU"},
+    {UnaryFn::LeakyRelu, "nn.leaky_relu", "kg_leaky_relu", "KG_LEAKY_RELU"},
+    {UnaryFn::Silu, "nn.silu", "kg_silu", "KG_SILU"},
+    {UnaryFn::GeluErf, "nn.gelu", "kg_gelu_erf", "KG_GELU_ERF"},
+    {UnaryFn::GeluTanh, "nn.gelu", "kg_gelu_tanh", "KG_GELU_TANH"},
+    {UnaryFn::Sigmoid, "nn.sigmoid", "kg_sigmoid", "KG_SIGMOID"},
+    {UnaryFn::Tanh, "nn.tanh", "kg_tanh", "KG_TANH"},
 };
 
 // y = f(x) in the precision T. `param` is LeakyRelu's negative slope; the others ignore it.
@@ -207,14 +215,22 @@ struct BinaryEntry {
   const char* op_name;          // tensor ⊙ tensor with broadcasting, "nn.add"
   const char* scalar_op_name;   // tensor ⊙ scalar, "nn.add_scalar"
   const char* rscalar_op_name;  // scalar ⊙ tensor where the order matters, "nn.rsub_scalar"; else null
+  // The GPU entries' stems, in the same roles (+ "_f32" / "_f64"), and the formula in
+  // elementwise.cu ("KG_ADD").
+  const char* kernel;
+  const char* scalar_kernel;
+  const char* rscalar_kernel;
+  const char* device_fn;
 };
 
 // One row per binary op, in BinaryFn order.
 inline constexpr BinaryEntry kBinaryOps[] = {
-    {BinaryFn::Add, "nn.add", "nn.add_scalar", nullptr},
-    {BinaryFn::Sub, "nn.sub", "nn.sub_scalar", "nn.rsub_scalar"},
-    {BinaryFn::Mul, "nn.mul", "nn.mul_scalar", nullptr},
-    {BinaryFn::Div, "nn.div", "nn.div_scalar", "nn.rdiv_scalar"},
+    {BinaryFn::Add, "nn.add", "nn.add_scalar", nullptr, "kg_add", "kg_add_scalar", nullptr, "KG_ADD"},
+    {BinaryFn::Sub, "nn.sub", "nn.sub_scalar", "nn.rsub_scalar", "kg_sub", "kg_sub_scalar", "kg_rsub_scalar",
+     "KG_SUB"},
+    {BinaryFn::Mul, "nn.mul", "nn.mul_scalar", nullptr, "kg_mul", "kg_mul_scalar", nullptr, "KG_MUL"},
+    {BinaryFn::Div, "nn.div", "nn.div_scalar", "nn.rdiv_scalar", "kg_div", "kg_div_scalar", "kg_rdiv_scalar",
+     "KG_DIV"},
 };
 
 // y = a ⊙ b in the precision T.
@@ -248,5 +264,34 @@ decltype(auto) visit_binary(BinaryFn f, Fn&& fn) {
   }
   return fn(std::integral_constant<B, B::Div>{});
 }
+
+// ---- the GPU's view of a broadcast ----
+
+// How a binary op's GPU kernel walks its operands, for concrete shapes: the host half of
+// KgBroadcast in elementwise.cu (same layout and mode order, passed by value). The dims are
+// merged as far as possible first, so that the common patterns take a fast path:
+//   Same:     a[i] ⊙ b[i]
+//   ScalarB:  a[i] ⊙ b[0]                  (ScalarA mirrored)
+//   ChannelB: a[i] ⊙ b[(i / inner) % c]    (per-channel and bias patterns; ChannelA mirrored),
+//             with inner = size[0].d and c = size[1].d
+//   General:  up to kGpuBroadcastMaxDims merged dims, innermost first: output index i unravels
+//             into k[d] < size[d].d and reads a[Σ k[d] stride_a[d]], b[Σ k[d] stride_b[d]].
+inline constexpr int kGpuBroadcastMaxDims = 8;
+
+enum class GpuBroadcastMode : std::int32_t { Same, ScalarB, ScalarA, ChannelB, ChannelA, General };
+
+struct GpuBroadcast {
+  FastDiv size[kGpuBroadcastMaxDims];  // the kernel's KgDivider
+  std::int64_t stride_a[kGpuBroadcastMaxDims] = {};
+  std::int64_t stride_b[kGpuBroadcastMaxDims] = {};
+  std::int32_t rank = 0;
+  GpuBroadcastMode mode = GpuBroadcastMode::Same;
+};
+static_assert(sizeof(GpuBroadcast) == 264, "must match KgBroadcast in elementwise.cu");
+
+// The walk for output = broadcast(a, b) with these concrete shapes. Throws kg::Error (naming
+// `op_name` and the shapes) when the general case needs more than kGpuBroadcastMaxDims dims.
+GpuBroadcast gpu_broadcast(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                           const std::vector<std::int64_t>& out, const char* op_name);
 
 }  // namespace kg::ops

@@ -1,6 +1,12 @@
 #include <cmath>
+#include <set>
 
+#include "compile/compiler.hpp"
+#include "compile/embedded_sources.hpp"
+#include "compile/ptx.hpp"
+#include "lower/dry_run.hpp"
 #include "ops/elementwise.hpp"
+#include "support/gpu_util.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -721,4 +727,353 @@ TEST(ElementwiseGelu, MatchesPyTorchBothForms) {
     // The two forms differ measurably, so each comparison checks its own formula.
     EXPECT_FALSE(kg_test::all_close(erf, tnh, 1e-5, 1e-6));
   }
+}
+
+// ---- GPU lowering ----
+
+namespace {
+
+// kg_test::check_lowering with the inputs' symbolic shapes given: check_lowering names every
+// input's dim 0 "batch", which broadcast operands such as [C, 1, 1] cannot take. Dry run at
+// sm_90 where NVRTC is present; with a GPU, the GPU's outputs against the CPU's. True when the
+// GPU ran.
+bool check_lowering_sym(const kg_test::BuildFn& build, const std::vector<kg::Shape>& sym,
+                        const std::vector<kg::Tensor>& inputs, double rtol = 1e-5, double atol = 1e-6) {
+  auto g = kg::Graph::create();
+  std::vector<kg::SymTensor> xs;
+  std::vector<std::vector<std::int64_t>> shapes;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    xs.push_back(g->input(inputs[i].dtype(), sym[i], "x" + std::to_string(i)));
+    shapes.push_back(inputs[i].shape());
+  }
+  kg::Model model(g, build(xs));
+  if (kg::compile::Compiler::available()) kg::lower::dry_run(model, shapes, 90);
+  if (!kg::Device::cuda_available()) return false;
+  kg::LoadOptions opt;
+  opt.poison_buffers = true;
+  auto want = model.load(kg::Device::cpu(), shapes, opt).forward(inputs);
+  auto got = model.load(kg::Device::cuda(), shapes, opt).forward(inputs);
+  EXPECT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    EXPECT_TRUE(kg_test::all_written(got[i])) << "GPU output " << i << " has elements the kernel never wrote";
+    EXPECT_TRUE(kg_test::all_close(got[i], want[i], rtol, atol))
+        << "GPU output " << i << " differs from the CPU";
+  }
+  return true;
+}
+
+// Records how many graphs ran on a GPU (the test XML's "gpu_runs"; 0 on a machine without one).
+void record_gpu_runs(int n) { ::testing::Test::RecordProperty("gpu_runs", n); }
+
+std::vector<kg::SymTensor> all_binary_ops(const kg::SymTensor& a, const kg::SymTensor& b) {
+  return {kg::add(a, b), kg::sub(a, b), kg::mul(a, b), kg::div(a, b)};
+}
+
+const char* mode_name(kg::ops::GpuBroadcastMode m) {
+  using M = kg::ops::GpuBroadcastMode;
+  switch (m) {
+    case M::Same: return "same";
+    case M::ScalarB: return "scalar b";
+    case M::ScalarA: return "scalar a";
+    case M::ChannelB: return "channel b";
+    case M::ChannelA: return "channel a";
+    case M::General: return "general";
+  }
+  return "?";
+}
+
+// The kernel's division: fast_div's 32-bit path below 2^31, else plain.
+std::int64_t emulated_div(const kg::ops::FastDiv& f, std::int64_t n, bool small) {
+  if (!small) return n / f.d;
+  const auto u = static_cast<std::uint64_t>(n);
+  return static_cast<std::int64_t>((((u * f.mul) >> 32) + u) >> f.shift);
+}
+
+// The operand offsets the kernel reads for output element i, computed from the packed walk the
+// way elementwise.cu does.
+std::pair<std::int64_t, std::int64_t> emulated_offsets(const kg::ops::GpuBroadcast& g, std::int64_t i,
+                                                       std::int64_t n) {
+  using M = kg::ops::GpuBroadcastMode;
+  const bool small = n < (std::int64_t{1} << 31);
+  switch (g.mode) {
+    case M::Same: return {i, i};
+    case M::ScalarB: return {i, 0};
+    case M::ScalarA: return {0, i};
+    case M::ChannelB:
+    case M::ChannelA: {
+      const std::int64_t q = emulated_div(g.size[0], i, small);
+      const std::int64_t ch = q - emulated_div(g.size[1], q, small) * g.size[1].d;
+      return g.mode == M::ChannelB ? std::pair{i, ch} : std::pair{ch, i};
+    }
+    case M::General: break;
+  }
+  std::int64_t r = i, ia = 0, ib = 0;
+  for (int d = 0; d < g.rank; ++d) {
+    const std::int64_t q = emulated_div(g.size[d], r, small);
+    const std::int64_t k = r - q * g.size[d].d;
+    ia += k * g.stride_a[d];
+    ib += k * g.stride_b[d];
+    r = q;
+  }
+  return {ia, ib};
+}
+
+// numpy's offsets of output element o in a and b.
+std::pair<std::int64_t, std::int64_t> numpy_offsets(const std::vector<std::int64_t>& a,
+                                                    const std::vector<std::int64_t>& b,
+                                                    const std::vector<std::int64_t>& out, std::int64_t o) {
+  std::int64_t ia = 0, ib = 0, sa = 1, sb = 1;
+  for (std::size_t d = out.size(); d-- > 0;) {
+    const std::int64_t k = o % out[d];
+    o /= out[d];
+    const std::size_t from_end = out.size() - 1 - d;
+    if (from_end < a.size()) {
+      const std::int64_t size = a[a.size() - 1 - from_end];
+      if (size != 1) ia += k * sa;
+      sa *= size;
+    }
+    if (from_end < b.size()) {
+      const std::int64_t size = b[b.size() - 1 - from_end];
+      if (size != 1) ib += k * sb;
+      sb *= size;
+    }
+  }
+  return {ia, ib};
+}
+
+std::vector<std::int64_t> broadcast_sizes(const std::vector<std::int64_t>& a,
+                                          const std::vector<std::int64_t>& b) {
+  const std::size_t rank = std::max(a.size(), b.size());
+  std::vector<std::int64_t> out(rank, 1);
+  for (std::size_t k = 0; k < rank; ++k) {
+    const std::int64_t x = k < a.size() ? a[a.size() - 1 - k] : 1, y = k < b.size() ? b[b.size() - 1 - k] : 1;
+    out[rank - 1 - k] = x == 1 ? y : x;
+  }
+  return out;
+}
+
+struct GpuPattern {
+  const char* name;
+  std::vector<std::int64_t> a, b;  // -1: the dynamic batch dim
+  kg::ops::GpuBroadcastMode mode;  // the kernel's path at batch > 1
+};
+
+// Every path of the binary kernel, through the patterns models use.
+std::vector<GpuPattern> gpu_patterns() {
+  using M = kg::ops::GpuBroadcastMode;
+  return {
+      {"same shape", {-1, 5, 33}, {-1, 5, 33}, M::Same},
+      {"same shape, odd count", {-1, 7, 3}, {-1, 7, 3}, M::Same},
+      {"scalar tensor on the right", {-1, 3, 50}, {1}, M::ScalarB},
+      {"rank-0 tensor on the right", {-1, 4}, {}, M::ScalarB},
+      {"scalar tensor on the left", {1, 1}, {-1, 61}, M::ScalarA},
+      {"per-channel [N,C,H,W] ⊙ [C,1,1]", {-1, 8, 20, 41}, {8, 1, 1}, M::ChannelB},
+      {"per-channel [C,1,1] ⊙ [N,C,H,W]", {8, 1, 1}, {-1, 8, 5, 3}, M::ChannelA},
+      {"per-sample-channel [N,C,H,W] ⊙ [N,C,1,1]", {-1, 6, 9, 7}, {-1, 6, 1, 1}, M::ChannelB},
+      {"bias [N,T,C] ⊙ [C]", {-1, 3, 70}, {70}, M::ChannelB},
+      {"per-row [N,1] ⊙ [N,M]", {-1, 1}, {-1, 37}, M::ChannelA},
+      {"outer [N,1] ⊙ [1,M]", {-1, 1}, {1, 300}, M::General},
+      {"both broadcast", {3, 1, 5}, {-1, 1, 4, 1}, M::General},
+      {"middle dim", {-1, 1, 6}, {-1, 5, 6}, M::General},
+      {"eight alternating dims", {2, 1, 3, 1, 2, 1, 3, 1}, {1, 3, 1, 2, 1, 3, 1, -1}, M::General},
+  };
+}
+
+}  // namespace
+
+TEST(Elementwise, GpuBroadcastWalkReadsWhatNumpyReads) {
+  const std::int64_t batches[] = {1, 7, 64};
+  for (const auto& p : gpu_patterns()) {
+    for (std::int64_t batch : batches) {
+      const auto a = concrete(p.a, batch), b = concrete(p.b, batch), out = broadcast_sizes(a, b);
+      SCOPED_TRACE(std::string(p.name) + " batch " + std::to_string(batch));
+      const kg::ops::GpuBroadcast g = kg::ops::gpu_broadcast(a, b, out, "nn.add");
+      if (batch > 1) {
+        EXPECT_STREQ(mode_name(g.mode), mode_name(p.mode));
+      }
+      const std::int64_t n = kg::numel_of(out);
+      std::int64_t wrong = 0;
+      for (std::int64_t i = 0; i < n; ++i) wrong += emulated_offsets(g, i, n) != numpy_offsets(a, b, out, i);
+      EXPECT_EQ(wrong, 0) << "of " << n << " elements read the wrong operand elements";
+    }
+  }
+  // Single elements, and an empty output (no work).
+  const auto one = kg::ops::gpu_broadcast({1}, {}, {1}, "nn.add");
+  EXPECT_EQ(emulated_offsets(one, 0, 1), (std::pair<std::int64_t, std::int64_t>{0, 0}));
+  EXPECT_STREQ(mode_name(kg::ops::gpu_broadcast({0, 3}, {3}, {0, 3}, "nn.add").mode), "same");
+}
+
+TEST(Elementwise, GpuBroadcastRejectsMoreThanEightMergedDims) {
+  const std::vector<std::int64_t> a = {2, 1, 2, 1, 2, 1, 2, 1, 2}, b = {1, 2, 1, 2, 1, 2, 1, 2, 1};
+  const std::vector<std::int64_t> out(9, 2);
+  kg_test::expect_error([&] { kg::ops::gpu_broadcast(a, b, out, "nn.mul"); },
+                        {"nn.mul", "[2, 1, 2, 1, 2, 1, 2, 1, 2]", "[1, 2, 1, 2, 1, 2, 1, 2, 1]", "9 dims",
+                         "up to 8"});
+  // Nine dims that merge are fine, and the CPU takes any rank.
+  const std::vector<std::int64_t> full(9, 2);
+  EXPECT_STREQ(mode_name(kg::ops::gpu_broadcast(full, {2}, full, "nn.mul").mode), "channel b");
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "no NVRTC: the launch is not packed";
+  auto g = kg::Graph::create();
+  auto x = g->input(kg::DType::F32, kg::Shape::of(a), "x");
+  auto y = g->input(kg::DType::F32, kg::Shape::of(b), "y");
+  kg::Model model(g, std::vector<kg::SymTensor>{kg::mul(x, y, "prod")});
+  kg_test::expect_error([&] { kg::lower::dry_run(model, {a, b}, 90); }, {"nn.mul", "9 dims", "up to 8"});
+}
+
+TEST(Elementwise, GpuActivationsAndDropoutMatchTheCpu) {
+  // CUDA's expf, erfcf and tanhf are within 4 ulp, the CPU's polynomial forms within 4 ulp too:
+  // 1e-5 relative holds for every activation in f32.
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  int gpu_runs = 0;
+  auto build = [](const std::vector<kg::SymTensor>& xs) {
+    const kg::SymTensor& x = xs[0];
+    return std::vector<kg::SymTensor>{kg::relu(x),
+                                      kg::leaky_relu(x),
+                                      kg::leaky_relu(x, 0.3),
+                                      kg::silu(x),
+                                      kg::gelu(x),
+                                      kg::gelu(x, kg::GeluApprox::Tanh),
+                                      kg::sigmoid(x),
+                                      kg::tanh(x),
+                                      kg::dropout(x, 0.4)};
+  };
+  for (std::int64_t batch : {1, 7, 3001}) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      SCOPED_TRACE("batch " + std::to_string(batch) + " " + std::string(kg::dtype_name(dt)));
+      // 3 × 37 per sample: an element count that is no multiple of the 16-byte vector.
+      kg::Tensor x = kg_test::random_tensor(rng, dt, {batch, 3, 37}, -8.0, 8.0);
+      gpu_runs += kg_test::check_lowering(build, {x});
+    }
+  }
+  record_gpu_runs(gpu_runs);
+}
+
+TEST(Elementwise, GpuScalarFormsMatchTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  int gpu_runs = 0;
+  std::uniform_real_distribution<double> scalar(-3.0, 3.0);
+  for (std::int64_t batch : {1, 7, 2999}) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      SCOPED_TRACE("batch " + std::to_string(batch) + " " + std::string(kg::dtype_name(dt)));
+      // A scalar with bits below f32's precision, so that rounding it to the dtype shows.
+      const double s = scalar(rng) + 1e-9;
+      auto build = [s](const std::vector<kg::SymTensor>& xs) {
+        const kg::SymTensor& x = xs[0];
+        return std::vector<kg::SymTensor>{x + s, s + x, x - s, s - x, x * s, s * x, x / s, s / x};
+      };
+      gpu_runs += kg_test::check_lowering(build, {away_from_zero(rng, dt, {batch, 5, 13})});
+    }
+  }
+  record_gpu_runs(gpu_runs);
+}
+
+TEST(Elementwise, GpuBroadcastPatternsMatchTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  int gpu_runs = 0;
+  for (const auto& p : gpu_patterns()) {
+    for (std::int64_t batch : {1, 7, 300}) {
+      for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+        SCOPED_TRACE(std::string(p.name) + " batch " + std::to_string(batch) + " " +
+                     std::string(kg::dtype_name(dt)));
+        const auto as = concrete(p.a, batch), bs = concrete(p.b, batch);
+        if (batch > 1) {
+          EXPECT_STREQ(mode_name(kg::ops::gpu_broadcast(as, bs, broadcast_sizes(as, bs), "nn.add").mode),
+                       mode_name(p.mode));
+        }
+        kg::Tensor a = kg_test::random_tensor(rng, dt, as);
+        kg::Tensor b = away_from_zero(rng, dt, bs);
+        gpu_runs += check_lowering_sym([](const auto& xs) { return all_binary_ops(xs[0], xs[1]); },
+                                       {sym_shape(p.a), sym_shape(p.b)}, {a, b});
+      }
+    }
+  }
+  record_gpu_runs(gpu_runs);
+}
+
+TEST(Elementwise, GpuSameShapeThroughCheckLowering) {
+  // The same-shape and per-sample patterns, whose inputs all lead with the batch dim, through
+  // the shared checker; x + x reads one buffer twice.
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  int gpu_runs = 0;
+  for (std::int64_t batch : {1, 7, 4097}) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      SCOPED_TRACE("batch " + std::to_string(batch) + " " + std::string(kg::dtype_name(dt)));
+      kg::Tensor a = kg_test::random_tensor(rng, dt, {batch, 4, 33});
+      kg::Tensor b = away_from_zero(rng, dt, {batch, 4, 33});
+      kg::Tensor c = away_from_zero(rng, dt, {batch, 4, 1});
+      gpu_runs += kg_test::check_lowering(
+          [](const std::vector<kg::SymTensor>& xs) {
+            auto out = all_binary_ops(xs[0], xs[1]);
+            for (auto& y : all_binary_ops(xs[0], xs[2])) out.push_back(y);
+            out.push_back(xs[0] + xs[0]);
+            return out;
+          },
+          {a, b, c});
+    }
+  }
+  record_gpu_runs(gpu_runs);
+}
+
+TEST(Elementwise, GpuLaunchesPackForTensorsBeyondTwoToThe31) {
+  // Past 2^31 elements the kernels take their 64-bit index paths; packing and grids must hold.
+  // A dry run only: nothing is allocated.
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "no NVRTC";
+  const std::int64_t big = (std::int64_t{1} << 31) + 5;
+  auto g = kg::Graph::create();
+  auto x = g->input(kg::DType::F32, {kg::Dim::named("batch"), 3}, "x");
+  auto c = g->input(kg::DType::F32, {3}, "c");
+  auto r = g->input(kg::DType::F32, {kg::Dim::named("batch"), 1}, "r");
+  kg::Model model(g, std::vector<kg::SymTensor>{kg::gelu(x), x * c, x / r, kg::dropout(x, 0.1), x - 1.0});
+  const auto dry = kg::lower::dry_run(model, {{big, 3}, {3}, {big, 1}}, 90);
+  EXPECT_EQ(dry.launches.steps.size(), 5u);
+  const auto bc = kg::ops::gpu_broadcast({big, 3}, {big, 1}, {big, 3}, "nn.div");
+  EXPECT_STREQ(mode_name(bc.mode), "channel b");
+  EXPECT_EQ(bc.size[0].d, 3);
+  EXPECT_EQ(bc.size[1].d, big);
+  EXPECT_EQ(bc.size[1].mul, 0u) << "a divisor past 2^31 has only the 64-bit path";
+}
+
+TEST(Elementwise, GpuEachOpCompilesToItsOwnEntry) {
+  // Every op's source holds exactly the entry it names; the file compiled alone holds all of them.
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "no NVRTC";
+  auto& compiler = kg::compile::Compiler::global();
+  auto visible = [](const std::string& ptx) {
+    std::set<std::string> names;
+    for (const auto& e : kg::compile::parse_ptx_entries(ptx))
+      if (e.visible) names.insert(e.name);
+    return names;
+  };
+  const std::set<std::string> all =
+      visible(compiler.compile("elementwise", kg::compile::kernel_source("elementwise.cu"), 90).ptx);
+  std::set<std::string> seen;
+  for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+    auto g = kg::Graph::create();
+    auto x = g->input(dt, {kg::Dim::named("batch"), 4}, "x");
+    const std::vector<kg::SymTensor> ys = {
+        kg::relu(x), kg::leaky_relu(x), kg::silu(x), kg::gelu(x), kg::gelu(x, kg::GeluApprox::Tanh),
+        kg::sigmoid(x), kg::tanh(x), kg::dropout(x, 0.5), x + 1.0, 1.0 + x, x - 1.0, 1.0 - x, x * 2.0,
+        2.0 * x, x / 2.0, 2.0 / x, x + x, x - x, x * x, x / x};
+    for (const auto& y : ys) {
+      const kg::Node& node = g->node(y.node());
+      SCOPED_TRACE(node.label());
+      const auto lowered = node.op->op().lower();
+      ASSERT_TRUE(lowered.has_value());
+      EXPECT_EQ(lowered->name, node.op_name());
+      EXPECT_EQ(lowered->entry_point.substr(lowered->entry_point.size() - 4),
+                dt == kg::DType::F32 ? "_f32" : "_f64");
+      const auto entries = visible(compiler.compile(lowered->name, lowered->source, 90).ptx);
+      EXPECT_EQ(entries, std::set<std::string>{lowered->entry_point});
+      EXPECT_EQ(all.count(lowered->entry_point), 1u);
+      seen.insert(lowered->entry_point);
+    }
+  }
+  EXPECT_EQ(seen, all) << "the ops and the file's own entries differ";
 }
