@@ -113,9 +113,9 @@ TEST(Graph, InputStartsAGraph) {
   // Input names are unique like every node name.
   expect_error([&] { g->input(kg::DType::F32, {2}, "mask"); }, {"'mask'", "already used", "input"});
   EXPECT_EQ(g->inputs().size(), 3u);
-  // Unnamed inputs are numbered.
-  EXPECT_EQ(g->input(kg::DType::F32, {2}).name(), "input");
+  // Unnamed inputs are numbered after the first, "input".
   EXPECT_EQ(g->input(kg::DType::F32, {2}).name(), "input_1");
+  EXPECT_EQ(g->input(kg::DType::F32, {2}).name(), "input_2");
 }
 
 TEST(Graph, SymTensorIsAHandle) {
