@@ -28,6 +28,13 @@ struct RunArgs {
   int runs = 3;
 };
 
+struct CompileArgs {
+  std::string model;                  // a zoo model, or empty with `all`
+  std::optional<int> arch;            // compute capability (default: the GPU's, else 90)
+  std::optional<std::int64_t> batch;  // the batch the launches are packed for (default 1)
+  bool all = false;                   // every built-in kernel file instead of a model
+};
+
 // Lists the model zoo: name, input shape, parameter count.
 void list_models(std::ostream& out);
 // Prints the summary (and, with a batch, the concrete shapes and the memory plan); writes the
@@ -35,5 +42,8 @@ void list_models(std::ostream& out);
 void inspect(const InspectArgs& args, std::ostream& out);
 // Loads the model, runs it `runs` times and prints the outputs and the median time.
 void run(const RunArgs& args, std::ostream& out);
+// Compiles a model's kernels (packing and checking every launch) or every built-in kernel file
+// for an architecture, without a GPU; prints one line per kernel and warms the disk cache.
+void compile(const CompileArgs& args, std::ostream& out);
 
 }  // namespace kgraph

@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
       "  kgraph models\n"
       "  kgraph inspect lenet5 --batch 4\n"
       "  kgraph run lenet5 --random --batch 2\n"
+      "  kgraph compile lenet5 --arch 90\n"
       "Run 'kgraph <command> --help' for a command's options.");
 
   CLI::App* models = app.add_subcommand("models", "List the models of the zoo");
@@ -109,6 +110,22 @@ int main(int argc, char** argv) {
       ->check(positive_integer)
       ->option_text("N");
 
+  kgraph::CompileArgs ca;
+  int compile_arch = 0;
+  std::int64_t compile_batch = 0;
+  CLI::App* compile =
+      app.add_subcommand("compile", "Compile a model's kernels for a GPU architecture (no GPU needed)");
+  compile->add_option("MODEL", ca.model, "Model name (see 'kgraph models')");
+  CLI::Option* compile_arch_opt =
+      compile->add_option("--arch", compile_arch, "Compute capability: 90 for sm_90 (default: the GPU's)")
+          ->check(positive_integer)
+          ->option_text("SM");
+  CLI::Option* compile_batch_opt =
+      compile->add_option("--batch", compile_batch, "Batch size the launches are packed for (default 1)")
+          ->check(positive_integer)
+          ->option_text("N");
+  compile->add_flag("--all", ca.all, "Every built-in kernel file instead of a model");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -122,7 +139,7 @@ int main(int argc, char** argv) {
     for (const CLI::App* sub : app.get_subcommands()) where += " " + sub->get_name();
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
       return fail(std::string("unknown command '") + argv[1] +
-                      "' (expected models, inspect or run; see 'kgraph --help')",
+                      "' (expected models, inspect, run or compile; see 'kgraph --help')",
                   2);
     return fail(one_line(e.what()) + " (see '" + where + " --help')", 2);
   }
@@ -130,9 +147,12 @@ int main(int argc, char** argv) {
   try {
     if (*inspect_batch_opt) ia.batch = inspect_batch;
     if (*run_batch_opt) ra.batch = run_batch;
+    if (*compile_arch_opt) ca.arch = compile_arch;
+    if (*compile_batch_opt) ca.batch = compile_batch;
     if (*models) kgraph::list_models(std::cout);
     if (*inspect) kgraph::inspect(ia, std::cout);
     if (*run) kgraph::run(ra, std::cout);
+    if (*compile) kgraph::compile(ca, std::cout);
     std::cout.flush();
     if (!std::cout) return fail("cannot write to standard output", 1);
   } catch (const kg::Error& e) {
