@@ -11,3 +11,4 @@
 #include "kg/ops.hpp"
 #include "kg/shape.hpp"
 #include "kg/tensor.hpp"
+#include "kg/testing.hpp"

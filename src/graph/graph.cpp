@@ -2,6 +2,7 @@
 
 #include <set>
 
+#include "graph/no_cpu_impl.hpp"
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
@@ -159,9 +160,10 @@ DType CustomOp::infer_output_dtype(const std::vector<DType>& input_dtypes) const
   return input_dtypes.front();
 }
 
-void CustomOp::cpu_forward(CpuContext&) const {
-  throw Error("has no CPU implementation (override CustomOp::cpu_forward)");
-}
+NoCpuImplementation::NoCpuImplementation()
+    : Error("has no CPU implementation (override CustomOp::cpu_forward)") {}
+
+void CustomOp::cpu_forward(CpuContext&) const { throw NoCpuImplementation(); }
 
 CustomData::CustomData(std::shared_ptr<const CustomOp> op) : op_(std::move(op)) {
   if (!op_) throw Error("CustomData: null op");

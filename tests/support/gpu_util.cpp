@@ -2,11 +2,92 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+
+#include "backend/emu/executor.hpp"
 #include "compile/compiler.hpp"
 #include "lower/dry_run.hpp"
 #include "support/test_util.hpp"
 
 namespace kg_test {
+namespace {
+
+// Records the largest normwise relative error (max |gpu - cpu| / max |cpu|) seen in the current
+// test as the XML property "max_rel_err" (scripts/gpu-check prints it).
+void record_max_rel_err(const kg::Tensor& got, const kg::Tensor& want) {
+  double diff = 0, scale = 0;
+  for (std::int64_t i = 0; i < want.numel() && i < got.numel(); ++i) {
+    const double g = got.item(i), w = want.item(i);
+    diff = std::max(diff, std::isnan(g) != std::isnan(w) ? INFINITY : std::isnan(w) ? 0.0 : std::abs(g - w));
+    if (!std::isnan(w)) scale = std::max(scale, std::abs(w));
+  }
+  static std::string test;
+  static double worst = 0;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  if (info == nullptr) return;
+  const std::string name = std::string(info->test_suite_name()) + "." + info->name();
+  if (name != test) test = name, worst = 0;
+  worst = std::max(worst, diff / std::max(scale, 1e-30));
+  std::ostringstream os;
+  os.precision(3);
+  os << std::scientific << worst;
+  ::testing::Test::RecordProperty("max_rel_err", os.str());
+}
+
+bool emulation_enabled() {
+  const char* v = std::getenv("KG_TEST_EMULATE");
+  return v == nullptr || std::string(v) != "0";
+}
+
+// Counts the emulated and skipped runs of the current test in the XML property "emulation".
+void record_emulation(bool ran) {
+  static std::string test;
+  static int runs = 0, skipped = 0;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  if (info == nullptr) return;
+  const std::string name = std::string(info->test_suite_name()) + "." + info->name();
+  if (name != test) test = name, runs = skipped = 0;
+  (ran ? runs : skipped) += 1;
+  ::testing::Test::RecordProperty(
+      "emulation", std::to_string(runs) + " run, " + std::to_string(skipped) + " skipped (large outputs)");
+}
+
+}  // namespace
+
+bool check_emulated(const kg::Model& model, const std::vector<kg::Tensor>& inputs,
+                    const std::map<std::string, kg::Tensor>& params, const std::vector<kg::Tensor>& want,
+                    double rtol, double atol) {
+  if (!emulation_enabled()) return false;
+  std::int64_t elements = 0;
+  for (const auto& w : want) elements += w.numel();
+  std::int64_t limit = kMaxEmulatedElements;
+  if (const char* v = std::getenv("KG_TEST_EMULATE_MAX")) limit = std::atoll(v);
+  if (elements > limit) {
+    std::cout << "[ emulation ] skipped: the outputs have " << elements << " elements (emulated up to "
+              << limit << "; KG_TEST_EMULATE_MAX raises it)\n";
+    record_emulation(false);
+    return false;
+  }
+  record_emulation(true);
+  std::vector<kg::Tensor> got;
+  try {
+    got = kg::emu::run_model(model, inputs, params, /*checked=*/true);
+  } catch (const kg::Error& e) {
+    ADD_FAILURE() << "emulated run failed: " << e.what();
+    return true;
+  }
+  EXPECT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    EXPECT_TRUE(all_written(got[i]) || !all_written(want[i]))
+        << "emulated output " << i << " has elements the kernel never wrote";
+    EXPECT_TRUE(all_close(got[i], want[i], rtol, atol)) << "emulated output " << i << " differs from the CPU";
+  }
+  return true;
+}
 
 bool check_lowering(const BuildFn& build, const std::vector<kg::Tensor>& inputs, double rtol, double atol) {
   auto graph = kg::Graph::create();
@@ -20,18 +101,20 @@ bool check_lowering(const BuildFn& build, const std::vector<kg::Tensor>& inputs,
   }
   kg::Model model(graph, build(xs));
   if (kg::compile::Compiler::available()) kg::lower::dry_run(model, shapes, 90);
-  if (!kg::Device::cuda_available()) return false;
   kg::LoadOptions opt;
   opt.poison_buffers = true;
   kg::LoadedModel cpu = model.load(kg::Device::cpu(), shapes, opt);
+  const auto want = cpu.forward(inputs);
+  check_emulated(model, inputs, cpu.state_dict(), want, rtol, atol);
+  if (!kg::Device::cuda_available()) return false;
   kg::LoadedModel gpu = model.load(kg::Device::cuda(), shapes, opt);
   gpu.load_state_dict(cpu.state_dict(), false);
-  auto want = cpu.forward(inputs);
   auto got = gpu.forward(inputs);
   EXPECT_EQ(got.size(), want.size());
   for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
     EXPECT_TRUE(all_written(got[i])) << "GPU output " << i << " has elements the kernel never wrote";
     EXPECT_TRUE(all_close(got[i], want[i], rtol, atol)) << "GPU output " << i << " differs from the CPU";
+    record_max_rel_err(got[i], want[i]);
   }
   return true;
 }

@@ -1,11 +1,37 @@
 #include "backend/cpu/executor.hpp"
 
 #include <chrono>
+#include <cstring>
+#include <optional>
+#include <random>
 
+#include "backend/emu/executor.hpp"
+#include "backend/emu/host_jit.hpp"
+#include "graph/no_cpu_impl.hpp"
 #include "kg/error.hpp"
+#include "kg/runtime_op.hpp"
+#include "lower/launch_check.hpp"
+#include "runtime/plan_builder.hpp"
 #include "util/str.hpp"
 
 namespace kg::cpu {
+
+// An op without a CPU implementation, run through the CUDA emulator: the lowering taken once,
+// the kernel compiled once (the first launch goes through emu::launch and its checks; later ones
+// straight to the emulator's grid runner), the parameters a RuntimeOp declares for itself
+// initialised once, and scratch and padded-output buffers kept for the next run.
+struct Executor::EmulatedNode {
+  Lowered lowered;
+  std::shared_ptr<const emu::JitModule> module;
+  const emu::KernelEntry* kernel = nullptr;
+  bool launched = false;           // the checked first launch is done
+  std::vector<Tensor> own_params;  // declared by the RuntimeOp when the op declares none
+  std::vector<ParamSpec> own_specs;
+  Tensor scratch;  // U8
+  Tensor padded;   // output with the RuntimeOp's row stride, when it pads
+  std::int64_t row_stride = 0;
+};
+
 namespace {
 
 class PoolContext final : public CpuContext {
@@ -20,6 +46,153 @@ class PoolContext final : public CpuContext {
  private:
   ThreadPool& pool_;
 };
+
+DevicePtr host_address(const Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.raw()); }
+
+std::string shapes_text(const std::vector<std::vector<std::int64_t>>& shapes) {
+  std::vector<std::string> t;
+  for (const auto& s : shapes) t.push_back(sizes_to_string(s));
+  return util::join(t, ", ");
+}
+
+// Lowers the node and checks its RuntimeOp against the concrete shapes, as the GPU path does at
+// load: activation inputs, the concrete output shape, parameter shapes; parameters the RuntimeOp
+// declares for itself are created from param_init_data (else zeros).
+std::shared_ptr<Executor::EmulatedNode> prepare(const Node& n, const runtime::Step& step,
+                                                const std::vector<Tensor>& ins, const Tensor& out) {
+  const std::string label = n.label();
+  std::optional<Lowered> l = n.op->op().lower();
+  if (!l)
+    throw Error(label +
+                " has no CPU implementation (override CustomOp::cpu_forward) and no lowering to run "
+                "through the CUDA emulator instead (CustomOp::lower() returns nothing)");
+  if (!l->runtime_op) throw Error(label + " lower() returned no RuntimeOp");
+  if (l->source.empty()) throw Error(label + " lower() returned an empty kernel source");
+  if (l->name.empty()) l->name = n.op->name();
+  auto e = std::make_shared<Executor::EmulatedNode>();
+  e->lowered = std::move(*l);
+  const RuntimeOp& rt = *e->lowered.runtime_op;
+
+  std::vector<std::vector<std::int64_t>> in_shapes;
+  for (const auto& t : ins) in_shapes.push_back(t.shape());
+  const auto& out_shape = out.shape();
+  const int n_act = rt.n_activation_inputs();
+  if (n_act < 0 || n_act > static_cast<int>(ins.size()))
+    throw Error(
+        util::cat(label, " n_activation_inputs() is ", n_act, " but the node has ", ins.size(), " inputs"));
+  if (auto real = rt.compute_concrete_output_shape(in_shapes); real && *real != out_shape)
+    throw Error(util::cat(label, " infer_output_shape says ", sizes_to_string(out_shape), " for inputs ",
+                          shapes_text(in_shapes),
+                          " but the kernel (RuntimeOp::compute_concrete_output_shape) writes ",
+                          sizes_to_string(*real)));
+  const auto shapes = rt.param_shapes(in_shapes, out_shape);
+  if (!step.specs.empty()) {
+    bool same = shapes.size() == step.specs.size();
+    for (std::size_t i = 0; same && i < shapes.size(); ++i) same = shapes[i] == step.specs[i].shape;
+    if (!same) {
+      std::vector<std::vector<std::int64_t>> declared;
+      for (const auto& s : step.specs) declared.push_back(s.shape);
+      throw Error(util::cat(label, " RuntimeOp::param_shapes gives [", shapes_text(shapes),
+                            "] but the op declares [", shapes_text(declared), "]"));
+    }
+  } else {
+    const auto names = rt.param_names();
+    std::mt19937_64 rng(0);
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      ParamSpec spec;
+      spec.name = n.name + "." + (i < names.size() ? names[i] : util::cat("param", i));
+      spec.shape = shapes[i];
+      spec.dtype = rt.param_dtype(static_cast<int>(i));
+      spec.trainable = false;
+      if (auto init = rt.param_init_data(static_cast<int>(i))) {
+        lower::check_param_init(init->size(), spec.shape, spec.dtype, spec.name, label);
+        spec.init = ParamInit::from_bytes(std::move(*init));
+      } else {
+        spec.init = ParamInit::constant(0.0);
+      }
+      Tensor t = Tensor::empty(spec.dtype, spec.shape);
+      runtime::init_param(t, spec, n, rng);
+      e->own_specs.push_back(std::move(spec));
+      e->own_params.push_back(t);
+    }
+  }
+
+  const std::int64_t last = out_shape.empty() ? 1 : out_shape.back();
+  e->row_stride = rt.forward_output_row_stride(out_shape);
+  if (e->row_stride < last)
+    throw Error(util::cat(label, " forward_output_row_stride ", e->row_stride,
+                          " is smaller than the row length ", last));
+  if (e->row_stride != last && last > 0)
+    e->padded = Tensor::empty(out.dtype(), {numel_of(out_shape) / last, e->row_stride});
+  if (const std::size_t s = rt.scratch_bytes(in_shapes, out_shape); s > 0)
+    e->scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(s)});
+  try {
+    e->module = emu::HostJit::global().load(e->lowered.name, e->lowered.source);
+    e->kernel = &e->module->find(e->lowered.entry_point, label);
+  } catch (const Error& err) {
+    const std::string what = err.what();
+    throw Error(what.rfind(label, 0) == 0 ? what : label + " " + what);
+  }
+  return e;
+}
+
+// Packs and runs every launch of the node's kernel on the emulator, with host addresses.
+void run_emulated(Executor::EmulatedNode& e, const Node& n, const runtime::Step& step,
+                  const std::vector<Tensor>& ins, Tensor& out) {
+  const std::string label = n.label();
+  const RuntimeOp& rt = *e.lowered.runtime_op;
+  const auto& out_shape = out.shape();
+  std::vector<DeviceTensor> dins;
+  for (const auto& t : ins) dins.push_back({host_address(t), t.shape(), t.dtype()});
+  dins.resize(static_cast<std::size_t>(rt.n_activation_inputs()));
+  const std::vector<Tensor>& params = step.specs.empty() ? e.own_params : step.params;
+  const std::vector<ParamSpec>& specs = step.specs.empty() ? e.own_specs : step.specs;
+  std::vector<DeviceTensor> dparams;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    dparams.push_back({host_address(params[i]), specs[i].shape, specs[i].dtype});
+  const bool padded = e.padded.raw() != nullptr;
+  const Tensor& target = padded ? e.padded : out;
+  const DeviceTensor dout{host_address(target), out_shape, out.dtype()};
+  const DevicePtr scratch = e.scratch.numel() > 0 ? host_address(e.scratch) : 0;
+
+  const int nl = rt.n_launches(out_shape);
+  if (nl < 1) throw Error(util::cat(label, " n_launches is ", nl));
+  for (int i = 0; i < nl; ++i) {
+    const Dim3 grid = rt.grid_for_launch(i, out_shape), block = rt.block_for_launch(i);
+    const std::size_t shared = rt.dynamic_shared_bytes(out_shape);
+    lower::check_grid(grid, out_shape, label, i);
+    lower::ArgPack pack;
+    rt.pack_args_for_launch(i, dins, dparams, dout, out_shape, e.row_stride, scratch, pack);
+    if (!e.launched) {
+      emu::LaunchOptions o;
+      o.label = label;
+      emu::launch(e.lowered.name, e.lowered.source, e.lowered.entry_point, grid, block, shared, pack, o);
+      continue;
+    }
+    std::vector<std::vector<std::byte>> bytes;
+    for (const auto& a : pack.args()) bytes.push_back(a.data);
+    std::vector<void*> ptrs;
+    for (auto& b : bytes) ptrs.push_back(b.data());
+    emu::GridLaunch gl;
+    gl.kernel = e.kernel;
+    gl.grid = grid;
+    gl.block = block;
+    gl.shared = shared;
+    gl.args = ptrs.data();
+    gl.label = label;
+    emu::run_grid(gl);
+  }
+  e.launched = true;
+  if (padded) {
+    const std::int64_t last = out_shape.back();
+    const std::size_t row = static_cast<std::size_t>(last) * dtype_size(out.dtype());
+    const std::size_t stride = static_cast<std::size_t>(e.row_stride) * dtype_size(out.dtype());
+    const auto* src = static_cast<const std::byte*>(target.raw());
+    auto* dst = static_cast<std::byte*>(out.raw());
+    for (std::int64_t r = 0; r < out.numel() / last; ++r)
+      std::memcpy(dst + static_cast<std::size_t>(r) * row, src + static_cast<std::size_t>(r) * stride, row);
+  }
+}
 
 }  // namespace
 
@@ -37,8 +210,8 @@ Tensor Executor::value_tensor(const runtime::Plan& plan, int node, const std::ve
   return Tensor::wrap(static_cast<std::byte*>(arena) + v.offset, v.dtype, v.shape);
 }
 
-void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs,
-                   void* arena, bool training, std::uint64_t seed, std::vector<NodeTime>* profile) {
+void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
+                   bool training, std::uint64_t seed, std::vector<NodeTime>* profile) {
   using clock = std::chrono::steady_clock;
   std::vector<Tensor> ins;
   for (auto& step : plan.steps) {
@@ -46,19 +219,37 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
     ins.clear();
     for (int in : n.inputs) ins.push_back(value_tensor(plan, in, inputs, arena));
     Tensor out = value_tensor(plan, step.node, inputs, arena);
-    PoolContext ctx(ins, step.params, out, training,
-                    seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(step.node), pool());
     auto t0 = clock::now();
-    try {
-      n.op->op().cpu_forward(ctx);
-    } catch (const Error& e) {
-      throw Error(n.label() + " " + e.what());
-    } catch (const std::exception& e) {
-      throw Error(n.label() + " cpu_forward failed: " + e.what());
+    auto emulated = emulated_.find(step.node);
+    bool emulate = emulated != emulated_.end();
+    if (!emulate) {
+      PoolContext ctx(ins, step.params, out, training,
+                      seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(step.node), pool());
+      try {
+        n.op->op().cpu_forward(ctx);
+      } catch (const NoCpuImplementation&) {
+        emulate = true;
+      } catch (const Error& e) {
+        throw Error(n.label() + " " + e.what());
+      } catch (const std::exception& e) {
+        throw Error(n.label() + " cpu_forward failed: " + e.what());
+      }
+    }
+    if (emulate) {
+      try {
+        if (emulated == emulated_.end())
+          emulated = emulated_.emplace(step.node, prepare(n, step, ins, out)).first;
+        run_emulated(*emulated->second, n, step, ins, out);
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        throw Error(what.rfind(n.label(), 0) == 0 ? what : n.label() + " " + what);
+      } catch (const std::exception& e) {
+        throw Error(n.label() + " emulated kernel failed: " + e.what());
+      }
     }
     if (profile)
-      profile->push_back({n.name, n.op_name(),
-                          std::chrono::duration<double, std::milli>(clock::now() - t0).count()});
+      profile->push_back(
+          {n.name, n.op_name(), std::chrono::duration<double, std::milli>(clock::now() - t0).count()});
   }
 }
 

@@ -1,6 +1,8 @@
-// Runs a plan's steps on the CPU, in topological order.
+// Runs a plan's steps on the CPU, in topological order. An op without a CPU implementation (the
+// default CustomOp::cpu_forward) runs its lowered kernel through the CUDA emulator instead.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -23,8 +25,12 @@ class Executor {
                              void* arena);
   ThreadPool& pool() { return own_ ? *own_ : ThreadPool::global(); }
 
+  // What an emulated node keeps between runs (its lowering, compiled kernel, parameters).
+  struct EmulatedNode;
+
  private:
   std::unique_ptr<ThreadPool> own_;
+  std::map<int, std::shared_ptr<EmulatedNode>> emulated_;  // by node id
 };
 
 }  // namespace kg::cpu

@@ -1,0 +1,508 @@
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <typeinfo>
+#include <utility>
+
+#include "backend/emu/executor.hpp"
+#include "graph/no_cpu_impl.hpp"
+#include "kg/error.hpp"
+#include "kg/model.hpp"
+#include "kg/runtime_op.hpp"
+#include "kg/testing.hpp"
+#include "util/str.hpp"
+
+namespace kg::testing {
+namespace {
+
+std::string index_text(std::int64_t flat, const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> idx(shape.size(), 0);
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] > 0) {
+      idx[d] = flat % shape[d];
+      flat /= shape[d];
+    }
+  }
+  return sizes_to_string(idx);
+}
+
+std::string num(double v) {
+  std::ostringstream os;
+  os.precision(9);
+  os << v;
+  return os.str();
+}
+
+std::string sci(double v) {
+  std::ostringstream os;
+  os.precision(2);
+  os << std::scientific << v;
+  return os.str();
+}
+
+// Uniform values in [-1, 1]; integers in {-1, 0, 1} ({0, 1} when unsigned or bool).
+Tensor random_input(std::mt19937_64& rng, DType dtype, const std::vector<std::int64_t>& shape) {
+  if (is_floating(dtype)) {
+    Tensor t = Tensor::empty(DType::F64, shape);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    double* d = t.data<double>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) d[i] = u(rng);
+    return dtype == DType::F64 ? t : t.to(dtype);
+  }
+  Tensor t = Tensor::empty(dtype, shape);
+  const bool is_unsigned = dtype == DType::U8 || dtype == DType::Bool;
+  std::uniform_int_distribution<int> u(is_unsigned ? 0 : -1, 1);
+  auto* p = static_cast<unsigned char*>(t.raw());
+  const std::size_t size = dtype_size(dtype);
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    const std::int64_t v = u(rng);
+    // Little-endian: the low bytes of the i64, sign-extended by construction.
+    std::memcpy(p + static_cast<std::size_t>(i) * size, &v, size);
+  }
+  return t;
+}
+
+// Elements that are NaN (float dtypes): never written into a NaN-poisoned buffer.
+std::int64_t count_nan(const Tensor& t, std::int64_t* first) {
+  std::int64_t n = 0;
+  if (!is_floating(t.dtype())) return 0;
+  for (std::int64_t i = 0; i < t.numel(); ++i)
+    if (std::isnan(t.item(i)) && n++ == 0) *first = i;
+  return n;
+}
+
+// The first element whose bytes differ, or -1.
+std::int64_t first_byte_difference(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return 0;
+  const std::size_t size = dtype_size(a.dtype());
+  const auto* pa = static_cast<const unsigned char*>(a.raw());
+  const auto* pb = static_cast<const unsigned char*>(b.raw());
+  for (std::int64_t i = 0; i < a.numel(); ++i)
+    if (std::memcmp(pa + static_cast<std::size_t>(i) * size, pb + static_cast<std::size_t>(i) * size, size) !=
+        0)
+      return i;
+  return -1;
+}
+
+bool all_bytes(const Tensor& t, std::int64_t i, unsigned char v) {
+  const std::size_t size = dtype_size(t.dtype());
+  const auto* p = static_cast<const unsigned char*>(t.raw()) + static_cast<std::size_t>(i) * size;
+  for (std::size_t k = 0; k < size; ++k)
+    if (p[k] != v) return false;
+  return true;
+}
+
+struct Comparison {
+  bool ok = true;
+  std::string text;
+};
+
+// |got - want| <= atol + rtol * |want| elementwise; NaN only where the reference is NaN.
+Comparison compare(const Tensor& got, const Tensor& want, double rtol, double atol, const std::string& what,
+                   const std::string& ref) {
+  Comparison c;
+  if (got.shape() != want.shape() || got.dtype() != want.dtype()) {
+    c.ok = false;
+    c.text = util::cat(what, " gives ", sizes_to_string(got.shape()), " ", dtype_name(got.dtype()), " but ",
+                       ref, " gives ", sizes_to_string(want.shape()), " ", dtype_name(want.dtype()));
+    return c;
+  }
+  std::int64_t bad = 0, worst_at = -1, diff_at = -1;
+  double worst = 0, max_diff = 0;
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.item(i), w = want.item(i);
+    const bool gn = std::isnan(g), wn = std::isnan(w);
+    double r = 0, d = 0;
+    if (gn != wn) {
+      r = d = INFINITY;
+    } else if (!gn && g != w) {
+      d = std::abs(g - w);
+      r = d / (atol + rtol * std::abs(w));
+    }
+    if (d > max_diff || (diff_at < 0 && d > 0)) max_diff = d, diff_at = i;
+    if (r > 1) ++bad;
+    if (r > worst) worst = r, worst_at = i;
+  }
+  const std::string tol = util::cat("rtol ", num(rtol), ", atol ", num(atol));
+  if (bad == 0) {
+    c.text = util::cat(what, " matches ", ref, " within ", tol, " (max |diff| ", sci(max_diff),
+                       diff_at >= 0 ? " at " + index_text(diff_at, want.shape()) : std::string(), ")");
+    return c;
+  }
+  c.ok = false;
+  c.text = util::cat(what, " differs from ", ref, " at ", bad, " of ", want.numel(), " elements; worst at ",
+                     index_text(worst_at, want.shape()), ": ", num(got.item(worst_at)), " where ", ref,
+                     " gives ", num(want.item(worst_at)), " (|diff| ",
+                     sci(std::abs(got.item(worst_at) - want.item(worst_at))), ", ", sci(worst),
+                     "x the tolerance ", tol, ")");
+  return c;
+}
+
+class Reporter {
+ public:
+  Reporter(CheckOpReport& r, std::string label) : r_(r), label_(std::move(label)) {}
+  void set_label(std::string label) { label_ = std::move(label); }
+  void pass(const std::string& where, const std::string& text) { add("PASS", where, text); }
+  void skip(const std::string& where, const std::string& text) { add("SKIP", where, text); }
+  void info(const std::string& text) { r_.lines.push_back("INFO " + text); }
+  void fail(const std::string& where, const std::string& text) {
+    r_.ok = false;
+    // Errors from the library already start with "[op @ node]".
+    const std::string full = text.rfind("[", 0) == 0 ? text : label_ + " " + text;
+    // "batch 3, emulator": a failure of a stage that repeats the last batch's word for word
+    // (a kernel that does not compile) is not written out again.
+    const std::size_t comma = where.find(", ");
+    if (where.rfind("batch ", 0) == 0 && comma != std::string::npos) {
+      auto& [batch, last] = last_failure_[where.substr(comma + 2)];
+      // The host compiler's temporary file names differ between two failed compiles.
+      static const std::regex temp_name(R"(\.tmp\.[0-9]+\.[0-9]+\.)");
+      const std::string key = std::regex_replace(full, temp_name, ".tmp.");
+      if (last == key) {
+        add("FAIL", where, util::cat(label_, " the same failure as ", batch));
+        return;
+      }
+      batch = where.substr(0, comma);
+      last = key;
+    }
+    add("FAIL", where, full);
+  }
+  // Runs `fn`; a kg::Error or other exception becomes a failure line. Returns false on failure.
+  template <class Fn>
+  bool guard(const std::string& where, Fn&& fn) {
+    try {
+      fn();
+      return true;
+    } catch (const Error& e) {
+      fail(where, e.what());
+    } catch (const std::exception& e) {
+      fail(where, util::cat("unexpected ", typeid(e).name(), ": ", e.what()));
+    }
+    return false;
+  }
+
+ private:
+  void add(const char* kind, const std::string& where, const std::string& text) {
+    r_.lines.push_back(util::cat(kind, " ", where, where.empty() ? "" : ": ", text));
+  }
+  CheckOpReport& r_;
+  std::string label_;
+  std::map<std::string, std::pair<std::string, std::string>> last_failure_;  // stage -> (batch, text)
+};
+
+std::string shapes_text(const std::vector<Shape>& shapes, const std::vector<DType>& dtypes) {
+  std::vector<std::string> t;
+  for (std::size_t i = 0; i < shapes.size(); ++i)
+    t.push_back(util::cat(shapes[i].to_string(), " ", dtype_name(dtypes[i])));
+  return util::join(t, ", ");
+}
+
+std::string sizes_text(const std::vector<std::vector<std::int64_t>>& shapes) {
+  std::vector<std::string> t;
+  for (const auto& s : shapes) t.push_back(sizes_to_string(s));
+  return util::join(t, ", ");
+}
+
+// The concrete output shape against the one recorded: rank, static dims, and dims named by a
+// symbol that an input also carries (bound to the batch size).
+std::string shape_mismatch(const Shape& declared, const std::vector<std::int64_t>& got, std::int64_t batch,
+                           const std::vector<Shape>& inputs) {
+  if (declared.rank() != got.size())
+    return util::cat("rank ", got.size(), " but ", declared.rank(), " was declared at record time");
+  for (std::size_t d = 0; d < got.size(); ++d) {
+    const Dim& dim = declared[d];
+    if (dim.is_static() && dim.size() != got[d])
+      return util::cat("dim ", d, " is ", got[d], " but ", dim.size(), " was declared at record time");
+    if (dim.is_dynamic() && !dim.symbol().empty()) {
+      bool bound = false;
+      for (const auto& s : inputs)
+        for (const auto& in_dim : s)
+          bound = bound || (in_dim.is_dynamic() && in_dim.symbol() == dim.symbol());
+      if (bound && got[d] != batch)
+        return util::cat("dim ", d, " is ", got[d], " but it was declared '", dim.symbol(), "', which is ",
+                         batch);
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string CheckOpReport::to_string() const {
+  std::string s = ok ? "check_op: ok\n" : "check_op: FAILED\n";
+  for (const auto& l : lines) s += "  " + l + "\n";
+  return s;
+}
+
+namespace {
+
+void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<Shape>& input_shapes,
+                const std::vector<DType>& dtypes, const CheckOpOptions& o) {
+  Reporter rep(report, "[" + op.name() + "]");
+  const std::uint64_t seed =
+      o.seed != 0 ? o.seed : (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  rep.info(util::cat("op ", op.name(), ", seed ", seed, " (CheckOpOptions::seed reproduces this run)"));
+  if (input_shapes.size() != dtypes.size()) {
+    rep.fail("setup",
+             util::cat("check_op: ", input_shapes.size(), " input shapes but ", dtypes.size(), " dtypes"));
+    return;
+  }
+
+  // Record the op on symbolic inputs.
+  auto graph = Graph::create();
+  std::optional<Model> model;
+  int node_id = -1;
+  if (!rep.guard("record", [&] {
+        std::vector<SymTensor> xs;
+        for (std::size_t i = 0; i < input_shapes.size(); ++i)
+          xs.push_back(graph->input(dtypes[i], input_shapes[i], util::cat("x", i)));
+        SymTensor y = graph->record(op, xs);
+        rep.set_label(graph->node(y.node()).label());
+        model.emplace(graph, std::vector<SymTensor>{y});
+        node_id = model->outputs().at(0).second;
+        rep.pass("record", util::cat("inputs ", shapes_text(input_shapes, dtypes), " -> output ",
+                                     y.shape().to_string(), " ", dtype_name(y.dtype())));
+      }))
+    return;
+  const Node& node = model->graph().node(node_id);
+
+  std::optional<Lowered> lowered;
+  if (!op->is_view()) {
+    if (!rep.guard("lower", [&] { lowered = op->lower(); })) return;
+    if (lowered && !lowered->runtime_op) {
+      rep.fail("lower", "lower() returned no RuntimeOp");
+      return;
+    }
+  }
+
+  std::mt19937_64 rng(seed);
+  bool cpu_missing_noted = false;
+  for (const std::int64_t batch : o.batch_sizes) {
+    const std::string at = util::cat("batch ", batch);
+    if (batch < 0) {
+      rep.fail(at, util::cat("batch size ", batch, " is negative"));
+      continue;
+    }
+    // Concrete shapes and inputs.
+    std::vector<std::vector<std::int64_t>> shapes;
+    std::vector<Shape> concrete;
+    for (const auto& s : input_shapes) {
+      std::vector<std::int64_t> v;
+      for (const auto& d : s) v.push_back(d.is_dynamic() ? batch : d.size());
+      shapes.push_back(v);
+      concrete.push_back(Shape::of(v));
+    }
+    std::vector<Tensor> inputs;
+    if (!rep.guard(at + ", inputs", [&] {
+          for (std::size_t i = 0; i < shapes.size(); ++i) {
+            Tensor t = o.make_input ? o.make_input(static_cast<int>(i), shapes[i])
+                                    : random_input(rng, dtypes[i], shapes[i]);
+            if (t.shape() != shapes[i] || t.dtype() != dtypes[i])
+              throw Error(util::cat("CheckOpOptions::make_input(", i, ", ", sizes_to_string(shapes[i]),
+                                    ") returned ", sizes_to_string(t.shape()), " ", dtype_name(t.dtype()),
+                                    "; the input is ", sizes_to_string(shapes[i]), " ",
+                                    dtype_name(dtypes[i])));
+            inputs.push_back(t);
+          }
+        }))
+      continue;
+
+    // Shape inference with concrete sizes, against the record and the kernel.
+    std::vector<std::int64_t> out_shape;
+    if (!rep.guard(at + ", shape", [&] {
+          Shape inferred = op->infer_output_shape(concrete);
+          if (!inferred.is_concrete())
+            throw Error(util::cat("infer_output_shape gives ", inferred.to_string(), " for inputs ",
+                                  sizes_text(shapes), ": a dynamic dim although every input size is known"));
+          out_shape = inferred.sizes();
+          if (auto why = shape_mismatch(node.shape, out_shape, batch, input_shapes); !why.empty())
+            throw Error(util::cat("infer_output_shape gives ", sizes_to_string(out_shape), " for inputs ",
+                                  sizes_text(shapes), ": ", why, " (", node.shape.to_string(), ")"));
+          if (lowered)
+            if (auto real = lowered->runtime_op->compute_concrete_output_shape(shapes);
+                real && *real != out_shape)
+              throw Error(util::cat("infer_output_shape gives ", sizes_to_string(out_shape), " for inputs ",
+                                    sizes_text(shapes),
+                                    " but the kernel (RuntimeOp::compute_concrete_output_shape) writes ",
+                                    sizes_to_string(*real)));
+          rep.pass(at + ", shape",
+                   util::cat("inputs ", sizes_text(shapes), " -> ", sizes_to_string(out_shape), " (declared ",
+                             node.shape.to_string(), ")"));
+        }))
+      continue;
+
+    // The CPU: loaded through the runtime (parameters initialised), then cpu_forward called
+    // directly on outputs poisoned with 0xFF bytes (NaN) and, on reruns, with zero bytes.
+    std::optional<LoadedModel> cpu;
+    std::map<std::string, Tensor> params;
+    if (!rep.guard(at + ", cpu", [&] {
+          LoadOptions lo;
+          lo.poison_buffers = true;
+          cpu.emplace(model->load(Device::cpu(), shapes, lo));
+          params = cpu->state_dict();
+        }))
+      continue;
+    Tensor want;
+    bool have_cpu = true;
+    if (op->is_view()) {
+      rep.guard(at + ", cpu", [&] {
+        want = cpu->forward(inputs).at(0);
+        rep.pass(at + ", cpu", "a view of its input (no kernel)");
+      });
+      continue;
+    }
+    const std::string where = at + ", cpu_forward";
+    try {
+      std::vector<Tensor> ps;
+      for (const auto& spec : node.params) ps.push_back(params.at(spec.name));
+      std::vector<Tensor> runs;
+      for (int k = 0; k <= std::max(o.reruns, 0) && have_cpu; ++k) {
+        Tensor out = Tensor::empty(node.dtype, out_shape);
+        if (out.nbytes()) std::memset(out.raw(), k % 2 == 0 ? 0xFF : 0x00, out.nbytes());
+        CpuContext ctx(inputs, ps, out, false, seed);
+        op->cpu_forward(ctx);
+        runs.push_back(out);
+      }
+      want = runs.front();
+      std::int64_t first = -1;
+      const std::int64_t unwritten = count_nan(want, &first);
+      bool good = true;
+      if (unwritten > 0) {
+        rep.fail(where, util::cat("cpu_forward left ", unwritten, " of ", want.numel(),
+                                  " output elements unwritten (NaN in a NaN-poisoned output; first at ",
+                                  index_text(first, out_shape), ")"));
+        good = false;
+      }
+      for (std::size_t k = 1; k < runs.size() && good; ++k) {
+        const std::int64_t i = first_byte_difference(runs[k], want);
+        if (i < 0) continue;
+        good = false;
+        if (all_bytes(want, i, 0xFF) && all_bytes(runs[k], i, 0x00))
+          rep.fail(where, util::cat("cpu_forward leaves output element ", index_text(i, out_shape),
+                                    " unwritten (it keeps the poison bytes 0xFF and 0x00 of two runs)"));
+        else
+          rep.fail(where, util::cat("rerun ", k, " differs from the first run at ", index_text(i, out_shape),
+                                    ": ", num(runs[k].item(i)), " vs ", num(want.item(i)),
+                                    " (the same inputs must give bitwise-equal results)"));
+      }
+      if (good)
+        rep.pass(
+            where,
+            util::cat("every one of ", want.numel(), " elements written",
+                      runs.size() > 1 ? util::cat(", ", runs.size() - 1, " rerun(s) bitwise equal") : ""));
+    } catch (const NoCpuImplementation&) {
+      have_cpu = false;
+    } catch (const Error& e) {
+      rep.fail(where, e.what());
+      continue;
+    } catch (const std::exception& e) {
+      rep.fail(where, util::cat("cpu_forward threw ", typeid(e).name(), ": ", e.what()));
+      continue;
+    }
+    std::string ref = "the CPU";
+    if (!have_cpu) {
+      if (!cpu_missing_noted)
+        rep.skip("cpu_forward",
+                 "the op has no CPU implementation; the cpu device runs its kernel through the "
+                 "emulator, and the other paths are compared with that run");
+      cpu_missing_noted = true;
+      if (!rep.guard(at + ", cpu device", [&] {
+            want = cpu->forward(inputs).at(0);
+            std::int64_t first = -1;
+            if (const std::int64_t n = count_nan(want, &first); n > 0)
+              throw Error(util::cat("the emulated kernel left ", n, " of ", want.numel(),
+                                    " output elements unwritten (first at ", index_text(first, out_shape),
+                                    ")"));
+            rep.pass(at + ", cpu device",
+                     util::cat("emulated kernel wrote every one of ", want.numel(), " elements"));
+          }))
+        continue;
+      ref = "the cpu device";
+    }
+
+    // The lowered kernel through the emulator, checked, then reruns.
+    const std::string emu_at = at + ", emulator";
+    if (!o.emulate) {
+      rep.skip(emu_at, "off (CheckOpOptions::emulate)");
+    } else if (!lowered) {
+      rep.skip(emu_at, "the op has no lowering (CustomOp::lower() returns nothing)");
+    } else {
+      rep.guard(emu_at, [&] {
+        Tensor got = emu::run_model(*model, inputs, params, /*checked=*/true).at(0);
+        std::int64_t first = -1;
+        if (const std::int64_t n = count_nan(got, &first); n > 0 && count_nan(want, &first) == 0)
+          throw Error(util::cat("the kernel left ", n, " of ", got.numel(),
+                                " output elements unwritten (NaN in a "
+                                "NaN-filled buffer; first at ",
+                                index_text(first, out_shape), ")"));
+        const Comparison c = compare(got, want, o.rtol, o.atol, "the emulated kernel (checked mode)", ref);
+        if (!c.ok) throw Error(c.text);
+        for (int k = 1; k <= o.reruns; ++k) {
+          Tensor again = emu::run_model(*model, inputs, params, /*checked=*/false).at(0);
+          if (const std::int64_t i = first_byte_difference(again, got); i >= 0)
+            throw Error(util::cat("emulated rerun ", k, " differs from the first run at ",
+                                  index_text(i, out_shape), ": ", num(again.item(i)), " vs ",
+                                  num(got.item(i)), " (the same inputs must give bitwise-equal results)"));
+        }
+        rep.pass(emu_at, c.text + (o.reruns > 0 ? util::cat("; ", o.reruns, " rerun(s) bitwise equal") : ""));
+      });
+    }
+
+    // The GPU.
+    const std::string gpu_at = at + ", gpu";
+    if (!o.gpu) {
+      rep.skip(gpu_at, "off (CheckOpOptions::gpu)");
+    } else if (!lowered) {
+      rep.skip(gpu_at, "the op has no lowering (CustomOp::lower() returns nothing)");
+    } else if (!Device::cuda_available()) {
+      rep.skip(gpu_at, "no usable GPU on this machine");
+    } else {
+      rep.guard(gpu_at, [&] {
+        LoadOptions lo;
+        lo.poison_buffers = true;
+        LoadedModel gpu = model->load(Device::cuda(), shapes, lo);
+        gpu.load_state_dict(params, false);
+        Tensor got = gpu.forward(inputs).at(0);
+        std::int64_t first = -1;
+        if (const std::int64_t n = count_nan(got, &first); n > 0 && count_nan(want, &first) == 0)
+          throw Error(util::cat("the kernel left ", n, " of ", got.numel(),
+                                " output elements unwritten on the GPU (first at ",
+                                index_text(first, out_shape), ")"));
+        const Comparison c = compare(got, want, o.rtol, o.atol, "the GPU", ref);
+        if (!c.ok) throw Error(c.text);
+        for (int k = 1; k <= o.reruns; ++k) {
+          Tensor again = gpu.forward(inputs).at(0);
+          if (const std::int64_t i = first_byte_difference(again, got); i >= 0)
+            throw Error(util::cat("GPU rerun ", k, " differs from the first run at ",
+                                  index_text(i, out_shape), ": ", num(again.item(i)), " vs ",
+                                  num(got.item(i)), " (the same inputs must give bitwise-equal results)"));
+        }
+        rep.pass(gpu_at, c.text + (o.reruns > 0 ? util::cat("; ", o.reruns, " rerun(s) bitwise equal") : ""));
+      });
+    }
+  }
+
+  if (!op->lower_backward_source().empty())
+    rep.skip("gradient check", "not available yet (no backward support in this build)");
+  else
+    rep.skip("gradient check", "the op has no backward (lower_backward_source() is empty)");
+}
+
+}  // namespace
+
+CheckOpReport check_op(const CustomData& op, const std::vector<Shape>& input_shapes,
+                       const std::vector<DType>& dtypes, const CheckOpOptions& options) {
+  CheckOpReport report;
+  try {
+    run_checks(report, op, input_shapes, dtypes, options);
+  } catch (const std::exception& e) {  // from the op's own methods outside any single check
+    report.ok = false;
+    report.lines.push_back(util::cat("FAIL check_op: ", e.what()));
+  }
+  return report;
+}
+
+}  // namespace kg::testing
