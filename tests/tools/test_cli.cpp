@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -211,6 +212,7 @@ TEST_F(Cli, InspectWithBatchShowsShapesAndMemoryPlan) {
 }
 
 TEST_F(Cli, InspectWritesDotAndRendersIt) {
+  if (std::system("command -v dot >/dev/null 2>&1") != 0) GTEST_SKIP() << "graphviz's dot is not installed";
   kg::Model model = kg::models::build("lenet5");
   const std::string dot = file("lenet5.dot"), svg = file("lenet5.svg");
   auto r = run({"inspect", "lenet5", "--dot", dot, "--render", svg});

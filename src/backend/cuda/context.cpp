@@ -62,11 +62,17 @@ void Context::free(DevicePtr p) noexcept {
   if (p) d_.cuMemFree(static_cast<CUdeviceptr>(p));
 }
 
+// Synchronous copies go through the context's own stream (kernels run on it, and it does not
+// synchronise with the legacy default stream), then wait for it.
 void Context::upload(DevicePtr dst, const void* src, std::size_t bytes) {
-  if (bytes) d_.check(d_.cuMemcpyHtoD(static_cast<CUdeviceptr>(dst), src, bytes), "cuMemcpyHtoD");
+  if (!bytes) return;
+  upload_async(dst, src, bytes);
+  synchronize();
 }
 void Context::download(void* dst, DevicePtr src, std::size_t bytes) {
-  if (bytes) d_.check(d_.cuMemcpyDtoH(dst, static_cast<CUdeviceptr>(src), bytes), "cuMemcpyDtoH");
+  if (!bytes) return;
+  download_async(dst, src, bytes);
+  synchronize();
 }
 void Context::upload_async(DevicePtr dst, const void* src, std::size_t bytes) {
   if (bytes) d_.check(d_.cuMemcpyHtoDAsync(static_cast<CUdeviceptr>(dst), src, bytes, stream_), "cuMemcpyHtoDAsync");
