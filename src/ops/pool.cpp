@@ -1,17 +1,52 @@
 // Pooling and resampling on [N, C, H, W]: nn.max_pool2d, nn.avg_pool2d, nn.global_avg_pool,
 // nn.upsample_nearest2d. Output sizes follow PyTorch (ops::window_out), including ceil_mode.
-// Every op runs over the N*C planes in parallel.
+// Every op runs over the N*C planes in parallel; on the GPU (pool.cu) one thread per output
+// element, one warp per plane for the global average.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "kg/ops.hpp"
+#include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
 
 std::string size2_text(Size2 s) { return s.h == s.w ? util::cat(s.h) : util::cat(s.h, "x", s.w); }
+
+// acc[j] = the larger of acc[j] and src[j * stride] for j < n, NaN when either is (PyTorch's
+// max pooling propagates NaN). Vectorised for f32 with stride 1 or 2; reads no element of src
+// past the last one it uses.
+template <class T> void max_into(T* acc, const T* src, std::int64_t stride, std::int64_t n) {
+  std::int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (stride <= 2) {
+      const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+      for (; stride == 1 ? j + 16 <= n : j + 16 < n; j += 16) {
+        const __m512 v = stride == 1 ? _mm512_loadu_ps(src + j)
+                                     : _mm512_permutex2var_ps(_mm512_loadu_ps(src + 2 * j), evens,
+                                                              _mm512_loadu_ps(src + 2 * j + 16));
+        const __m512 a = _mm512_loadu_ps(acc + j);
+        // max_ps returns its second operand when either is NaN; a NaN acc is put back.
+        const __m512 m = _mm512_maskz_max_ps(0xFFFF, a, v);  // (the unmasked form trips GCC 12's -Wmaybe-uninitialized)
+        _mm512_storeu_ps(acc + j, _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a));
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    const T v = src[j * stride];
+    acc[j] = (v > acc[j] || v != v) ? v : acc[j];
+  }
+}
 
 // Planes per parallel chunk so that a chunk touches about 64K elements.
 std::int64_t plane_grain(std::int64_t plane_elems) {
@@ -48,7 +83,8 @@ struct Window {
   }
 
   std::string text() const {
-    std::string s = util::cat("k=", size2_text(kernel), " s=", size2_text(stride), " p=", size2_text(padding));
+    std::string s =
+        util::cat("k=", size2_text(kernel), " s=", size2_text(stride), " p=", size2_text(padding));
     if (dilation.h != 1 || dilation.w != 1) s += " d=" + size2_text(dilation);
     if (ceil_mode) s += " ceil_mode=true";
     return s;
@@ -59,11 +95,71 @@ Size2 default_stride(Size2 stride, Size2 kernel) {
   return Size2(stride.h == 0 ? kernel.h : stride.h, stride.w == 0 ? kernel.w : stride.w);
 }
 
+// ---- the GPU half ----
+
+constexpr unsigned kPoolThreads = 256;  // KG_POOL_THREADS in pool.cu
+
+// KgPoolShape in pool.cu, same layout.
+struct PoolGpuShape {
+  std::int64_t planes;
+  std::int64_t h, w, ho, wo;
+  std::int64_t kh, kw, sh, sw, ph, pw, dh, dw;
+};
+static_assert(sizeof(PoolGpuShape) == 13 * 8, "must match KgPoolShape in pool.cu");
+
+// One launch over [N, C, H, W] → [N, C, H', W'] of the pool.cu entry for `kind`.
+class PoolRuntime final : public RuntimeOp {
+ public:
+  enum class Kind { Max, Avg, Global, Upsample };
+  // `w` is the window (for Upsample: the scale factors as the kernel).
+  PoolRuntime(Kind kind, Window w, bool count_include_pad)
+      : kind_(kind), w_(w), count_include_pad_(count_include_pad) {}
+
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    const auto& in = inputs[0].shape;
+    v.pointer(inputs[0].ptr);
+    v.pointer(output.ptr);
+    if (kind_ == Kind::Global) {
+      v.i64(in[0] * in[1]);
+      v.i64(in[2] * in[3]);
+      return;
+    }
+    const PoolGpuShape s{in[0] * in[1], in[2],         in[3],        shape[2],    shape[3],
+                         w_.kernel.h,   w_.kernel.w,   w_.stride.h,  w_.stride.w, w_.padding.h,
+                         w_.padding.w,  w_.dilation.h, w_.dilation.w};
+    v.bytes(&s, sizeof s);
+    if (kind_ == Kind::Avg) v.i32(count_include_pad_ ? 1 : 0);
+  }
+  Dim3 block() const override { return {kPoolThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    if (kind_ == Kind::Global) return grid_1d(shape[0] * shape[1], kPoolThreads / 32);  // a warp per plane
+    return grid_1d(numel_of(shape), kPoolThreads);
+  }
+
+ private:
+  Kind kind_;
+  Window w_;
+  bool count_include_pad_;
+};
+
+Lowered pool_lowering(const std::string& op_name, const char* stem, DType dtype, PoolRuntime::Kind kind,
+                      Window w, bool count_include_pad = false) {
+  return Lowered{op_name, kernel_file("pool.cu"), entry_for(stem, dtype),
+                 std::make_shared<PoolRuntime>(kind, w, count_include_pad)};
+}
+
 // ---- nn.max_pool2d ----
 
 class MaxPool2dOp final : public CustomOp {
  public:
-  explicit MaxPool2dOp(Window w) : w_(w) {}
+  MaxPool2dOp(Window w, DType dtype) : w_(w), dtype_(dtype) {}
   std::string name() const override { return "nn.max_pool2d"; }
   std::string attributes() const override { return w_.text(); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -71,6 +167,9 @@ class MaxPool2dOp final : public CustomOp {
     return w_.out_shape(in);
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  std::optional<Lowered> lower() const override {
+    return pool_lowering(name(), "kg_max_pool2d", dtype_, PoolRuntime::Kind::Max, w_);
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -86,7 +185,9 @@ class MaxPool2dOp final : public CustomOp {
       using T = decltype(zero);
       const T* xp = x.data<T>();
       T* yp = ctx.output.data<T>();
-      auto take = [](T m, T v) { return (v > m || std::isnan(v)) ? v : m; };
+      // The larger, or NaN when either is (PyTorch propagates NaN).
+      auto take = [](T m, T v) { return (v > m || v != v) ? v : m; };
+      const T lowest = -std::numeric_limits<T>::infinity();
       ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(h * w), [&](std::int64_t b, std::int64_t e) {
         // Row maxima over the kernel's columns, for each input row: [h, wo].
         std::vector<T> rowmax(static_cast<std::size_t>(h * wo));
@@ -97,7 +198,7 @@ class MaxPool2dOp final : public CustomOp {
             const T* row = src + iy * w;
             T* rm = rowmax.data() + iy * wo;
             auto edge = [&](std::int64_t ox) {
-              T m = -std::numeric_limits<T>::infinity();
+              T m = lowest;
               for (std::int64_t kx = 0; kx < kw; ++kx) {
                 const std::int64_t ix = ox * sw - pw + kx * dw;
                 if (ix >= 0 && ix < w) m = take(m, row[ix]);
@@ -105,22 +206,28 @@ class MaxPool2dOp final : public CustomOp {
               rm[ox] = m;
             };
             for (std::int64_t ox = 0; ox < ox_lo; ++ox) edge(ox);
-            for (std::int64_t ox = ox_lo; ox < ox_hi; ++ox) {
-              const T* r = row + ox * sw - pw;
-              T m = r[0];
-              for (std::int64_t kx = 1; kx < kw; ++kx) m = take(m, r[kx * dw]);
-              rm[ox] = m;
+            // Inside the row: one pass per kernel column over all the columns.
+            if (sw == 1 || sw == 2) {
+              for (std::int64_t ox = ox_lo; ox < ox_hi; ++ox) rm[ox] = row[ox * sw - pw];
+              for (std::int64_t kx = 1; kx < kw; ++kx)
+                max_into(rm + ox_lo, row - pw + kx * dw + ox_lo * sw, sw, ox_hi - ox_lo);
+            } else {
+              for (std::int64_t ox = ox_lo; ox < ox_hi; ++ox) {
+                const T* r = row + ox * sw - pw;
+                T m = r[0];
+                for (std::int64_t kx = 1; kx < kw; ++kx) m = take(m, r[kx * dw]);
+                rm[ox] = m;
+              }
             }
             for (std::int64_t ox = ox_hi; ox < wo; ++ox) edge(ox);
           }
           for (std::int64_t oy = 0; oy < ho; ++oy) {
             T* out = dst + oy * wo;
-            std::fill(out, out + wo, -std::numeric_limits<T>::infinity());
+            std::fill(out, out + wo, lowest);
             for (std::int64_t ky = 0; ky < kh; ++ky) {
               const std::int64_t iy = oy * sh - ph + ky * dh;
               if (iy < 0 || iy >= h) continue;
-              const T* rm = rowmax.data() + iy * wo;
-              for (std::int64_t ox = 0; ox < wo; ++ox) out[ox] = take(out[ox], rm[ox]);
+              max_into(out, rowmax.data() + iy * wo, 1, wo);
             }
           }
         }
@@ -130,13 +237,15 @@ class MaxPool2dOp final : public CustomOp {
 
  private:
   Window w_;
+  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- nn.avg_pool2d ----
 
 class AvgPool2dOp final : public CustomOp {
  public:
-  AvgPool2dOp(Window w, bool count_include_pad) : w_(w), count_include_pad_(count_include_pad) {}
+  AvgPool2dOp(Window w, bool count_include_pad, DType dtype)
+      : w_(w), count_include_pad_(count_include_pad), dtype_(dtype) {}
   std::string name() const override { return "nn.avg_pool2d"; }
   std::string attributes() const override {
     return w_.text() + (count_include_pad_ ? "" : " count_include_pad=false");
@@ -146,6 +255,9 @@ class AvgPool2dOp final : public CustomOp {
     return w_.out_shape(in);
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  std::optional<Lowered> lower() const override {
+    return pool_lowering(name(), "kg_avg_pool2d", dtype_, PoolRuntime::Kind::Avg, w_, count_include_pad_);
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -174,8 +286,9 @@ class AvgPool2dOp final : public CustomOp {
               T s = 0;
               for (std::int64_t iy = y0; iy < y1; ++iy)
                 for (std::int64_t ix = x0; ix < x1; ++ix) s += src[iy * w + ix];
-              const std::int64_t count =
-                  count_include_pad_ ? pad_rows * pad_cols : std::max<std::int64_t>(y1 - y0, 0) * std::max<std::int64_t>(x1 - x0, 0);
+              const std::int64_t count = count_include_pad_ ? pad_rows * pad_cols
+                                                            : std::max<std::int64_t>(y1 - y0, 0) *
+                                                                  std::max<std::int64_t>(x1 - x0, 0);
               dst[oy * wo + ox] = s / static_cast<T>(count);
             }
           }
@@ -187,12 +300,14 @@ class AvgPool2dOp final : public CustomOp {
  private:
   Window w_;
   bool count_include_pad_;
+  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- nn.global_avg_pool ----
 
 class GlobalAvgPoolOp final : public CustomOp {
  public:
+  explicit GlobalAvgPoolOp(DType dtype) : dtype_(dtype) {}
   std::string name() const override { return "nn.global_avg_pool"; }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 1);
@@ -203,6 +318,10 @@ class GlobalAvgPoolOp final : public CustomOp {
     return Shape{x[0], x[1], Dim(1), Dim(1)};
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  std::optional<Lowered> lower() const override {
+    return pool_lowering(name(), "kg_global_avg_pool", dtype_, PoolRuntime::Kind::Global,
+                         Window{1, 1, 0, 1, false});
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -227,13 +346,16 @@ class GlobalAvgPoolOp final : public CustomOp {
       });
     });
   }
+
+ private:
+  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- nn.upsample_nearest2d ----
 
 class UpsampleNearest2dOp final : public CustomOp {
  public:
-  explicit UpsampleNearest2dOp(Size2 scale) : scale_(scale) {}
+  UpsampleNearest2dOp(Size2 scale, DType dtype) : scale_(scale), dtype_(dtype) {}
   std::string name() const override { return "nn.upsample_nearest2d"; }
   std::string attributes() const override { return "scale=" + size2_text(scale_); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -242,10 +364,17 @@ class UpsampleNearest2dOp final : public CustomOp {
       throw Error(util::cat("scale factors must be positive integers, got ", scale_.h, "x", scale_.w));
     const Shape& x = in[0];
     require_rank(x, 4, "[N, C, H, W]");
-    auto scaled = [](const Dim& d, std::int64_t s) { return d.is_dynamic() ? Dim(dynamic) : Dim(d.size() * s); };
+    auto scaled = [](const Dim& d, std::int64_t s) {
+      return d.is_dynamic() ? Dim(dynamic) : Dim(d.size() * s);
+    };
     return Shape{x[0], x[1], scaled(x[2], scale_.h), scaled(x[3], scale_.w)};
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  std::optional<Lowered> lower() const override {
+    // The kernel reads the scale factors from the window's kernel size.
+    return pool_lowering(name(), "kg_upsample_nearest2d", dtype_, PoolRuntime::Kind::Upsample,
+                         Window{scale_, 1, 0, 1, false});
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -273,6 +402,7 @@ class UpsampleNearest2dOp final : public CustomOp {
 
  private:
   Size2 scale_;
+  DType dtype_;  // the input's, for the kernel entry
 };
 
 }  // namespace
@@ -280,24 +410,26 @@ class UpsampleNearest2dOp final : public CustomOp {
 
 namespace kg {
 
-SymTensor max_pool2d(const SymTensor& x, Size2 kernel, Size2 stride, Size2 padding, Size2 dilation, bool ceil_mode,
-                     const std::string& name) {
+SymTensor max_pool2d(const SymTensor& x, Size2 kernel, Size2 stride, Size2 padding, Size2 dilation,
+                     bool ceil_mode, const std::string& name) {
   ops::Window w{kernel, ops::default_stride(stride, kernel), padding, dilation, ceil_mode};
-  return x.record_custom(CustomData::make<ops::MaxPool2dOp>(w), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::MaxPool2dOp>(w, x.dtype()), {}, std::nullopt, name);
 }
 
 SymTensor avg_pool2d(const SymTensor& x, Size2 kernel, Size2 stride, Size2 padding, bool ceil_mode,
                      bool count_include_pad, const std::string& name) {
   ops::Window w{kernel, ops::default_stride(stride, kernel), padding, Size2(1), ceil_mode};
-  return x.record_custom(CustomData::make<ops::AvgPool2dOp>(w, count_include_pad), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::AvgPool2dOp>(w, count_include_pad, x.dtype()), {},
+                         std::nullopt, name);
 }
 
 SymTensor global_avg_pool(const SymTensor& x, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::GlobalAvgPoolOp>(), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::GlobalAvgPoolOp>(x.dtype()), {}, std::nullopt, name);
 }
 
 SymTensor upsample_nearest2d(const SymTensor& x, Size2 scale_factor, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::UpsampleNearest2dOp>(scale_factor), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::UpsampleNearest2dOp>(scale_factor, x.dtype()), {},
+                         std::nullopt, name);
 }
 
 }  // namespace kg

@@ -2,6 +2,9 @@
 #include <limits>
 #include <sstream>
 
+#include "compile/compiler.hpp"
+#include "lower/dry_run.hpp"
+#include "support/gpu_util.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -16,9 +19,9 @@ struct PoolCfg {
 
   std::string text() const {
     std::ostringstream os;
-    os << (max ? "max" : "avg") << " k=" << kernel.h << "x" << kernel.w << " s=" << stride.h << "x" << stride.w
-       << " p=" << padding.h << "x" << padding.w << " d=" << dilation.h << "x" << dilation.w << " ceil=" << ceil_mode
-       << " count_include_pad=" << count_include_pad;
+    os << (max ? "max" : "avg") << " k=" << kernel.h << "x" << kernel.w << " s=" << stride.h << "x"
+       << stride.w << " p=" << padding.h << "x" << padding.w << " d=" << dilation.h << "x" << dilation.w
+       << " ceil=" << ceil_mode << " count_include_pad=" << count_include_pad;
     return os.str();
   }
   kg::SymTensor record(const kg::SymTensor& x) const {
@@ -28,7 +31,8 @@ struct PoolCfg {
 };
 
 // Output size written out from PyTorch's documentation (not through the library's helper).
-std::int64_t pool_out(std::int64_t in, std::int64_t k, std::int64_t s, std::int64_t p, std::int64_t d, bool ceil) {
+std::int64_t pool_out(std::int64_t in, std::int64_t k, std::int64_t s, std::int64_t p, std::int64_t d,
+                      bool ceil) {
   const double span = static_cast<double>(in + 2 * p - d * (k - 1) - 1) / static_cast<double>(s);
   auto out = static_cast<std::int64_t>(ceil ? std::ceil(span) : std::floor(span)) + 1;
   if (ceil && (out - 1) * s >= in + p) --out;
@@ -125,37 +129,59 @@ TEST(Pool2d, RejectsBadInputs) {
                         {"[nn.upsample_nearest2d @ p]", "expects a 4-D input", "[?, 784]"});
 
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 3, 6, 6});
-  kg_test::expect_error([&] { kg::max_pool2d(x, 7, 0, 0, 1, false, "p"); },
-                        {"[nn.max_pool2d @ p]", "input height of 6 with padding 0 is smaller than the window 7"});
-  kg_test::expect_error([&] { kg::max_pool2d(x, 3, 1, 0, {1, 3}, false, "p"); },
-                        {"[nn.max_pool2d @ p]", "input width of 6 with padding 0", "window 7 (kernel 3, dilation 3)"});
+  kg_test::expect_error(
+      [&] { kg::max_pool2d(x, 7, 0, 0, 1, false, "p"); },
+      {"[nn.max_pool2d @ p]", "input height of 6 with padding 0 is smaller than the window 7"});
+  kg_test::expect_error(
+      [&] {
+        kg::max_pool2d(x, 3, 1, 0, {1, 3}, false, "p");
+      },
+      {"[nn.max_pool2d @ p]", "input width of 6 with padding 0", "window 7 (kernel 3, dilation 3)"});
   kg_test::expect_error([&] { kg::max_pool2d(x, 3, 1, 2, 1, false, "p"); },
                         {"[nn.max_pool2d @ p]", "padding 2x2 must be at most half the kernel size 3x3"});
-  kg_test::expect_error([&] { kg::avg_pool2d(x, {2, 4}, 1, {1, 3}, false, true, "p"); },
-                        {"[nn.avg_pool2d @ p]", "padding 1x3 must be at most half the kernel size 2x4"});
-  kg_test::expect_error([&] { kg::max_pool2d(x, 3, {1, -1}, 0, 1, false, "p"); },
-                        {"[nn.max_pool2d @ p]", "stride must be positive, got 1x-1"});
-  kg_test::expect_error([&] { kg::max_pool2d(x, {0, 2}, 1, 0, 1, false, "p"); },
-                        {"[nn.max_pool2d @ p]", "kernel size must be positive, got 0x2"});
+  kg_test::expect_error(
+      [&] {
+        kg::avg_pool2d(x, {2, 4}, 1, {1, 3}, false, true, "p");
+      },
+      {"[nn.avg_pool2d @ p]", "padding 1x3 must be at most half the kernel size 2x4"});
+  kg_test::expect_error(
+      [&] {
+        kg::max_pool2d(x, 3, {1, -1}, 0, 1, false, "p");
+      },
+      {"[nn.max_pool2d @ p]", "stride must be positive, got 1x-1"});
+  kg_test::expect_error(
+      [&] {
+        kg::max_pool2d(x, {0, 2}, 1, 0, 1, false, "p");
+      },
+      {"[nn.max_pool2d @ p]", "kernel size must be positive, got 0x2"});
   kg_test::expect_error([&] { kg::max_pool2d(x, 3, 1, 0, 0, false, "p"); },
                         {"[nn.max_pool2d @ p]", "dilation must be positive, got 0x0"});
   kg_test::expect_error([&] { kg::avg_pool2d(x, 3, 1, -1, false, true, "p"); },
                         {"[nn.avg_pool2d @ p]", "padding must be non-negative, got -1x-1"});
-  kg_test::expect_error([&] { kg::upsample_nearest2d(x, {2, 0}, "p"); },
-                        {"[nn.upsample_nearest2d @ p]", "scale factors must be positive integers, got 2x0"});
+  kg_test::expect_error(
+      [&] {
+        kg::upsample_nearest2d(x, {2, 0}, "p");
+      },
+      {"[nn.upsample_nearest2d @ p]", "scale factors must be positive integers, got 2x0"});
   auto [e, g1] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 3, 0, 6});
   kg_test::expect_error([&] { kg::global_avg_pool(e, "p"); },
                         {"[nn.global_avg_pool @ p]", "non-empty H and W", "[?, 3, 0, 6]"});
   auto [i, g2] = kg::SymTensor::input(kg::DType::I64, {kg::dynamic, 3, 6, 6});
-  kg_test::expect_error([&] { kg::max_pool2d(i, 2, 0, 0, 1, false, "p"); }, {"[nn.max_pool2d @ p]", "f32 and f64", "i64"});
-  kg_test::expect_error([&] { kg::global_avg_pool(i, "p"); }, {"[nn.global_avg_pool @ p]", "f32 and f64", "i64"});
+  kg_test::expect_error([&] { kg::max_pool2d(i, 2, 0, 0, 1, false, "p"); },
+                        {"[nn.max_pool2d @ p]", "f32 and f64", "i64"});
+  kg_test::expect_error([&] { kg::global_avg_pool(i, "p"); },
+                        {"[nn.global_avg_pool @ p]", "f32 and f64", "i64"});
 
   // A dynamic height that turns out too small is reported at load.
   auto [d, g3] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 3, kg::dynamic, 8});
   auto y = kg::avg_pool2d(d, 3, 0, 0, false, true, "p");
   kg::Model model(g3, {y});
-  kg_test::expect_error([&] { model.load(kg::Device::cpu(), {{1, 3, 2, 8}}); },
-                        {"[nn.avg_pool2d @ p]", "[1, 3, 2, 8]", "input height of 2 with padding 0 is smaller than the window 3"});
+  kg_test::expect_error(
+      [&] {
+        model.load(kg::Device::cpu(), {{1, 3, 2, 8}});
+      },
+      {"[nn.avg_pool2d @ p]", "[1, 3, 2, 8]",
+       "input height of 2 with padding 0 is smaller than the window 3"});
 }
 
 TEST(Pool2d, MatchesPyTorchFixtures) {
@@ -166,22 +192,30 @@ TEST(Pool2d, MatchesPyTorchFixtures) {
     auto t = kg_test::fixture(std::string(name) + ".safetensors", &meta);
     auto k = pair_of(meta.at("kernel")), s = pair_of(meta.at("stride")), p = pair_of(meta.at("padding")),
          d = pair_of(meta.at("dilation"));
-    PoolCfg cfg{meta.at("op") == "max", kg::Size2(k[0], k[1]), kg::Size2(s[0], s[1]), kg::Size2(p[0], p[1]),
-                kg::Size2(d[0], d[1]), meta.at("ceil_mode") == "1", meta.at("count_include_pad") == "1"};
+    PoolCfg cfg{meta.at("op") == "max",
+                kg::Size2(k[0], k[1]),
+                kg::Size2(s[0], s[1]),
+                kg::Size2(p[0], p[1]),
+                kg::Size2(d[0], d[1]),
+                meta.at("ceil_mode") == "1",
+                meta.at("count_include_pad") == "1"};
     SCOPED_TRACE(cfg.text());
     kg::Tensor y = kg_test::run_op([&](const kg::SymTensor& x) { return cfg.record(x); }, t.at("x"));
     EXPECT_TRUE(kg_test::all_close(y, t.at("y"), 1e-6, 1e-6));
   }
   auto gap = kg_test::fixture("pool_global_avg.safetensors");
   EXPECT_TRUE(kg_test::all_close(
-      kg_test::run_op([](const kg::SymTensor& x) { return kg::global_avg_pool(x); }, gap.at("x")), gap.at("y"), 1e-6,
-      1e-6));
+      kg_test::run_op([](const kg::SymTensor& x) { return kg::global_avg_pool(x); }, gap.at("x")),
+      gap.at("y"), 1e-6, 1e-6));
   std::map<std::string, std::string> meta;
   auto up = kg_test::fixture("pool_upsample_nearest.safetensors", &meta);
   auto sc = pair_of(meta.at("scale"));
-  EXPECT_TRUE(kg_test::all_close(
-      kg_test::run_op([&](const kg::SymTensor& x) { return kg::upsample_nearest2d(x, {sc[0], sc[1]}); }, up.at("x")),
-      up.at("y"), 0, 1e-300));
+  EXPECT_TRUE(kg_test::all_close(kg_test::run_op(
+                                     [&](const kg::SymTensor& x) {
+                                       return kg::upsample_nearest2d(x, {sc[0], sc[1]});
+                                     },
+                                     up.at("x")),
+                                 up.at("y"), 0, 1e-300));
 }
 
 TEST(Pool2d, MatchesNaiveReferenceAtSeveralBatches) {
@@ -189,15 +223,15 @@ TEST(Pool2d, MatchesNaiveReferenceAtSeveralBatches) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const std::vector<PoolCfg> configs = {
-      {true, 3, 2, 1},                          // ResNet's stem
-      {true, 2},                                // stride = kernel
-      {true, 3, 2, 0, 1, true},                 // ceil_mode
-      {true, {3, 2}, {1, 2}, 1, {2, 1}},        // dilated, rectangular
-      {true, {1, 3}, 1, {0, 1}},                // 1-row windows
-      {false, 3, 2, 1},                         // padding counted
-      {false, 3, 2, 1, 1, false, false},        // padding not counted
-      {false, {3, 2}, 2, 1, 1, true, true},     // ceil_mode with padding counted
-      {false, {3, 2}, 2, 1, 1, true, false},    // ceil_mode without
+      {true, 3, 2, 1},                        // ResNet's stem
+      {true, 2},                              // stride = kernel
+      {true, 3, 2, 0, 1, true},               // ceil_mode
+      {true, {3, 2}, {1, 2}, 1, {2, 1}},      // dilated, rectangular
+      {true, {1, 3}, 1, {0, 1}},              // 1-row windows
+      {false, 3, 2, 1},                       // padding counted
+      {false, 3, 2, 1, 1, false, false},      // padding not counted
+      {false, {3, 2}, 2, 1, 1, true, true},   // ceil_mode with padding counted
+      {false, {3, 2}, 2, 1, 1, true, false},  // ceil_mode without
       {false, 2},
   };
   for (const PoolCfg& cfg : configs) {
@@ -227,16 +261,21 @@ TEST(Pool2d, GlobalAverageAndUpsampleMatchNaiveReference) {
         for (std::int64_t i = 0; i < 37; ++i) s += x.item(pl * 37 + i);
         mean.data<double>()[pl] = s / 37;
       }
-      EXPECT_TRUE(kg_test::all_close(run_declared(x, batch == 7, [](const kg::SymTensor& t) { return kg::global_avg_pool(t); }),
-                                     mean, dt == kg::DType::F32 ? 1e-5 : 1e-13, 1e-7));
+      EXPECT_TRUE(kg_test::all_close(
+          run_declared(x, batch == 7, [](const kg::SymTensor& t) { return kg::global_avg_pool(t); }), mean,
+          dt == kg::DType::F32 ? 1e-5 : 1e-13, 1e-7));
 
       kg::Tensor u = kg_test::random_tensor(rng, dt, {batch, 2, 3, 5});
       kg::Tensor up = kg::Tensor::empty(kg::DType::F64, {batch, 2, 9, 10});
       for (std::int64_t pl = 0; pl < batch * 2; ++pl)
         for (std::int64_t i = 0; i < 9; ++i)
-          for (std::int64_t j = 0; j < 10; ++j) up.data<double>()[(pl * 9 + i) * 10 + j] = u.item((pl * 3 + i / 3) * 5 + j / 2);
-      EXPECT_TRUE(kg_test::all_close(
-          run_declared(u, batch == 7, [](const kg::SymTensor& t) { return kg::upsample_nearest2d(t, {3, 2}); }), up, 0, 1e-300));
+          for (std::int64_t j = 0; j < 10; ++j)
+            up.data<double>()[(pl * 9 + i) * 10 + j] = u.item((pl * 3 + i / 3) * 5 + j / 2);
+      EXPECT_TRUE(kg_test::all_close(run_declared(u, batch == 7,
+                                                  [](const kg::SymTensor& t) {
+                                                    return kg::upsample_nearest2d(t, {3, 2});
+                                                  }),
+                                     up, 0, 1e-300));
     }
   }
 }
@@ -247,9 +286,114 @@ TEST(Pool2d, MaxPoolPropagatesNaN) {
   for (int i = 0; i < 16; ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(i);
   v[5] = std::numeric_limits<float>::quiet_NaN();
   kg::Tensor x = kg::Tensor::from_vector<float>({1, 1, 4, 4}, v);
-  kg::Tensor y = kg_test::run_graph([](const std::vector<kg::SymTensor>& xs) {
-                   return std::vector<kg::SymTensor>{kg::max_pool2d(xs[0], 2)};
-                 }, {x}, {}, true, false)[0];
+  kg::Tensor y = kg_test::run_graph(
+      [](const std::vector<kg::SymTensor>& xs) {
+        return std::vector<kg::SymTensor>{kg::max_pool2d(xs[0], 2)};
+      },
+      {x}, {}, true, false)[0];
+  ASSERT_EQ(y.shape(), (std::vector<std::int64_t>{1, 1, 2, 2}));
+  EXPECT_TRUE(std::isnan(y.item(0)));
+  EXPECT_EQ(y.item(1), 7.0);
+  EXPECT_EQ(y.item(2), 13.0);
+  EXPECT_EQ(y.item(3), 15.0);
+}
+
+TEST(Pool2d, GpuLoweringCompilesAndMatchesTheCpu) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<PoolCfg> configs = {
+      {true, 3, 2, 1},                        // ResNet's stem
+      {true, 2},                              // stride = kernel
+      {true, 3, 2, 0, 1, true},               // ceil_mode
+      {true, {3, 2}, {1, 2}, 1, {2, 1}},      // dilated, rectangular
+      {true, {1, 3}, 1, {0, 1}},              // 1-row windows
+      {false, 3, 2, 1},                       // padding counted
+      {false, 3, 2, 1, 1, false, false},      // padding not counted
+      {false, {3, 2}, 2, 1, 1, true, true},   // ceil_mode with padding counted
+      {false, {3, 2}, 2, 1, 1, true, false},  // ceil_mode without
+      {false, 2},
+  };
+  for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+    // Max and average pooling visit the taps in the CPU's order; the GPU's global average sums
+    // each plane in another order.
+    const double rtol = dt == kg::DType::F32 ? 1e-6 : 1e-14, atol = dt == kg::DType::F32 ? 1e-7 : 1e-15;
+    for (std::int64_t batch : {1, 7, 64}) {
+      for (const PoolCfg& cfg : configs) {
+        SCOPED_TRACE(cfg.text() + " batch " + std::to_string(batch) + " " + std::string(kg::dtype_name(dt)));
+        kg::Tensor x = kg_test::random_tensor(rng, dt, {batch, 3, 9, 10});
+        kg_test::check_lowering(
+            [&](const std::vector<kg::SymTensor>& xs) {
+              return std::vector<kg::SymTensor>{cfg.record(xs[0])};
+            },
+            {x}, rtol, atol);
+      }
+      SCOPED_TRACE("global average and upsampling, batch " + std::to_string(batch) + " " +
+                   std::string(kg::dtype_name(dt)));
+      kg::Tensor x = kg_test::random_tensor(rng, dt, {batch, 5, 7, 9});
+      kg_test::check_lowering(
+          [](const std::vector<kg::SymTensor>& xs) {
+            return std::vector<kg::SymTensor>{kg::global_avg_pool(xs[0])};
+          },
+          {x}, dt == kg::DType::F32 ? 1e-5 : 1e-13, 1e-7);
+      // A plane longer than a warp's stride several times over.
+      kg::Tensor big = kg_test::random_tensor(rng, dt, {batch, 2, 33, 20});
+      kg_test::check_lowering(
+          [](const std::vector<kg::SymTensor>& xs) {
+            return std::vector<kg::SymTensor>{kg::global_avg_pool(xs[0])};
+          },
+          {big}, dt == kg::DType::F32 ? 1e-5 : 1e-13, 1e-7);
+      kg_test::check_lowering(
+          [](const std::vector<kg::SymTensor>& xs) {
+            return std::vector<kg::SymTensor>{kg::upsample_nearest2d(xs[0], {3, 2})};
+          },
+          {x}, 0, 1e-300);
+    }
+  }
+}
+
+TEST(Pool2d, GpuEntriesAndGrids) {
+  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "no NVRTC in this build";
+  auto launch_of = [](kg::DType dt, const std::vector<std::int64_t>& shape,
+                      const std::function<kg::SymTensor(const kg::SymTensor&)>& build) {
+    auto g = kg::Graph::create();
+    auto x = g->input(dt, kg::Shape{kg::Dim::named("batch"), shape[1], shape[2], shape[3]}, "x");
+    kg::Model model(g, {build(x)});
+    auto steps = kg::lower::dry_run(model, {shape}, 90).launches.steps;
+    EXPECT_EQ(steps.size(), 1u);
+    EXPECT_EQ(steps.at(0).launches.size(), 1u);
+    return std::make_pair(steps.at(0).entry, steps.at(0).launches.at(0));
+  };
+  // One thread per output element: 256 × 6 × 14 × 14 outputs, 256 threads a block.
+  auto [e1, l1] = launch_of(kg::DType::F32, {256, 6, 28, 28},
+                            [](const kg::SymTensor& x) { return kg::max_pool2d(x, 2); });
+  EXPECT_EQ(e1, "kg_max_pool2d_f32");
+  EXPECT_EQ(l1.grid.x, 6u * 14 * 14);
+  EXPECT_EQ(l1.block.x, 256u);
+  auto [e2, l2] = launch_of(kg::DType::F64, {3, 2, 9, 10},
+                            [](const kg::SymTensor& x) { return kg::avg_pool2d(x, 3, 2, 1, false, false); });
+  EXPECT_EQ(e2, "kg_avg_pool2d_f64");
+  EXPECT_EQ(l2.grid.x, 1u);
+  // One warp per plane, 8 planes a block.
+  auto [e3, l3] = launch_of(kg::DType::F32, {5, 512, 7, 7},
+                            [](const kg::SymTensor& x) { return kg::global_avg_pool(x); });
+  EXPECT_EQ(e3, "kg_global_avg_pool_f32");
+  EXPECT_EQ(l3.grid.x, 5u * 512 / 8);
+  auto [e4, l4] = launch_of(kg::DType::F64, {2, 3, 10, 10},
+                            [](const kg::SymTensor& x) { return kg::upsample_nearest2d(x, 2); });
+  EXPECT_EQ(e4, "kg_upsample_nearest2d_f64");
+  EXPECT_EQ(l4.grid.x, (2u * 3 * 400 + 255) / 256);
+}
+
+TEST(Pool2d, GpuMaxPoolPropagatesNaN) {
+  if (!kg::Device::cuda_available()) GTEST_SKIP() << "no GPU";
+  std::vector<float> v(16);
+  for (int i = 0; i < 16; ++i) v[static_cast<std::size_t>(i)] = static_cast<float>(i);
+  v[5] = std::numeric_limits<float>::quiet_NaN();
+  kg::Tensor x = kg::Tensor::from_vector<float>({1, 1, 4, 4}, v);
+  auto g = kg::Graph::create();
+  kg::Model model(g, {kg::max_pool2d(g->input(kg::DType::F32, {kg::dynamic, 1, 4, 4}, "x"), 2)});
+  kg::Tensor y = model.load(kg::Device::cuda(), {{1, 1, 4, 4}}).forward({x})[0];
   ASSERT_EQ(y.shape(), (std::vector<std::int64_t>{1, 1, 2, 2}));
   EXPECT_TRUE(std::isnan(y.item(0)));
   EXPECT_EQ(y.item(1), 7.0);

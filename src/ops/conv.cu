@@ -1,0 +1,487 @@
+// nn.conv2d and nn.fused_conv2d on the GPU, for [N, C, H, W] inputs and [O, C/groups, kh, kw]
+// weights with any stride, padding, dilation and groups. Three algorithms (ops/conv_gpu.cpp picks
+// one from the op's configuration):
+//
+// - tiled: stride 1, no dilation, kernels up to 7x7, up to 64 output channels per block. A
+//   block computes a tile of output rows and columns for a chunk of a group's channels: it
+//   stages the input window of the tile (zero-padded) and the weights (transposed to [tap][o])
+//   in shared memory, a chunk of input channels at a time, then each thread computes OCB
+//   channels × PX consecutive columns of one row, reading PX + KW - 1 inputs per kernel row and
+//   OCB weights per tap as one vector. Kernel sizes, OCB and PX are template arguments, so the
+//   tap loops unroll; the tile sizes are chosen per shape at launch.
+// - direct: the general small convolution: one thread per output pixel and block of up to four
+//   output channels of one group, looping over the group's input channels and the kernel window
+//   and reading each input value once for all its channels. Consecutive threads take
+//   consecutive pixels of the same channels, so input reads are coalesced and weight reads are
+//   one broadcast per warp.
+// - gemm: an implicit GEMM per group, out[m, p] = sum_k w[m, k] * B(k, p) with k = (c, ky, kx)
+//   the weight's own layout and p = (image, oy, ox), B read straight from the input (0 in the
+//   padding). 64×64 output tiles, 16-deep k slices in shared memory, 256 threads each computing
+//   4×4, as src/ops/gemm.cuh; the slice's tap offsets are decoded once per slice into shared
+//   memory, so the gathers take no divisions. For many output channels and deep reductions.
+//
+// A launch covers fewer than 2^31 output items (direct), pixels (gemm) or blocks (tiled), so
+// that the index math divides in 32 bits; the host splits larger batches into several launches
+// of whole images (ops/conv_gpu.cpp), each with its own base pointers and image count.
+//
+// All apply the epilogue to each output value before it is stored: the bias, or a folded
+// BatchNorm computed from its parameters (scale = gamma / sqrt(var + eps) and shift = beta +
+// (bias - mean) * scale, in double as on the CPU), then the residual add and the activation.
+// A null bias / bn_weight / residual pointer leaves that step out.
+//
+// The entries here are direct and gemm without an activation. Other kernels get their source
+// from ops/conv_gpu.cpp: elementwise.cu for an activation's formula, this file up to the
+// "---- entries ----" line, and one entry with the same parameters as those below that calls
+// kg_conv2d_direct, kg_conv2d_gemm or kg_conv2d_tiled with an activation functor.
+#include "kg_device.cuh"
+
+#define KG_CONV_THREADS 256
+#define KG_CONV_BM 64
+#define KG_CONV_BN 64
+#define KG_CONV_BK 16
+
+// The concrete geometry, passed by value (host: ConvGpuShape in ops/conv_gpu.cpp, same layout).
+struct KgConvShape {
+  long long n, c, h, w;      // input
+  long long o, ho, wo;       // output channels and size
+  long long kh, kw;          // kernel
+  long long sh, sw, ph, pw;  // stride, padding
+  long long dh, dw;          // dilation
+  long long groups;
+  long long ocb;  // direct: output channels per thread (1, 2 or 4)
+  // tiled: output tile rows and columns, input channels staged at a time, output channels per
+  // block (a multiple of OCB), tiles across and channel chunks per group
+  long long tile_h, tile_w, cc, och, tiles_w, tiles_h, chunks;
+};
+
+template <class T>
+struct KgConvEpilogue {
+  const T* bias;
+  const T* bn_weight;  // null: no batch norm (then bn_bias, bn_mean, bn_var are unused)
+  const T* bn_bias;
+  const T* bn_mean;
+  const T* bn_var;
+  const T* residual;  // laid out as the output; null: none
+  double eps;
+};
+
+template <class T>
+struct KgConvIdentity {
+  __device__ __forceinline__ T operator()(T v) const { return v; }
+};
+
+__device__ __forceinline__ float kg_conv_ldg(const float* p) { return __ldg(p); }
+__device__ __forceinline__ double kg_conv_ldg(const double* p) { return __ldg(p); }
+
+// The per-channel affine map of output channel o: y = conv * scale + shift.
+template <class T>
+__device__ __forceinline__ void kg_conv_affine(const KgConvEpilogue<T>& ep, long long o, T& scale, T& shift) {
+  if (ep.bn_weight) {
+    const double s = (double)ep.bn_weight[o] / sqrt((double)ep.bn_var[o] + ep.eps);
+    const double b = ep.bias ? (double)ep.bias[o] : 0.0;
+    scale = (T)s;
+    shift = (T)((double)ep.bn_bias[o] + (b - (double)ep.bn_mean[o]) * s);
+  } else {
+    scale = T(1);
+    shift = ep.bias ? ep.bias[o] : T(0);
+  }
+}
+
+// y[at] = act(acc * scale + shift + residual[at]).
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv_store(const KgConvEpilogue<T>& ep, const Act& act, T* __restrict__ y,
+                                              long long at, T acc, T scale, T shift) {
+  T v = acc * scale + shift;
+  if (ep.residual) v += ep.residual[at];
+  y[at] = act(v);
+}
+
+// a / b and a % b for 0 <= a, b < 2^31.
+__device__ __forceinline__ unsigned kg_conv_divmod(unsigned a, unsigned b, unsigned& rem) {
+  const unsigned q = a / b;
+  rem = a - q * b;
+  return q;
+}
+
+// ---- direct ----
+
+template <class T, int OCB, class Act>
+__device__ __forceinline__ void kg_conv2d_direct_run(const T* __restrict__ x, const T* __restrict__ w,
+                                                     T* __restrict__ y, const KgConvShape& s,
+                                                     const KgConvEpilogue<T>& ep, const Act& act) {
+  const unsigned groups = (unsigned)s.groups, og = (unsigned)(s.o / s.groups),
+                 cg = (unsigned)(s.c / s.groups);
+  const unsigned nob = (og + OCB - 1) / OCB;  // channel blocks per group
+  const unsigned hwo = (unsigned)(s.ho * s.wo), wo = (unsigned)s.wo;
+  const long long hwi = s.h * s.w;
+  const unsigned total = (unsigned)s.n * groups * nob * hwo;
+  const int kh = (int)s.kh, kw = (int)s.kw, h = (int)s.h, wd = (int)s.w;
+  const int dh = (int)s.dh, dw = (int)s.dw;
+  const int kdim = (int)(cg * kh * kw);
+  for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += gridDim.x * blockDim.x) {
+    unsigned pix, ob, g, ox;
+    const unsigned img = kg_conv_divmod(kg_conv_divmod(kg_conv_divmod(t, hwo, pix), nob, ob), groups, g);
+    const unsigned oy = kg_conv_divmod(pix, wo, ox);
+    const unsigned oc0 = g * og + ob * OCB;
+    const int nvalid = min(OCB, (int)(og - ob * OCB));
+    // Offsets of the block's weight rows from the first; a channel past the group's end re-reads
+    // the first row and is not stored.
+    int woff[OCB];
+#pragma unroll
+    for (int j = 0; j < OCB; ++j) woff[j] = (j < nvalid ? j : 0) * kdim;
+    T acc[OCB];
+#pragma unroll
+    for (int j = 0; j < OCB; ++j) acc[j] = T(0);
+    const int iy0 = (int)(oy * s.sh - s.ph), ix0 = (int)(ox * s.sw - s.pw);
+    const T* xc = x + ((long long)img * s.c + (long long)g * cg) * hwi;
+    const T* wk = w + (long long)oc0 * kdim;  // the weights of tap (c, ky, 0)
+    for (unsigned c = 0; c < cg; ++c, xc += hwi) {
+      for (int ky = 0; ky < kh; ++ky, wk += kw) {
+        const int iy = iy0 + ky * dh;
+        if ((unsigned)iy >= (unsigned)h) continue;
+        const T* row = xc + iy * wd;
+        for (int kx = 0; kx < kw; ++kx) {
+          const int ix = ix0 + kx * dw;
+          if ((unsigned)ix >= (unsigned)wd) continue;
+          const T v = row[ix];
+#pragma unroll
+          for (int j = 0; j < OCB; ++j) acc[j] += v * kg_conv_ldg(wk + woff[j] + kx);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < OCB; ++j) {
+      if (j >= nvalid) break;
+      const long long o = oc0 + j;
+      T scale, shift;
+      kg_conv_affine(ep, o, scale, shift);
+      kg_conv_store(ep, act, y, ((long long)img * s.o + o) * hwo + pix, acc[j], scale, shift);
+    }
+  }
+}
+
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_direct(const T* __restrict__ x, const T* __restrict__ w,
+                                                 T* __restrict__ y, const KgConvShape& s,
+                                                 const KgConvEpilogue<T>& ep, const Act& act) {
+  if (s.ocb == 4)
+    kg_conv2d_direct_run<T, 4>(x, w, y, s, ep, act);
+  else if (s.ocb == 2)
+    kg_conv2d_direct_run<T, 2>(x, w, y, s, ep, act);
+  else
+    kg_conv2d_direct_run<T, 1>(x, w, y, s, ep, act);
+}
+
+// ---- tiled (stride 1, no dilation) ----
+// Grid: x over n × groups × channel chunks × tiles_h × tiles_w blocks. Dynamic shared memory:
+// the input window, cc × (tile_h + KH - 1) × (tile_w + KW - 1), rounded up to 16 bytes, then the
+// weights, cc × KH × KW × och.
+
+// n consecutive values from 16-byte aligned shared memory, as one or two vector loads.
+template <int N>
+__device__ __forceinline__ void kg_conv_load_vec(const float* p, float* v) {
+  if constexpr (N == 4) {
+    const float4 q = *reinterpret_cast<const float4*>(p);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else if constexpr (N == 2) {
+    const float2 q = *reinterpret_cast<const float2*>(p);
+    v[0] = q.x, v[1] = q.y;
+  } else {
+    v[0] = p[0];
+  }
+}
+template <int N>
+__device__ __forceinline__ void kg_conv_load_vec(const double* p, double* v) {
+  if constexpr (N == 1) {
+    v[0] = p[0];
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const double2 q = *reinterpret_cast<const double2*>(p + i);
+      v[i] = q.x, v[i + 1] = q.y;
+    }
+  }
+}
+
+template <class T, int KH, int KW, int OCB, int PX, class Act>
+__device__ __forceinline__ void kg_conv2d_tiled(const T* __restrict__ x, const T* __restrict__ w,
+                                                T* __restrict__ y, const KgConvShape& s,
+                                                const KgConvEpilogue<T>& ep, const Act& act) {
+  extern __shared__ __align__(16) unsigned char kg_conv_smem[];
+  constexpr int KHW = KH * KW;
+  const int th = (int)s.tile_h, tw = (int)s.tile_w, tcb = tw / PX, cc = (int)s.cc, och = (int)s.och;
+  const int ih = th + KH - 1, iw = tw + KW - 1;
+  const int xs_elems = (cc * ih * iw * (int)sizeof(T) + 15) / 16 * (16 / (int)sizeof(T));
+  T* xs = reinterpret_cast<T*>(kg_conv_smem);
+  T* ws = xs + xs_elems;
+  const int og = (int)(s.o / s.groups), cg = (int)(s.c / s.groups);
+  const int h = (int)s.h, wd = (int)s.w, ho = (int)s.ho, wo = (int)s.wo;
+  const long long hwi = s.h * s.w;
+  const int kdim = cg * KHW;
+
+  unsigned tile, chunk, g, tx;
+  const unsigned img =
+      kg_conv_divmod(kg_conv_divmod(kg_conv_divmod(blockIdx.x, (unsigned)(s.tiles_w * s.tiles_h), tile),
+                                    (unsigned)s.chunks, chunk),
+                     (unsigned)s.groups, g);
+  if (img >= s.n) return;  // an empty batch still launches one block
+  const int ty = (int)kg_conv_divmod(tile, (unsigned)s.tiles_w, tx);
+  const int oy0 = ty * th, ox0 = (int)tx * tw;
+  const int ob0 = (int)chunk * och;  // the block's first output channel within the group
+
+  // This thread: channels cb*OCB.., row r, columns q*PX.. of the tile.
+  const int tid = threadIdx.x;
+  const int per_cb = th * tcb;
+  const bool active = tid < (och / OCB) * per_cb;
+  const int cb = tid / per_cb, r = (tid - cb * per_cb) / tcb, q = tid - cb * per_cb - r * tcb;
+
+  T acc[OCB][PX];
+#pragma unroll
+  for (int j = 0; j < OCB; ++j)
+#pragma unroll
+    for (int p = 0; p < PX; ++p) acc[j][p] = T(0);
+
+  const T* xg = x + ((long long)img * s.c + (long long)g * cg) * hwi;
+  const T* wg = w + ((long long)g * og + ob0) * kdim;
+  const int iy0 = oy0 - (int)s.ph, ix0 = ox0 - (int)s.pw;
+  for (int c0 = 0; c0 < cg; c0 += cc) {
+    const int nc = min(cc, cg - c0);
+    // The input window of the tile for channels c0.., 0 outside the image.
+    const int plane = ih * iw;
+    for (int i = tid; i < nc * plane; i += blockDim.x) {
+      const int c = i / plane, rem = i - c * plane, yy = rem / iw, xx = rem - yy * iw;
+      const int iy = iy0 + yy, ix = ix0 + xx;
+      xs[i] = ((unsigned)iy < (unsigned)h && (unsigned)ix < (unsigned)wd) ? xg[(c0 + c) * hwi + iy * wd + ix]
+                                                                          : T(0);
+    }
+    // Their weights as [c][tap][o], 0 past the group's channels.
+    for (int i = tid; i < nc * KHW * och; i += blockDim.x) {
+      const int o = i % och, ct = i / och, c = ct / KHW, tap = ct - c * KHW;
+      ws[i] = ob0 + o < og ? kg_conv_ldg(wg + (long long)o * kdim + (c0 + c) * KHW + tap) : T(0);
+    }
+    __syncthreads();
+    if (active) {
+      for (int c = 0; c < nc; ++c) {
+#pragma unroll
+        for (int ky = 0; ky < KH; ++ky) {
+          T xr[PX + KW - 1];
+          const T* row = xs + (c * ih + r + ky) * iw + q * PX;
+#pragma unroll
+          for (int i = 0; i < PX + KW - 1; ++i) xr[i] = row[i];
+#pragma unroll
+          for (int kx = 0; kx < KW; ++kx) {
+            T wv[OCB];
+            kg_conv_load_vec<OCB>(ws + ((c * KH + ky) * KW + kx) * och + cb * OCB, wv);
+#pragma unroll
+            for (int j = 0; j < OCB; ++j)
+#pragma unroll
+              for (int p = 0; p < PX; ++p) acc[j][p] += xr[p + kx] * wv[j];
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+  const int oy = oy0 + r;
+  if (oy >= ho) return;
+#pragma unroll
+  for (int j = 0; j < OCB; ++j) {
+    const int om = ob0 + cb * OCB + j;
+    if (om >= og) break;
+    const long long o = (long long)g * og + om;
+    T scale, shift;
+    kg_conv_affine(ep, o, scale, shift);
+    const long long row_at = (((long long)img * s.o + o) * ho + oy) * wo;
+#pragma unroll
+    for (int p = 0; p < PX; ++p) {
+      const int ox = ox0 + q * PX + p;
+      if (ox < wo) kg_conv_store(ep, act, y, row_at + ox, acc[j][p], scale, shift);
+    }
+  }
+}
+
+// ---- implicit GEMM ----
+// Grid: x over the n*ho*wo output pixels (64 per block), y over the group's output channels (64
+// per block), z over the groups.
+
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_gemm(const T* __restrict__ x, const T* __restrict__ w,
+                                               T* __restrict__ y, const KgConvShape& s,
+                                               const KgConvEpilogue<T>& ep, const Act& act) {
+  __shared__ T as[KG_CONV_BK][KG_CONV_BM];
+  __shared__ T bs[KG_CONV_BK][KG_CONV_BN];
+  __shared__ long long koff[KG_CONV_BK];  // input offset of tap k from the window's corner
+  __shared__ int kdy[KG_CONV_BK], kdx[KG_CONV_BK];
+  const int og = (int)(s.o / s.groups), cg = (int)(s.c / s.groups);
+  const int khw = (int)(s.kh * s.kw), kdim = cg * khw, kw = (int)s.kw;
+  const unsigned hwo = (unsigned)(s.ho * s.wo);
+  const long long hwi = s.h * s.w;
+  const unsigned npix = (unsigned)s.n * hwo;
+  const long long g = blockIdx.z;
+  const int m0 = blockIdx.y * KG_CONV_BM;
+  const unsigned p0 = blockIdx.x * KG_CONV_BN;
+  const int tid = threadIdx.x;
+  const T* wg = w + g * og * kdim;
+
+  // This thread gathers B's column `bcol` (one output pixel) at rows brow, brow + 4, ...
+  const int bcol = tid % KG_CONV_BN, brow = tid / KG_CONV_BN;
+  const unsigned p = p0 + bcol;
+  const bool pvalid = p < npix;
+  long long corner = 0;  // input offset of the window's top-left tap (may lie in the padding)
+  int iy0 = 0, ix0 = 0;
+  const T* xb = x;
+  if (pvalid) {
+    unsigned pix, ox;
+    const unsigned img = kg_conv_divmod(p, hwo, pix);
+    const unsigned oy = kg_conv_divmod(pix, (unsigned)s.wo, ox);
+    iy0 = (int)(oy * s.sh - s.ph);
+    ix0 = (int)(ox * s.sw - s.pw);
+    xb = x + ((long long)img * s.c + g * cg) * hwi;
+    corner = (long long)iy0 * s.w + ix0;
+  }
+  const int h = (int)s.h, wd = (int)s.w;
+
+  const int tm = (tid / 16) * 4, tn = (tid % 16) * 4;
+  T acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = T(0);
+
+  for (int k0 = 0; k0 < kdim; k0 += KG_CONV_BK) {
+    if (tid < KG_CONV_BK) {
+      const int k = k0 + tid;
+      if (k < kdim) {
+        const int c = k / khw, r = k - c * khw;
+        const int ky = r / kw, kx = r - ky * kw;
+        kdy[tid] = ky * (int)s.dh;
+        kdx[tid] = kx * (int)s.dw;
+        koff[tid] = c * hwi + (long long)kdy[tid] * s.w + kdx[tid];
+      } else {
+        kdy[tid] = -(1 << 30);  // never inside the input: the row reads 0
+        kdx[tid] = 0;
+        koff[tid] = 0;
+      }
+    }
+    // A: 64 channels × 16 taps, consecutive threads along k (the weight's contiguous dim).
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int idx = tid + r * KG_CONV_THREADS;
+      const int kk = idx % KG_CONV_BK, mm = idx / KG_CONV_BK;
+      const int gm = m0 + mm, gk = k0 + kk;
+      as[kk][mm] = (gm < og && gk < kdim) ? kg_conv_ldg(wg + (long long)gm * kdim + gk) : T(0);
+    }
+    __syncthreads();
+    // B: 16 taps × 64 pixels, consecutive threads along the pixels.
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int kk = brow + 4 * r;
+      const int iy = iy0 + kdy[kk], ix = ix0 + kdx[kk];
+      const bool inside = pvalid && iy >= 0 && iy < h && ix >= 0 && ix < wd;
+      bs[kk][bcol] = inside ? xb[corner + koff[kk]] : T(0);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < KG_CONV_BK; ++kk) {
+      T av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) av[i] = as[kk][tm + i];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) bv[j] = bs[kk][tn + j];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += av[i] * bv[j];
+    }
+    __syncthreads();
+  }
+
+  long long out_at[4];  // output offset of pixel tn + j in channel 0; -1 past the end
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const unsigned pj = p0 + tn + j;
+    if (pj < npix) {
+      unsigned pix;
+      const unsigned img = kg_conv_divmod(pj, hwo, pix);
+      out_at[j] = (long long)img * s.o * hwo + pix;
+    } else {
+      out_at[j] = -1;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = m0 + tm + i;
+    if (m >= og) continue;
+    const long long o = g * og + m;
+    T scale, shift;
+    kg_conv_affine(ep, o, scale, shift);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (out_at[j] >= 0) kg_conv_store(ep, act, y, out_at[j] + o * hwo, acc[i][j], scale, shift);
+  }
+}
+
+// The epilogue from the entries' arguments.
+template <class T>
+__device__ __forceinline__ KgConvEpilogue<T> kg_conv_epilogue(const T* bias, const T* bn_weight,
+                                                              const T* bn_bias, const T* bn_mean,
+                                                              const T* bn_var, const T* residual,
+                                                              double bn_eps) {
+  KgConvEpilogue<T> ep;
+  ep.bias = bias;
+  ep.bn_weight = bn_weight;
+  ep.bn_bias = bn_bias;
+  ep.bn_mean = bn_mean;
+  ep.bn_var = bn_var;
+  ep.residual = residual;
+  ep.eps = bn_eps;
+  return ep;
+}
+
+// ---- entries ----
+// (ops/conv_gpu.cpp cuts the file at the line above for the kernels it writes an entry for.)
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_direct_f32(const float* __restrict__ x, const float* __restrict__ w,
+                         const float* __restrict__ bias, const float* __restrict__ bn_weight,
+                         const float* __restrict__ bn_bias, const float* __restrict__ bn_mean,
+                         const float* __restrict__ bn_var, const float* __restrict__ residual,
+                         float* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_direct<float>(x, w, y, s,
+                          kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                          KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_direct_f64(const double* __restrict__ x, const double* __restrict__ w,
+                         const double* __restrict__ bias, const double* __restrict__ bn_weight,
+                         const double* __restrict__ bn_bias, const double* __restrict__ bn_mean,
+                         const double* __restrict__ bn_var, const double* __restrict__ residual,
+                         double* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_direct<double>(x, w, y, s,
+                           kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                           KgConvIdentity<double>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_gemm_f32(const float* __restrict__ x, const float* __restrict__ w,
+                       const float* __restrict__ bias, const float* __restrict__ bn_weight,
+                       const float* __restrict__ bn_bias, const float* __restrict__ bn_mean,
+                       const float* __restrict__ bn_var, const float* __restrict__ residual,
+                       float* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_gemm<float>(x, w, y, s,
+                        kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                        KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_gemm_f64(const double* __restrict__ x, const double* __restrict__ w,
+                       const double* __restrict__ bias, const double* __restrict__ bn_weight,
+                       const double* __restrict__ bn_bias, const double* __restrict__ bn_mean,
+                       const double* __restrict__ bn_var, const double* __restrict__ residual,
+                       double* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_gemm<double>(x, w, y, s,
+                         kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                         KgConvIdentity<double>());
+}

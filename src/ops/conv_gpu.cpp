@@ -1,0 +1,321 @@
+// nn.conv2d and nn.fused_conv2d on the GPU: choosing the kernel of conv.cu and launching it.
+#include "ops/conv_gpu.hpp"
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "ops/conv.hpp"
+#include "ops/gpu_util.hpp"
+#include "ops/op_util.hpp"
+
+namespace kg::ops {
+namespace {
+
+constexpr unsigned kConvThreads = 256;  // KG_CONV_THREADS
+constexpr std::int64_t kTile = 64;      // KG_CONV_BM, KG_CONV_BN
+
+// tiled: output columns per thread, most output channels per block, most kernel size, and the
+// shared memory a block may take (the default limit without opting in).
+constexpr std::int64_t kTiledColumns = 2;
+constexpr std::int64_t kTiledMaxChannels = 64;
+constexpr std::int64_t kTiledMaxKernel = 7;
+constexpr std::int64_t kTiledSharedBytes = 48 * 1024;
+// tiled: at small batches, tiles shrink until there are about this many blocks.
+constexpr std::int64_t kTiledMinBlocks = 96;
+
+// KgConvShape in conv.cu, same layout.
+struct ConvGpuShape {
+  std::int64_t n, c, h, w;
+  std::int64_t o, ho, wo;
+  std::int64_t kh, kw;
+  std::int64_t sh, sw, ph, pw;
+  std::int64_t dh, dw;
+  std::int64_t groups;
+  std::int64_t ocb;
+  std::int64_t tile_h, tile_w, cc, och, tiles_w, tiles_h, chunks;
+};
+static_assert(sizeof(ConvGpuShape) == 24 * 8, "must match KgConvShape in conv.cu");
+
+// Output channels per thread (direct and tiled): a divisor of the group's count when 4 or 2 is
+// one, else 4 (some threads' last channels idle) unless the group has fewer than 3.
+std::int64_t channels_per_thread(std::int64_t og) {
+  if (og % 4 == 0) return 4;
+  if (og % 2 == 0) return 2;
+  return og >= 3 ? 4 : 1;
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// The kernel parameters, as in conv.cu's entries.
+std::string entry_params(const char* t) {
+  return util::cat("const ", t, "* __restrict__ x, const ", t, "* __restrict__ w, const ", t,
+                   "* __restrict__ bias, const ", t, "* __restrict__ bn_weight, const ", t,
+                   "* __restrict__ bn_bias, const ", t, "* __restrict__ bn_mean, const ", t,
+                   "* __restrict__ bn_var, const ", t, "* __restrict__ residual, ", t,
+                   "* __restrict__ y, KgConvShape s, double bn_eps, double act_param");
+}
+
+// conv.cu without its entries: everything before its "---- entries ----" line.
+std::string conv_body() {
+  const std::string& all = kernel_file("conv.cu");
+  const std::size_t at = all.find("\n// ---- entries ----");
+  if (at == std::string::npos) throw Error("conv.cu has no \"---- entries ----\" line to cut at");
+  return all.substr(0, at + 1);
+}
+
+// How the tiled kernel covers an output [n, o, ho, wo] (see conv.cu).
+struct TilePlan {
+  std::int64_t tile_h = 1, tile_w = 1, cc = 1, och = 1, tiles_w = 1, tiles_h = 1, chunks = 1;
+  std::size_t shared = 0;
+  std::int64_t blocks_per_image(std::int64_t groups) const { return groups * chunks * tiles_h * tiles_w; }
+};
+
+TilePlan tile_plan(const ConvGpuConfig& cfg, const std::vector<std::int64_t>& out) {
+  const std::int64_t n = out[0], ho = out[2], wo = out[3];
+  const std::int64_t groups = cfg.options.groups, og = cfg.out_channels / groups,
+                     cg = cfg.in_channels / groups;
+  const std::int64_t kh = cfg.kernel.h, kw = cfg.kernel.w, ocb = channels_per_thread(og);
+  const auto esize = static_cast<std::int64_t>(dtype_size(cfg.dtype));
+  TilePlan t;
+  const std::int64_t ogp = ceil_div(og, ocb) * ocb;
+  t.och = std::min(ogp, kTiledMaxChannels);
+  t.chunks = ceil_div(ogp, t.och);
+  // Threads: och / ocb channel blocks × tile_h rows × tcb column blocks, at most 256.
+  const std::int64_t spatial = static_cast<std::int64_t>(kConvThreads) / (t.och / ocb);
+  const std::int64_t tcb = std::clamp<std::int64_t>(ceil_div(wo, kTiledColumns), 1, spatial);
+  t.tile_w = tcb * kTiledColumns;
+  t.tiles_w = std::max<std::int64_t>(ceil_div(wo, t.tile_w), 1);
+  t.tile_h = std::clamp<std::int64_t>(spatial / tcb, 1, std::max<std::int64_t>(ho, 1));
+  auto tiles_h = [&] { return std::max<std::int64_t>(ceil_div(ho, t.tile_h), 1); };
+  while (t.tile_h > 1 && n * groups * t.chunks * tiles_h() * t.tiles_w < kTiledMinBlocks)
+    t.tile_h = ceil_div(t.tile_h, 2);
+  t.tiles_h = tiles_h();
+  // Input channels staged at a time: as many as fit.
+  const std::int64_t window = (t.tile_h + kh - 1) * (t.tile_w + kw - 1), weights = kh * kw * t.och;
+  t.cc = std::clamp<std::int64_t>((kTiledSharedBytes / esize - 16) / (window + weights), 1,
+                                  std::max<std::int64_t>(cg, 1));
+  t.shared = static_cast<std::size_t>(ceil_div(t.cc * window * esize, 16) * 16 + t.cc * weights * esize);
+  return t;
+}
+
+// Launches cover whole images and fewer than 2^31 items (direct: pixels × channel blocks; gemm:
+// pixels; tiled: blocks) each, so that the kernels' index math stays in 32 bits.
+constexpr std::int64_t kMaxItemsPerLaunch = (std::int64_t{1} << 31) - 1;
+
+class ConvRuntime final : public RuntimeOp {
+ public:
+  ConvRuntime(ConvGpuConfig cfg, ConvGpuAlgo algo, std::string label)
+      : cfg_(std::move(cfg)), algo_(algo), label_(std::move(label)) {}
+
+  int n_activation_inputs() const override { return cfg_.residual ? 2 : 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    const std::int64_t o = cfg_.out_channels;
+    std::vector<std::vector<std::int64_t>> p{
+        {o, cfg_.in_channels / cfg_.options.groups, cfg_.kernel.h, cfg_.kernel.w}};
+    if (cfg_.options.bias) p.push_back({o});
+    if (cfg_.batch_norm) p.insert(p.end(), {{o}, {o}, {o}, {o}, {}});
+    return p;
+  }
+  int n_launches(const std::vector<std::int64_t>& shape) const override {
+    const std::int64_t per = images_per_launch(shape);
+    return static_cast<int>(std::max<std::int64_t>(ceil_div(shape[0], per), 1));
+  }
+  std::size_t dynamic_shared_bytes(const std::vector<std::int64_t>& shape) const override {
+    return algo_ == ConvGpuAlgo::Tiled ? tile_plan(cfg_, shape).shared : 0;
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t row_stride,
+                 ArgVisitor& v) const override {
+    pack_args_for_launch(0, inputs, params, output, shape, row_stride, 0, v);
+  }
+  void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
+                            const std::vector<DeviceTensor>& params, const DeviceTensor& output,
+                            const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr,
+                            ArgVisitor& v) const override {
+    const auto [first, count] = images_of(launch, shape);
+    const auto& in = inputs[0].shape;
+    const auto esize = static_cast<DevicePtr>(dtype_size(cfg_.dtype));
+    const auto in_image = static_cast<DevicePtr>(in[1] * in[2] * in[3]) * esize;
+    const auto out_image = static_cast<DevicePtr>(shape[1] * shape[2] * shape[3]) * esize;
+    const auto at = static_cast<DevicePtr>(first);
+    const std::size_t bn = cfg_.options.bias ? 2 : 1;
+    v.pointer(inputs[0].ptr + at * in_image);
+    v.pointer(params[0].ptr);
+    v.pointer(cfg_.options.bias ? params[1].ptr : 0);
+    for (std::size_t i = 0; i < 4; ++i) v.pointer(cfg_.batch_norm ? params[bn + i].ptr : 0);
+    v.pointer(cfg_.residual ? inputs[1].ptr + at * out_image : 0);
+    v.pointer(output.ptr + at * out_image);
+    const ConvGpuShape s = geometry(count, in, shape);
+    v.bytes(&s, sizeof s);
+    v.f64(cfg_.bn_eps);
+    v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
+  }
+  Dim3 block() const override { return {kConvThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return grid_for_launch(0, shape); }
+  Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
+    const std::int64_t n = images_of(launch, shape).second;
+    const std::int64_t og = shape[1] / cfg_.options.groups;
+    switch (algo_) {
+      case ConvGpuAlgo::Gemm:
+        return {static_cast<unsigned>(std::max<std::int64_t>(ceil_div(n * shape[2] * shape[3], kTile), 1)),
+                static_cast<unsigned>(std::max<std::int64_t>(ceil_div(og, kTile), 1)),
+                static_cast<unsigned>(cfg_.options.groups)};
+      case ConvGpuAlgo::Tiled:
+        return {static_cast<unsigned>(std::max<std::int64_t>(n * items_per_image(shape), 1)), 1, 1};
+      case ConvGpuAlgo::Direct:
+        break;
+    }
+    return grid_1d(n * items_per_image(shape), kConvThreads);
+  }
+
+ private:
+  // What one image takes: pixels × channel blocks (direct), pixels (gemm) or blocks (tiled).
+  std::int64_t items_per_image(const std::vector<std::int64_t>& shape) const {
+    const std::int64_t pixels = shape[2] * shape[3], groups = cfg_.options.groups;
+    switch (algo_) {
+      case ConvGpuAlgo::Gemm:
+        return pixels;
+      case ConvGpuAlgo::Tiled:
+        return tile_plan(cfg_, shape).blocks_per_image(groups);
+      case ConvGpuAlgo::Direct:
+        break;
+    }
+    const std::int64_t og = shape[1] / groups, ocb = channels_per_thread(og);
+    return groups * ceil_div(og, ocb) * pixels;
+  }
+  std::int64_t images_per_launch(const std::vector<std::int64_t>& shape) const {
+    const std::int64_t per_image = items_per_image(shape);
+    if (per_image > kMaxItemsPerLaunch)
+      throw Error(util::cat(label_, " one image of output ", sizes_to_string(shape), " has ", per_image,
+                            " items for the GPU kernel, more than its limit of ", kMaxItemsPerLaunch));
+    return per_image == 0 ? std::max<std::int64_t>(shape[0], 1) : kMaxItemsPerLaunch / per_image;
+  }
+  // The first image and the image count of a launch.
+  std::pair<std::int64_t, std::int64_t> images_of(int launch, const std::vector<std::int64_t>& shape) const {
+    const std::int64_t per = images_per_launch(shape), first = launch * per;
+    return {first, std::clamp<std::int64_t>(shape[0] - first, 0, per)};
+  }
+  ConvGpuShape geometry(std::int64_t n, const std::vector<std::int64_t>& in,
+                        const std::vector<std::int64_t>& out) const {
+    const auto& op = cfg_.options;
+    ConvGpuShape s{};
+    s.n = n;
+    s.c = in[1];
+    s.h = in[2];
+    s.w = in[3];
+    s.o = out[1];
+    s.ho = out[2];
+    s.wo = out[3];
+    s.kh = cfg_.kernel.h;
+    s.kw = cfg_.kernel.w;
+    s.sh = op.stride.h;
+    s.sw = op.stride.w;
+    s.ph = op.padding.h;
+    s.pw = op.padding.w;
+    s.dh = op.dilation.h;
+    s.dw = op.dilation.w;
+    s.groups = op.groups;
+    s.ocb = channels_per_thread(cfg_.out_channels / op.groups);
+    if (algo_ == ConvGpuAlgo::Tiled) {
+      const TilePlan t = tile_plan(cfg_, out);
+      s.tile_h = t.tile_h;
+      s.tile_w = t.tile_w;
+      s.cc = t.cc;
+      s.och = t.och;
+      s.tiles_w = t.tiles_w;
+      s.tiles_h = t.tiles_h;
+      s.chunks = t.chunks;
+    }
+    return s;
+  }
+
+  ConvGpuConfig cfg_;
+  ConvGpuAlgo algo_;
+  std::string label_;  // "[nn.conv2d]", for errors
+};
+
+}  // namespace
+
+ConvGpuConfig conv_gpu_config(const Conv2dOp& op) {
+  ConvGpuConfig c;
+  c.in_channels = op.in_channels();
+  c.out_channels = op.out_channels();
+  c.kernel = op.kernel();
+  c.options = op.options();
+  c.dtype = op.dtype();
+  return c;
+}
+
+ConvGpuConfig conv_gpu_config(const FusedConv2dOp& op) {
+  ConvGpuConfig c = conv_gpu_config(op.conv());
+  c.batch_norm = op.spec().batch_norm;
+  c.bn_eps = op.spec().bn_eps;
+  c.residual = op.spec().residual;
+  c.activation = op.spec().activation;
+  return c;
+}
+
+ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg) {
+  const auto& op = cfg.options;
+  const std::int64_t og = cfg.out_channels / op.groups;
+  const std::int64_t kdim = cfg.in_channels / op.groups * cfg.kernel.h * cfg.kernel.w;
+  // A 64-channel tile at least half full, a reduction of two k slices or more, and a grid z
+  // within the launch limit.
+  if (og >= 32 && kdim >= 32 && op.groups <= 65535) return ConvGpuAlgo::Gemm;
+  const bool unit = op.stride.h == 1 && op.stride.w == 1 && op.dilation.h == 1 && op.dilation.w == 1;
+  if (unit && cfg.kernel.h <= kTiledMaxKernel && cfg.kernel.w <= kTiledMaxKernel) return ConvGpuAlgo::Tiled;
+  return ConvGpuAlgo::Direct;
+}
+
+Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
+  const ConvGpuAlgo algo = conv_gpu_algo(cfg);
+  auto rt = std::make_shared<ConvRuntime>(cfg, algo, "[" + op_name + "]");
+  const char* algo_name = algo == ConvGpuAlgo::Gemm    ? "gemm"
+                          : algo == ConvGpuAlgo::Tiled ? "tiled"
+                                                       : "direct";
+  if (!cfg.activation && algo != ConvGpuAlgo::Tiled)
+    return Lowered{op_name, kernel_file("conv.cu"), entry_for(util::cat("kg_conv2d_", algo_name), cfg.dtype),
+                   rt};
+  // One entry of its own, calling conv.cu's body with the tiled kernel's template arguments and
+  // the activation, whose formula comes from elementwise.cu (without that file's entries).
+  const char* t = cfg.dtype == DType::F64 ? "double" : "float";
+  std::string stem = cfg.activation ? "kg_fused_conv2d_" : "kg_conv2d_";
+  std::string body = util::cat("kg_conv2d_", algo_name, "<", t);
+  if (algo == ConvGpuAlgo::Tiled) {
+    const std::int64_t ocb = channels_per_thread(cfg.out_channels / cfg.options.groups);
+    stem += util::cat("tiled_", cfg.kernel.h, "x", cfg.kernel.w, "_", ocb);
+    body += util::cat(", ", cfg.kernel.h, ", ", cfg.kernel.w, ", ", ocb, ", ", kTiledColumns);
+  } else {
+    stem += algo_name;
+  }
+  std::string source, functor = util::cat("KgConvIdentity<", t, ">()");
+  if (cfg.activation) {
+    const UnaryEntry& act = kUnaryOps[static_cast<std::size_t>(cfg.activation->fn)];
+    stem += util::cat("_", std::string(act.kernel).substr(3));  // "kg_relu" -> "relu"
+    source = util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"), "\n");
+    functor = util::cat("KgConvActivation<", t, ">{(", t, ")act_param}");
+  }
+  const std::string entry = entry_for(stem, cfg.dtype);
+  source += conv_body();
+  if (cfg.activation)
+    source +=
+        util::cat("\ntemplate <class T>\nstruct KgConvActivation {\n  T param;\n",
+                  "  __device__ __forceinline__ T operator()(T v) const { return kg_unary_fn<",
+                  kUnaryOps[static_cast<std::size_t>(cfg.activation->fn)].device_fn, ">(v, param); }\n};\n");
+  source += util::cat(
+      "\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", entry, "(", entry_params(t),
+      ") {\n  ", body,
+      ">(x, w, y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),\n",
+      "      ", functor, ");\n}\n");
+  return Lowered{op_name, std::move(source), entry, rt};
+}
+
+std::optional<Lowered> lower_conv2d(const Conv2dOp& op) { return lower_conv(conv_gpu_config(op), op.name()); }
+
+std::optional<Lowered> lower_fused_conv2d(const FusedConv2dOp& op) {
+  return lower_conv(conv_gpu_config(op), op.name());
+}
+
+}  // namespace kg::ops

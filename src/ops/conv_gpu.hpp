@@ -1,0 +1,48 @@
+// The GPU lowering of the convolution family (kernels in src/ops/conv.cu): nn.conv2d and the
+// inference-time nn.fused_conv2d (convolution, folded BatchNorm, residual add, activation).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "kg/custom_op.hpp"
+#include "kg/ops.hpp"
+#include "ops/elementwise.hpp"
+
+namespace kg::ops {
+
+class Conv2dOp;
+class FusedConv2dOp;
+
+// What the GPU kernel of a convolution needs to know at lowering: the convolution and, for a
+// fused one, its epilogue.
+struct ConvGpuConfig {
+  std::int64_t in_channels = 0, out_channels = 0;
+  Size2 kernel = 1;
+  nn::Conv2dOptions options;
+  DType dtype = DType::F32;
+  bool batch_norm = false;  // parameters after the convolution's: weight, bias, mean, var, count
+  double bn_eps = 1e-5;
+  bool residual = false;                // a second activation input added before the activation
+  std::optional<UnarySpec> activation;  // applied last
+};
+
+ConvGpuConfig conv_gpu_config(const Conv2dOp& op);
+ConvGpuConfig conv_gpu_config(const FusedConv2dOp& op);
+
+// The GPU algorithms (see conv.cu): an implicit GEMM for many output channels per group and
+// deep reductions; otherwise a shared-memory tiled loop for stride 1, no dilation and kernels
+// up to 7x7, and a direct loop for the rest.
+enum class ConvGpuAlgo { Direct, Gemm, Tiled };
+ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg);
+
+// The kernel and RuntimeOp of the convolution `cfg` describes; `op_name` names it in errors
+// and caches.
+Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name);
+
+// Conv2dOp::lower() and FusedConv2dOp::lower().
+std::optional<Lowered> lower_conv2d(const Conv2dOp& op);
+std::optional<Lowered> lower_fused_conv2d(const FusedConv2dOp& op);
+
+}  // namespace kg::ops

@@ -1,0 +1,172 @@
+// Pooling and resampling on the GPU, for [N, C, H, W] tensors seen as N*C planes:
+// nn.max_pool2d, nn.avg_pool2d, nn.upsample_nearest2d (one thread per output element, in a
+// grid-stride loop; consecutive threads take consecutive output columns) and
+// nn.global_avg_pool (one warp per plane, summed with shuffles). The window arithmetic is that
+// of the CPU implementations in ops/pool.cpp, including their NaN rule and divisors.
+#include "kg_device.cuh"
+
+#define KG_POOL_THREADS 256
+
+// The concrete geometry, passed by value (host: PoolGpuShape in ops/pool.cpp, same layout).
+// Upsampling reads its scale factors from kh and kw.
+struct KgPoolShape {
+  long long planes;  // N * C
+  long long h, w, ho, wo;
+  long long kh, kw, sh, sw, ph, pw, dh, dw;
+};
+
+// a / b and a % b, in 32 bits when every value involved fits (Small).
+template <bool Small>
+__device__ __forceinline__ long long kg_pool_divmod(long long a, long long b, long long& rem) {
+  if (Small) {
+    const unsigned q = (unsigned)a / (unsigned)b;
+    rem = (long long)((unsigned)a - q * (unsigned)b);
+    return q;
+  }
+  const long long q = a / b;
+  rem = a - q * b;
+  return q;
+}
+
+__device__ __forceinline__ float kg_pool_lowest(float) { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double kg_pool_lowest(double) {
+  return __longlong_as_double(0xfff0000000000000ULL);
+}
+
+// Runs body(i, plane, oy, ox) for every output element i of the planes.
+template <bool Small, class Body>
+__device__ __forceinline__ void kg_pool_for_each(const KgPoolShape& s, const Body& body) {
+  const long long hwo = s.ho * s.wo, total = s.planes * hwo;
+  for (long long i = kg_thread_index(); i < total; i += kg_grid_stride()) {
+    long long pix, ox;
+    const long long pl = kg_pool_divmod<Small>(i, hwo, pix);
+    const long long oy = kg_pool_divmod<Small>(pix, s.wo, ox);
+    body(i, pl, oy, ox);
+  }
+}
+
+template <class Body>
+__device__ __forceinline__ void kg_pool_launch(const KgPoolShape& s, const Body& body) {
+  if (s.planes * s.ho * s.wo < (1LL << 31))
+    kg_pool_for_each<true>(s, body);
+  else
+    kg_pool_for_each<false>(s, body);
+}
+
+// ---- nn.max_pool2d ----
+// The largest value of the window's taps inside the input; a NaN among them wins.
+
+template <class T>
+__device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __restrict__ y,
+                                              const KgPoolShape& s) {
+  kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
+    const T* src = x + pl * s.h * s.w;
+    const long long iy0 = oy * s.sh - s.ph, ix0 = ox * s.sw - s.pw;
+    T m = kg_pool_lowest(T(0));
+    for (long long ky = 0; ky < s.kh; ++ky) {
+      const long long iy = iy0 + ky * s.dh;
+      if (iy < 0 || iy >= s.h) continue;
+      const T* row = src + iy * s.w;
+      for (long long kx = 0; kx < s.kw; ++kx) {
+        const long long ix = ix0 + kx * s.dw;
+        if (ix < 0 || ix >= s.w) continue;
+        const T v = row[ix];
+        if (v > m || v != v) m = v;
+      }
+    }
+    y[i] = m;
+  });
+}
+
+// ---- nn.avg_pool2d ----
+// The sum of the taps inside the input over a divisor that counts the window clipped to the
+// padded input (count_include_pad) or only the taps inside the input, as PyTorch.
+
+template <class T>
+__device__ __forceinline__ void kg_avg_pool2d(const T* __restrict__ x, T* __restrict__ y,
+                                              const KgPoolShape& s, int count_include_pad) {
+  kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
+    const T* src = x + pl * s.h * s.w;
+    long long y0 = oy * s.sh - s.ph, y1 = min(y0 + s.kh, s.h + s.ph);
+    long long x0 = ox * s.sw - s.pw, x1 = min(x0 + s.kw, s.w + s.pw);
+    const long long padded = (y1 - y0) * (x1 - x0);
+    y0 = max(y0, 0LL);
+    x0 = max(x0, 0LL);
+    y1 = min(y1, s.h);
+    x1 = min(x1, s.w);
+    T sum = T(0);
+    for (long long iy = y0; iy < y1; ++iy)
+      for (long long ix = x0; ix < x1; ++ix) sum += src[iy * s.w + ix];
+    const long long count = count_include_pad ? padded : max(y1 - y0, 0LL) * max(x1 - x0, 0LL);
+    y[i] = sum / (T)count;
+  });
+}
+
+// ---- nn.upsample_nearest2d ----
+
+template <class T>
+__device__ __forceinline__ void kg_upsample_nearest2d(const T* __restrict__ x, T* __restrict__ y,
+                                                      const KgPoolShape& s) {
+  kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
+    y[i] = x[(pl * s.h + oy / s.kh) * s.w + ox / s.kw];
+  });
+}
+
+// ---- nn.global_avg_pool ----
+// One warp per plane of hw elements; KG_POOL_THREADS / 32 planes per block.
+
+template <class T>
+__device__ __forceinline__ void kg_global_avg_pool(const T* __restrict__ x, T* __restrict__ y,
+                                                   long long planes, long long hw) {
+  const int lane = threadIdx.x % 32;
+  const long long nwarps = (long long)gridDim.x * (blockDim.x / 32);
+  for (long long pl = kg_thread_index() / 32; pl < planes; pl += nwarps) {
+    const T* src = x + pl * hw;
+    T sum = T(0);
+    for (long long j = lane; j < hw; j += 32) sum += src[j];
+    sum = kg_warp_sum(sum);
+    if (lane == 0) y[pl] = sum / (T)hw;
+  }
+}
+
+// ---- entries ----
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_max_pool2d_f32(const float* __restrict__ x, float* __restrict__ y, KgPoolShape s) {
+  kg_max_pool2d<float>(x, y, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_max_pool2d_f64(const double* __restrict__ x, double* __restrict__ y, KgPoolShape s) {
+  kg_max_pool2d<double>(x, y, s);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_avg_pool2d_f32(const float* __restrict__ x, float* __restrict__ y, KgPoolShape s,
+                      int count_include_pad) {
+  kg_avg_pool2d<float>(x, y, s, count_include_pad);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_avg_pool2d_f64(const double* __restrict__ x, double* __restrict__ y, KgPoolShape s,
+                      int count_include_pad) {
+  kg_avg_pool2d<double>(x, y, s, count_include_pad);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_upsample_nearest2d_f32(const float* __restrict__ x, float* __restrict__ y, KgPoolShape s) {
+  kg_upsample_nearest2d<float>(x, y, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_upsample_nearest2d_f64(const double* __restrict__ x, double* __restrict__ y, KgPoolShape s) {
+  kg_upsample_nearest2d<double>(x, y, s);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_global_avg_pool_f32(const float* __restrict__ x, float* __restrict__ y, long long planes,
+                           long long hw) {
+  kg_global_avg_pool<float>(x, y, planes, hw);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_global_avg_pool_f64(const double* __restrict__ x, double* __restrict__ y, long long planes,
+                           long long hw) {
+  kg_global_avg_pool<double>(x, y, planes, hw);
+}
