@@ -1,19 +1,48 @@
-// nn.conv2d and nn.fused_conv2d on the CPU: the output is computed in tiles of output pixels.
-// Each tile gathers its input patches (im2col, skipped for 1x1 stride-1 convolutions, whose
-// input already is the GEMM operand), multiplies them by the weight with the BLAS GEMM and
-// applies the epilogue (bias, folded BatchNorm, residual, activation) while the tile is in
-// cache. Tiles of different images run on different threads with a single-threaded GEMM; a
-// convolution that makes one tile only lets the BLAS library thread the GEMM instead.
+// nn.conv2d and nn.fused_conv2d on the CPU.
+//
+// A convolution is a GEMM per group: out[o, pixel] = sum over taps k = (c, ky, kx) of
+// w[o, k] * x[c, the tap's input position for that pixel]. The f32 algorithms (AVX-512) share
+// one register-blocked kernel, 8 output channels x 48 pixels, that reads the B operand through
+// a per-tap offset table instead of an im2col matrix:
+//
+// - Direct, in place (stride 1 and "same" width, e.g. 3x3 pad 1 or 1x1): consecutive output
+//   pixels read consecutive input floats for every tap, across rows too, so the kernel reads
+//   the input itself; per-tile lane masks zero the taps that fall into the padding.
+// - Direct, transformed (strided, or not "same" width): each band of output rows gets its
+//   input rewritten, zero-padded and split into stride phases, so that the same holds on rows
+//   of the padded width; the few columns past the output width are computed and dropped.
+// - Packed (many channels on small images, where those dropped columns or partial tiles would
+//   waste more than a gather costs): blocks of output pixels spanning images are gathered into
+//   an im2col block first.
+//
+// The other dtypes and builds use Gemm (im2col tiles and the BLAS GEMM, f64 or f32 without
+// AVX-512), and grouped convolutions with at most four output channels per group (depthwise)
+// a direct loop per output plane. Every algorithm applies the epilogue (bias, folded
+// BatchNorm, residual add, activation) to each block of results while it is in cache, and
+// splits the work over the runtime's threads: (image, group, block of pixels) items for the
+// f32 kernel, with the next item's input prefetched while the current one computes.
 #include "ops/conv.hpp"
 
 #include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KG_CONV_AVX512 1
+#else
+#define KG_CONV_AVX512 0
+#endif
 
 #include "ops/blas.hpp"
+#include "ops/conv_gpu.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
@@ -33,96 +62,185 @@ struct ConvGeom {
   std::int64_t pixels() const { return ho * wo; }
   // The input of a 1x1 stride-1 unpadded convolution is already the [C, H*W] GEMM operand.
   bool pointwise() const { return kh == 1 && kw == 1 && sh == 1 && sw == 1 && ph == 0 && pw == 0; }
-  // Few output channels per group (depthwise): a direct loop beats a GEMM with M <= 4.
-  bool direct() const { return groups > 1 && og() <= 4; }
 };
 
 // Per-channel affine, residual and activation applied after the convolution.
-template <class T> struct Epilogue {
+template <class T>
+struct Epilogue {
   const T* scale = nullptr;     // [O]; null: 1
   const T* shift = nullptr;     // [O]; null: 0
   const T* residual = nullptr;  // laid out like the output; null: none
   std::optional<UnarySpec> act;
 };
 
-// Rows [o0, o0 + rows) of one image's output tile: `y` points at row o0, column p0; rows are
-// `ld` apart. `res` is the residual at the same position (or null).
+// dst[j] = epilogue(src[j]) for output channel `o` over n consecutive pixels; `res` is the
+// residual at dst's position (or null). src may be dst.
 template <class T>
-void apply_epilogue(const Epilogue<T>& ep, std::int64_t o0, std::int64_t rows, std::int64_t cols, T* y,
-                    const T* res, std::int64_t ld) {
+void epilogue_row(const Epilogue<T>& ep, std::int64_t o, std::int64_t n, const T* src, T* dst, const T* res) {
+  const T s = ep.scale ? ep.scale[o] : T(1);
+  const T t = ep.shift ? ep.shift[o] : T(0);
   const bool relu = ep.act && ep.act->fn == UnaryFn::Relu;
-  const bool other_act = ep.act && !relu;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    T* row = y + r * ld;
-    const T s = ep.scale ? ep.scale[o0 + r] : T(1);
-    const T t = ep.shift ? ep.shift[o0 + r] : T(0);
-    const T* rr = res ? res + r * ld : nullptr;
-    if (rr && relu) {
-      for (std::int64_t j = 0; j < cols; ++j) {
-        const T v = row[j] * s + t + rr[j];
-        row[j] = v < T(0) ? T(0) : v;
-      }
-    } else if (rr) {
-      for (std::int64_t j = 0; j < cols; ++j) row[j] = row[j] * s + t + rr[j];
-    } else if (relu) {
-      for (std::int64_t j = 0; j < cols; ++j) {
-        const T v = row[j] * s + t;
-        row[j] = v < T(0) ? T(0) : v;
-      }
-    } else if (ep.scale || ep.shift) {
-      for (std::int64_t j = 0; j < cols; ++j) row[j] = row[j] * s + t;
+  if (res && relu) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      const T v = src[j] * s + t + res[j];
+      dst[j] = v < T(0) ? T(0) : v;
     }
-    if (other_act) apply_unary<T>(*ep.act, row, row, cols);
+  } else if (res) {
+    for (std::int64_t j = 0; j < n; ++j) dst[j] = src[j] * s + t + res[j];
+  } else if (relu) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      const T v = src[j] * s + t;
+      dst[j] = v < T(0) ? T(0) : v;
+    }
+  } else if (ep.scale || ep.shift || src != dst) {
+    for (std::int64_t j = 0; j < n; ++j) dst[j] = src[j] * s + t;
   }
+  if (ep.act && !relu) apply_unary<T>(*ep.act, dst, dst, n);
 }
 
-// ---- im2col of a tile ----
+#if KG_CONV_AVX512
+// Lanes [lo, hi) of a 16-lane mask (empty when hi <= lo); lo, hi in [0, 16].
+inline __mmask16 lane_range(std::int64_t lo, std::int64_t hi) {
+  if (hi <= lo) return 0;
+  const unsigned upto = hi >= 16 ? 0xFFFFu : (1u << hi) - 1u;
+  return static_cast<__mmask16>(upto & ~((1u << lo) - 1u));
+}
 
-// col[k][j] for k = (c * kh + ky) * kw + kx over the group's channels and j over `cnt` output
-// pixels starting at p0: the input value under kernel tap (ky, kx) for that pixel, 0 in the
-// padding. `x` points at the group's first input channel.
+// 16 floats starting `at` elements from `base`; only the lanes of `m` are read, so `at` may
+// lie outside the row where those lanes are masked off.
+inline __m512 load_lanes(const float* base, std::int64_t at, __mmask16 m) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(base) + static_cast<std::uintptr_t>(at) * sizeof(float);
+  return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(addr));
+}
+
+// gather_row for f32 with stride 1 or 2, vectorised with masked loads; false for other strides.
+inline bool gather_row_avx(const float* row, std::int64_t w, std::int64_t ix0, std::int64_t sw,
+                           std::int64_t n, float* d) {
+  if (sw > 2) return false;
+  // Stride 2: the even lanes of 32 consecutive values.
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (std::int64_t j = 0; j < n; j += 16) {
+    const __mmask16 out = lane_range(0, std::min<std::int64_t>(16, n - j));
+    __m512 v = _mm512_setzero_ps();
+    if (row) {
+      const std::int64_t s = ix0 + j * sw;  // source index of lane 0
+      if (sw == 1) {
+        v = load_lanes(
+            row, s,
+            out & lane_range(std::clamp<std::int64_t>(-s, 0, 16), std::clamp<std::int64_t>(w - s, 0, 16)));
+      } else {
+        const __m512 lo = load_lanes(
+            row, s, lane_range(std::clamp<std::int64_t>(-s, 0, 16), std::clamp<std::int64_t>(w - s, 0, 16)));
+        const __m512 hi = load_lanes(row, s + 16,
+                                     lane_range(std::clamp<std::int64_t>(-s - 16, 0, 16),
+                                                std::clamp<std::int64_t>(w - s - 16, 0, 16)));
+        v = _mm512_permutex2var_ps(lo, evens, hi);
+      }
+    }
+    _mm512_mask_storeu_ps(d + j, out, v);
+  }
+  return true;
+}
+#endif
+
+// d[j] = row[ix0 + j * sw] for j in [0, n), 0 where the index falls outside [0, w) or when
+// `row` is null (a padding row).
 template <class T>
-void im2col_tile(const ConvGeom& g, const T* x, std::int64_t p0, std::int64_t cnt, T* col) {
-  const std::int64_t cg = g.cg();
-  for (std::int64_t c = 0; c < cg; ++c) {
-    const T* plane = x + c * g.h * g.w;
-    for (std::int64_t ky = 0; ky < g.kh; ++ky) {
-      for (std::int64_t kx = 0; kx < g.kw; ++kx) {
-        T* dst = col + ((c * g.kh + ky) * g.kw + kx) * cnt;
-        std::int64_t j = 0, oy = p0 / g.wo, ox = p0 % g.wo;
-        while (j < cnt) {
-          const std::int64_t seg = std::min(g.wo - ox, cnt - j);
-          const std::int64_t iy = oy * g.sh - g.ph + ky * g.dh;
-          T* d = dst + j;
-          if (iy < 0 || iy >= g.h) {
-            std::fill(d, d + seg, T(0));
-          } else {
-            const T* row = plane + iy * g.w;
-            // Output columns s in [lo, hi) read inside the row: 0 <= ix0 + s * sw < w.
-            const std::int64_t ix0 = ox * g.sw - g.pw + kx * g.dw;
-            std::int64_t lo = ix0 >= 0 ? 0 : (-ix0 + g.sw - 1) / g.sw;
-            std::int64_t hi = ix0 >= g.w ? 0 : (g.w - ix0 + g.sw - 1) / g.sw;
-            lo = std::min(lo, seg);
-            hi = std::clamp(hi, lo, seg);
-            std::fill(d, d + lo, T(0));
-            if (g.sw == 1) {
-              std::memcpy(d + lo, row + ix0 + lo, static_cast<std::size_t>(hi - lo) * sizeof(T));
-            } else {
-              const T* src = row + ix0;
-              for (std::int64_t s = lo; s < hi; ++s) d[s] = src[s * g.sw];
-            }
-            std::fill(d + hi, d + seg, T(0));
-          }
-          j += seg;
-          ++oy;
-          ox = 0;
-        }
+void gather_row(const T* row, std::int64_t w, std::int64_t ix0, std::int64_t sw, std::int64_t n, T* d) {
+#if KG_CONV_AVX512
+  if constexpr (std::is_same_v<T, float>)
+    if (gather_row_avx(row, w, ix0, sw, n, d)) return;
+#endif
+  if (!row) {
+    std::fill(d, d + n, T(0));
+    return;
+  }
+  // Columns j in [lo, hi) read inside the row.
+  std::int64_t lo = ix0 >= 0 ? 0 : (-ix0 + sw - 1) / sw;
+  std::int64_t hi = ix0 >= w ? 0 : (w - ix0 + sw - 1) / sw;
+  lo = std::min(lo, n);
+  hi = std::clamp(hi, lo, n);
+  std::fill(d, d + lo, T(0));
+  if (sw == 1) {
+    std::memcpy(d + lo, row + ix0 + lo, static_cast<std::size_t>(hi - lo) * sizeof(T));
+  } else {
+    const T* src = row + ix0;
+    for (std::int64_t j = lo; j < hi; ++j) d[j] = src[j * sw];
+  }
+  std::fill(d + hi, d + n, T(0));
+}
+
+// A run of output pixels that are consecutive both in a column block and in the output:
+// block columns [col, col + len) are pixels [pix, pix + len) of output row `oy` of image `img`,
+// starting at column `ox`.
+struct Run {
+  std::int64_t col, len, img, oy, ox;
+};
+
+// The runs of output pixels [q0, q0 + n) in image-major order (pixel q is image q / (ho * wo)).
+void pixel_runs(const ConvGeom& g, std::int64_t q0, std::int64_t n, std::vector<Run>& runs) {
+  runs.clear();
+  const std::int64_t p = g.pixels();
+  for (std::int64_t j = 0; j < n;) {
+    const std::int64_t q = q0 + j, img = q / p, pix = q % p, oy = pix / g.wo, ox = pix % g.wo;
+    const std::int64_t len = std::min(g.wo - ox, n - j);
+    runs.push_back({j, len, img, oy, ox});
+    j += len;
+  }
+}
+
+// col[k * ld + j] for the taps k in [k0, k0 + kn) of the group starting at input channel c0,
+// over the pixels of `runs`: the input value under the tap, 0 in the padding.
+template <class T>
+void im2col_runs(const ConvGeom& g, const T* x, std::int64_t c0, std::int64_t k0, std::int64_t kn,
+                 const std::vector<Run>& runs, T* col, std::int64_t ld) {
+  std::int64_t c = k0 / (g.kh * g.kw), ky = k0 / g.kw % g.kh, kx = k0 % g.kw;
+  for (std::int64_t k = 0; k < kn; ++k) {
+    T* dst = col + k * ld;
+    for (const Run& r : runs) {
+      const std::int64_t iy = r.oy * g.sh - g.ph + ky * g.dh;
+      const T* row = iy < 0 || iy >= g.h ? nullptr : x + ((r.img * g.c + c0 + c) * g.h + iy) * g.w;
+      gather_row(row, g.w, r.ox * g.sw - g.pw + kx * g.dw, g.sw, r.len, dst + r.col);
+    }
+    if (++kx == g.kw) {
+      kx = 0;
+      if (++ky == g.kh) {
+        ky = 0;
+        ++c;
       }
     }
   }
 }
 
-// ---- threading of the BLAS library ----
+// Writes the block's results (rows of `cbuf`, `ldc` apart, one per output channel of group
+// `grp`) to the output through the epilogue.
+template <class T>
+void store_runs(const ConvGeom& g, const Epilogue<T>& ep, std::int64_t grp, const std::vector<Run>& runs,
+                const T* cbuf, std::int64_t ldc, T* y) {
+  const std::int64_t og = g.og(), p = g.pixels();
+  for (std::int64_t m = 0; m < og; ++m) {
+    const std::int64_t o = grp * og + m;
+    for (const Run& r : runs) {
+      const std::int64_t at = (r.img * g.o + o) * p + r.oy * g.wo + r.ox;
+      epilogue_row(ep, o, r.len, cbuf + m * ldc + r.col, y + at, ep.residual ? ep.residual + at : nullptr);
+    }
+  }
+}
+
+// Per-thread scratch buffers that keep their size between calls. A worker uses kResults,
+// kOperand and kInput; the thread that starts a convolution fills kWeights, which the workers
+// read during the call.
+enum Scratch { kResults, kOperand, kInput, kWeights, kScratchCount };
+
+template <class T>
+T* scratch_data(Scratch slot, std::int64_t n) {
+  thread_local std::vector<T> bufs[kScratchCount];
+  auto& v = bufs[slot];
+  if (v.size() < static_cast<std::size_t>(n)) v.resize(static_cast<std::size_t>(n));
+  return v.data();
+}
+
+// ---- Gemm: im2col tiles and the BLAS GEMM ----
 
 // OpenBLAS threads each GEMM itself; while tiles run on the runtime's threads, every GEMM must
 // run on its calling thread, so the library is set to one thread for the duration.
@@ -157,87 +275,45 @@ class BlasSingleThreaded {
   }
 };
 
-// ---- the convolution ----
-
 // Output pixels per tile: the tile's im2col buffer stays within about half the L2 cache.
-std::int64_t tile_pixels(const ConvGeom& g, std::size_t elem) {
+std::int64_t gemm_tile_pixels(const ConvGeom& g, std::size_t elem) {
   const std::int64_t p = g.pixels();
   if (g.pointwise()) return std::min<std::int64_t>(p, 512);
   const auto budget = static_cast<std::int64_t>((384 * 1024) / elem);
   std::int64_t nt = budget / std::max<std::int64_t>(g.kdim(), 1);
   nt = std::max<std::int64_t>(nt / 16 * 16, 64);
   if (nt >= p) return p;
-  // Even tiles: the same count with the remainder spread out.
-  const std::int64_t tiles = (p + nt - 1) / nt;
+  const std::int64_t tiles = (p + nt - 1) / nt;  // even tiles
   return (p + tiles - 1) / tiles;
 }
 
-template <class T> std::vector<T>& scratch() {
-  thread_local std::vector<T> buf;
-  return buf;
-}
-
-// Depthwise-like convolution (one output channel per group): a direct loop per output plane.
 template <class T>
-void conv_direct(const ConvGeom& g, const T* x, const T* w, const Epilogue<T>& ep, T* y, const CpuContext& ctx) {
-  const std::int64_t og = g.og(), cg = g.cg(), planes = g.n * g.o, p = g.pixels();
-  ctx.parallel_for(planes, std::max<std::int64_t>(1, 4096 / std::max<std::int64_t>(p * cg * g.kh * g.kw, 1)),
-                   [&](std::int64_t b, std::int64_t e) {
-                     std::vector<double> acc(static_cast<std::size_t>(g.wo));
-                     for (std::int64_t pl = b; pl < e; ++pl) {
-                       const std::int64_t img = pl / g.o, oc = pl % g.o, grp = oc / og;
-                       const T* xin = x + (img * g.c + grp * cg) * g.h * g.w;
-                       const T* wk = w + oc * cg * g.kh * g.kw;
-                       T* out = y + pl * p;
-                       for (std::int64_t oy = 0; oy < g.ho; ++oy) {
-                         std::fill(acc.begin(), acc.end(), 0.0);
-                         for (std::int64_t c = 0; c < cg; ++c)
-                           for (std::int64_t ky = 0; ky < g.kh; ++ky) {
-                             const std::int64_t iy = oy * g.sh - g.ph + ky * g.dh;
-                             if (iy < 0 || iy >= g.h) continue;
-                             const T* row = xin + (c * g.h + iy) * g.w;
-                             for (std::int64_t kx = 0; kx < g.kw; ++kx) {
-                               const double wv = wk[(c * g.kh + ky) * g.kw + kx];
-                               const std::int64_t ix0 = -g.pw + kx * g.dw;
-                               for (std::int64_t ox = 0; ox < g.wo; ++ox) {
-                                 const std::int64_t ix = ox * g.sw + ix0;
-                                 if (ix >= 0 && ix < g.w) acc[static_cast<std::size_t>(ox)] += wv * row[ix];
-                               }
-                             }
-                           }
-                         for (std::int64_t ox = 0; ox < g.wo; ++ox)
-                           out[oy * g.wo + ox] = static_cast<T>(acc[static_cast<std::size_t>(ox)]);
-                       }
-                       apply_epilogue(ep, oc, 1, p, out, ep.residual ? ep.residual + pl * p : nullptr, p);
-                     }
-                   });
-}
-
-template <class T>
-void conv2d_forward(const ConvGeom& g, const T* x, const T* w, const Epilogue<T>& ep, T* y, const CpuContext& ctx) {
-  if (g.n == 0 || g.o == 0 || g.pixels() == 0) return;
-  if (g.direct()) return conv_direct(g, x, w, ep, y, ctx);
+void conv_gemm(const ConvGeom& g, const T* x, const T* w, const Epilogue<T>& ep, T* y,
+               const CpuContext& ctx) {
   const std::int64_t m = g.og(), k = g.kdim(), p = g.pixels();
-  const std::int64_t nt = tile_pixels(g, sizeof(T));
+  const std::int64_t nt = gemm_tile_pixels(g, sizeof(T));
   const std::int64_t tiles = (p + nt - 1) / nt;
   const std::int64_t items = g.n * g.groups * tiles;
   auto run = [&](std::int64_t b, std::int64_t e) {
-    std::vector<T>& col = scratch<T>();
+    std::vector<Run> runs;
     for (std::int64_t it = b; it < e; ++it) {
       const std::int64_t img = it / (g.groups * tiles), grp = it / tiles % g.groups, t = it % tiles;
       const std::int64_t p0 = t * nt, cnt = std::min(nt, p - p0);
-      const T* xin = x + (img * g.c + grp * g.cg()) * g.h * g.w;
       const std::int64_t out_off = (img * g.o + grp * m) * p + p0;
-      const T* bmat = xin + p0;
+      const T* bmat = x + (img * g.c + grp * g.cg()) * g.h * g.w + p0;
       std::int64_t ldb = p;
       if (!g.pointwise()) {
-        if (col.size() < static_cast<std::size_t>(k * cnt)) col.resize(static_cast<std::size_t>(k * cnt));
-        im2col_tile(g, xin, p0, cnt, col.data());
-        bmat = col.data();
+        pixel_runs(g, img * p + p0, cnt, runs);
+        T* col = scratch_data<T>(kOperand, k * cnt);
+        im2col_runs(g, x, grp * g.cg(), 0, k, runs, col, cnt);
+        bmat = col;
         ldb = cnt;
       }
       gemm(false, false, m, cnt, k, T(1), w + grp * m * k, k, bmat, ldb, T(0), y + out_off, p);
-      apply_epilogue(ep, grp * m, m, cnt, y + out_off, ep.residual ? ep.residual + out_off : nullptr, p);
+      for (std::int64_t r = 0; r < m; ++r) {
+        T* row = y + out_off + r * p;
+        epilogue_row(ep, grp * m + r, cnt, row, row, ep.residual ? ep.residual + out_off + r * p : nullptr);
+      }
     }
   };
   if (items == 1) {
@@ -248,7 +324,699 @@ void conv2d_forward(const ConvGeom& g, const T* x, const T* w, const Epilogue<T>
   ctx.parallel_for(items, 1, run);
 }
 
-ConvGeom geometry(const Conv2dOp& op, const std::vector<std::int64_t>& in, const std::vector<std::int64_t>& out) {
+// ---- Depthwise: a direct loop per output plane ----
+
+template <class T>
+void conv_depthwise(const ConvGeom& g, const T* x, const T* w, const Epilogue<T>& ep, T* y,
+                    const CpuContext& ctx) {
+  const std::int64_t og = g.og(), cg = g.cg(), planes = g.n * g.o, p = g.pixels();
+  ctx.parallel_for(planes, std::max<std::int64_t>(1, 4096 / std::max<std::int64_t>(p * cg * g.kh * g.kw, 1)),
+                   [&](std::int64_t b, std::int64_t e) {
+                     std::vector<T> acc(static_cast<std::size_t>(g.wo));
+                     for (std::int64_t pl = b; pl < e; ++pl) {
+                       const std::int64_t img = pl / g.o, oc = pl % g.o, grp = oc / og;
+                       const T* xin = x + (img * g.c + grp * cg) * g.h * g.w;
+                       const T* wk = w + oc * cg * g.kh * g.kw;
+                       T* out = y + pl * p;
+                       for (std::int64_t oy = 0; oy < g.ho; ++oy) {
+                         std::fill(acc.begin(), acc.end(), T(0));
+                         for (std::int64_t c = 0; c < cg; ++c)
+                           for (std::int64_t ky = 0; ky < g.kh; ++ky) {
+                             const std::int64_t iy = oy * g.sh - g.ph + ky * g.dh;
+                             if (iy < 0 || iy >= g.h) continue;
+                             const T* row = xin + (c * g.h + iy) * g.w;
+                             for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+                               const T wv = wk[(c * g.kh + ky) * g.kw + kx];
+                               // Output columns whose tap lies inside the row.
+                               const std::int64_t ix0 = kx * g.dw - g.pw;
+                               const std::int64_t lo = ix0 >= 0 ? 0 : (-ix0 + g.sw - 1) / g.sw;
+                               const std::int64_t hi =
+                                   std::min(g.wo, ix0 >= g.w ? 0 : (g.w - ix0 + g.sw - 1) / g.sw);
+                               for (std::int64_t ox = lo; ox < hi; ++ox)
+                                 acc[static_cast<std::size_t>(ox)] += wv * row[ox * g.sw + ix0];
+                             }
+                           }
+                         std::copy(acc.begin(), acc.end(), out + oy * g.wo);
+                       }
+                       epilogue_row(ep, oc, p, out, out, ep.residual ? ep.residual + pl * p : nullptr);
+                     }
+                   });
+}
+
+// ---- Direct and Packed: the AVX-512 single-precision kernel ----
+
+#if KG_CONV_AVX512
+namespace avx {
+
+constexpr std::int64_t kMR = 8;    // output channels per kernel call
+constexpr std::int64_t kNR = 48;   // columns per kernel call (three vectors)
+constexpr std::int64_t kKC = 640;  // most taps per block
+
+// Lanes to load per kernel tap, for a tile whose columns map to input positions that wrap
+// around rows or reach into the padding: m[t * 3 + v] holds the lanes of vector v that tap t
+// (within a channel: ky * kw + kx) may read; the pattern repeats every `period` taps.
+struct TapMasks {
+  const __mmask16* m;
+  std::int64_t period;
+  std::int64_t t0;  // the tap of the kernel call's first k
+};
+
+// How the kernel loads B. A masked load (vmovups with a mask) in the kernel's loop runs at a
+// third of the speed of a plain load followed by a register blend on this AVX-512 hardware, so
+// masks are applied by blending wherever the plain load is known to stay inside the buffer.
+enum class BLoad {
+  Plain,    // every lane is readable (a packed block, the padded transformed band); lanes past
+            // the tile's columns are junk and never stored
+  Blend,    // plain loads, then the tap's lanes (TapMasks) are kept and the others zeroed
+  Guarded,  // masked loads: the tile reads next to the ends of the input tensor
+};
+
+// c[i * ldc + j] (+)= sum over k < kc of A[i][k] * b[off[k] + j] for i < kMR and j < 16 * NV.
+// A is read in place, A[i][k] = rows[i][k], or from a packed panel, A[i][k] = rows[0][k * kMR +
+// i] (PackedA: one contiguous stream instead of kMR).
+template <int NV, BLoad Load, bool PackedA>
+inline void kernel(std::int64_t kc, const float* const* rows, const float* __restrict b,
+                   const std::int64_t* __restrict off, const TapMasks* tm, float* __restrict c, std::int64_t ldc,
+                   bool accumulate) {
+  __m512 acc[kMR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < kMR; ++i)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * v) : _mm512_setzero_ps();
+  const float* ar[kMR];
+#pragma GCC unroll 8
+  for (int i = 0; i < kMR; ++i) ar[i] = rows[i];
+  constexpr bool masked = Load != BLoad::Plain;
+  std::int64_t t = masked ? tm->t0 : 0;
+  const __mmask16* mt = masked ? tm->m + t * 3 : nullptr;
+  for (std::int64_t k = 0; k < kc; ++k) {
+    const float* bk = b + off[k];
+    __m512 bv[NV];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (Load == BLoad::Guarded) {
+        bv[v] = _mm512_maskz_loadu_ps(mt[v], bk + 16 * v);
+      } else {
+        bv[v] = _mm512_loadu_ps(bk + 16 * v);
+        // The empty asm keeps the compiler from folding the load and the blend back into a
+        // masked load.
+        if constexpr (Load == BLoad::Blend) {
+          asm("" : "+v"(bv[v]));
+          bv[v] = _mm512_maskz_mov_ps(mt[v], bv[v]);
+        }
+      }
+    }
+    if constexpr (masked) {
+      if (++t == tm->period) {
+        t = 0;
+        mt = tm->m;
+      } else {
+        mt += 3;
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kMR; ++i) {
+      __m512 ai = _mm512_set1_ps(PackedA ? ar[0][k * kMR + i] : ar[i][k]);
+      // A broadcast in a register, used by NV multiply-adds, is faster here than NV
+      // multiply-adds with an embedded broadcast operand, which the compiler would otherwise pick.
+      asm("" : "+v"(ai));
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(ai, bv[v], acc[i][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kMR; ++i)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+}
+
+// The taps in equal blocks of at most kKC: a block goes through the kernel for every column
+// tile before the next block, so that its B rows stay in cache.
+struct TapBlocks {
+  std::int64_t size;
+  explicit TapBlocks(std::int64_t k) {
+    const std::int64_t count = (k + kKC - 1) / kKC;
+    size = (k + count - 1) / count;
+  }
+};
+
+using PackFn = std::function<void(std::int64_t k0, std::int64_t kn, float* dst, std::int64_t ld)>;
+
+// Memory that the next work item will read, brought into L2 a little at a time while the
+// current one computes, so that its loads do not wait for DRAM.
+class Prefetch {
+ public:
+  void clear() {
+    ranges_.clear();
+    lines_ = 0;
+  }
+  void add(const float* p, std::int64_t floats) {
+    if (floats <= 0) return;
+    const auto* b = reinterpret_cast<const char*>(p);
+    ranges_.push_back({b, b + floats * static_cast<std::int64_t>(sizeof(float))});
+    lines_ += floats * static_cast<std::int64_t>(sizeof(float)) / 64 + 1;
+  }
+  // Spreads the lines over `steps` calls of step().
+  void plan(std::int64_t steps) {
+    per_step_ = lines_ / std::max<std::int64_t>(steps, 1) + 1;
+    range_ = 0;
+    at_ = ranges_.empty() ? nullptr : ranges_[0].first;
+  }
+  void step() {
+    for (std::int64_t i = 0; i < per_step_ && range_ < ranges_.size(); ++i) {
+      _mm_prefetch(at_, _MM_HINT_T1);
+      at_ += 64;
+      if (at_ >= ranges_[range_].second && ++range_ < ranges_.size()) at_ = ranges_[range_].first;
+    }
+  }
+
+ private:
+  std::vector<std::pair<const char*, const char*>> ranges_;
+  std::int64_t lines_ = 0, per_step_ = 0;
+  std::size_t range_ = 0;
+  const char* at_ = nullptr;
+};
+
+// The weights as panels of kMR output channels, for PackedA: ap[((grp * panels + panel) * K +
+// k) * kMR + i] = w[grp * og + panel * kMR + i, k], repeating the group's last channel past og.
+// Worth its copy when several images share it.
+void pack_weights(const ConvGeom& g, const float* w, float* ap, const CpuContext& ctx) {
+  const std::int64_t og = g.og(), k = g.kdim(), panels = (og + kMR - 1) / kMR;
+  ctx.parallel_for(g.groups * panels, 1, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t it = b; it < e; ++it) {
+      const std::int64_t grp = it / panels, m0 = it % panels * kMR;
+      float* dst = ap + it * k * kMR;
+      for (std::int64_t i = 0; i < kMR; ++i) {
+        const float* src = w + (grp * og + std::min(m0 + i, og - 1)) * k;
+        for (std::int64_t kk = 0; kk < k; ++kk) dst[kk * kMR + i] = src[kk];
+      }
+    }
+  });
+}
+
+// The packed weights when at least four blocks share them (else null: A is read in place).
+const float* packed_weights(const ConvGeom& g, const float* w, std::int64_t blocks, const CpuContext& ctx) {
+  if (blocks < 4) return nullptr;
+  float* ap = scratch_data<float>(kWeights, g.groups * (g.og() + kMR - 1) / kMR * kMR * g.kdim());
+  pack_weights(g, w, ap, ctx);
+  return ap;
+}
+
+// One column block of one group: C[og, n] = W_grp · B, where B's column j of tap k is
+// b[off[k] + j] (`off` covers all taps) or, with `pack`, is gathered per tap block by pack(k0,
+// kn, dst, ld) into a scratch block first. `wg` is the group's weight [og, K] and `packed_a`,
+// when not null, the same packed by pack_weights (the group's panels). Results go to
+// `cbuf`, row m at cbuf + m * ldc, in panels of kMR rows (rows past og hold junk).
+void block_gemm(const ConvGeom& g, const float* wg, const float* packed_a, const float* b,
+                const std::int64_t* off, std::int64_t n, const PackFn* pack, float* cbuf, std::int64_t ldc,
+                Prefetch* pf = nullptr, const __mmask16* tile_masks = nullptr, bool guarded = false) {
+  const std::int64_t period = g.kh * g.kw;
+  const std::int64_t k = g.kdim(), og = g.og(), panels = (og + kMR - 1) / kMR;
+  const TapBlocks tb(k);
+  if (pf) pf->plan((k + tb.size - 1) / tb.size * ((n + kNR - 1) / kNR) * panels);
+  const std::int64_t ldb = (n + 15) / 16 * 16;
+  float* bblock = pack ? scratch_data<float>(kOperand, tb.size * ldb) : nullptr;
+  std::int64_t poff[kKC];
+  if (pack)
+    for (std::int64_t kk = 0; kk < tb.size; ++kk) poff[kk] = kk * ldb;
+  const float* rows[kMR];
+  for (std::int64_t k0 = 0; k0 < k; k0 += tb.size) {
+    const std::int64_t kn = std::min(tb.size, k - k0);
+    const float* bb = b;
+    const std::int64_t* ob = off + k0;
+    if (pack) {
+      (*pack)(k0, kn, bblock, ldb);
+      // The columns past n are read (BLoad::Plain) but never stored: zeros keep them finite.
+      for (std::int64_t kk = 0; kk < kn; ++kk) std::fill(bblock + kk * ldb + n, bblock + (kk + 1) * ldb, 0.0f);
+      bb = bblock;
+      ob = poff;
+    }
+    // Column tiles outside, channel panels inside: a tile's B rows (kn x 48) stay in L1 while
+    // every panel's weights stream past.
+    for (std::int64_t j = 0; j < n; j += kNR) {
+      const std::int64_t cols = std::min(kNR, n - j);
+      const int nv = static_cast<int>((cols + 15) / 16);
+      for (std::int64_t pnl = 0; pnl < panels; ++pnl) {
+        // Rows past the group's channels repeat its last channel.
+        if (packed_a)
+          rows[0] = packed_a + (pnl * k + k0) * kMR;
+        else
+          for (std::int64_t i = 0; i < kMR; ++i) rows[i] = wg + std::min(pnl * kMR + i, og - 1) * k + k0;
+        float* c = cbuf + pnl * kMR * ldc + j;
+        const TapMasks tm{tile_masks ? tile_masks + j / kNR * period * 3 : nullptr, period, k0 % period};
+        auto run = [&]<BLoad Load, bool Packed>() {
+          if (nv == 3)
+            kernel<3, Load, Packed>(kn, rows, bb + j, ob, &tm, c, ldc, k0 > 0);
+          else if (nv == 2)
+            kernel<2, Load, Packed>(kn, rows, bb + j, ob, &tm, c, ldc, k0 > 0);
+          else
+            kernel<1, Load, Packed>(kn, rows, bb + j, ob, &tm, c, ldc, k0 > 0);
+        };
+        if (!tile_masks)
+          packed_a ? run.template operator()<BLoad::Plain, true>() : run.template operator()<BLoad::Plain, false>();
+        else if (!guarded)
+          packed_a ? run.template operator()<BLoad::Blend, true>() : run.template operator()<BLoad::Blend, false>();
+        else
+          packed_a ? run.template operator()<BLoad::Guarded, true>()
+                   : run.template operator()<BLoad::Guarded, false>();
+        if (pf) pf->step();
+      }
+    }
+  }
+}
+
+// Columns per block: the block's results (all the group's channels) stay within 256 KiB.
+std::int64_t block_columns(const ConvGeom& g, std::int64_t total) {
+  const std::int64_t rows = (g.og() + kMR - 1) / kMR * kMR;
+  const std::int64_t most = std::clamp<std::int64_t>(65536 / rows / kNR * kNR, kNR, 32 * kNR);
+  const std::int64_t blocks = (total + most - 1) / most;
+  return std::min(most, ((total + blocks - 1) / blocks + 15) / 16 * 16);
+}
+
+// The Direct layout of a band of output rows [oy0, oy0 + rows), for the convolutions that
+// in_place() does not take: the group's input as [C/groups][phase][hb][wq], zero-padded, where
+// phase (py, px) holds the padded input's rows py + sh * (oy0 + r) and columns px, px + sw, ...
+// for r < hb. Output pixel (oy0 + i, ox) of tap (ky, kx) is then at
+// ((c * phases + phase) * hb + i + ky*dh / sh) * wq + ox + kx*dw / sw: consecutive output
+// columns read consecutive floats. Rows are computed on the full width wq; the wq - wo columns
+// past the output width are dropped. Only the phases some tap reads are stored (a 1x1 stride-2
+// convolution reads one).
+struct DirectLayout {
+  std::vector<std::int64_t> phase_index;                      // py * sw + px -> stored phase, or -1
+  std::vector<std::pair<std::int64_t, std::int64_t>> phases;  // stored phases as (py, px)
+  std::int64_t wq = 0;
+  std::int64_t band_rows = 0;  // output rows per band
+  std::int64_t hb = 0;         // stored rows per band and phase
+  std::int64_t floats = 0;     // per band, with slack for the last row's reads
+
+  DirectLayout(const ConvGeom& g, std::int64_t columns) {
+    wq = (g.w + 2 * g.pw + g.sw - 1) / g.sw;
+    // As many rows as fit the block's columns, spread evenly over the bands.
+    const std::int64_t most = std::clamp<std::int64_t>(columns / wq, 1, g.ho);
+    const std::int64_t nbands = (g.ho + most - 1) / most;
+    band_rows = (g.ho + nbands - 1) / nbands;
+    phase_index.assign(static_cast<std::size_t>(g.sh * g.sw), -1);
+    for (std::int64_t ky = 0; ky < g.kh; ++ky)
+      for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+        const std::int64_t py = ky * g.dh % g.sh, px = kx * g.dw % g.sw;
+        auto& idx = phase_index[static_cast<std::size_t>(py * g.sw + px)];
+        if (idx < 0) {
+          idx = static_cast<std::int64_t>(phases.size());
+          phases.emplace_back(py, px);
+        }
+      }
+    hb = band_rows + (g.kh - 1) * g.dh / g.sh;
+    floats = g.cg() * count() * hb * wq + wq + 16;
+  }
+  std::int64_t count() const { return static_cast<std::int64_t>(phases.size()); }
+  std::int64_t bands(const ConvGeom& g) const { return (g.ho + band_rows - 1) / band_rows; }
+};
+
+// 16 floats of `row` from index s: plain loads inside the row, masked ones at its ends.
+inline __m512 row_vector(const float* row, std::int64_t w, std::int64_t s) {
+  if (s >= 0 && s + 16 <= w) return _mm512_loadu_ps(row + s);
+  return load_lanes(row, s,
+                    lane_range(std::clamp<std::int64_t>(-s, 0, 16), std::clamp<std::int64_t>(w - s, 0, 16)));
+}
+
+// d0[j] = row[s0 + 2j] and d1[j] = row[s0 + 2j + 1] for j < n (0 outside [0, w), or when `row`
+// is null): both stride-2 column phases of a row from one pass over it; d1 may be null.
+inline void deinterleave_row(const float* row, std::int64_t w, std::int64_t s0, std::int64_t n, float* d0,
+                             float* d1) {
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (std::int64_t j = 0; j < n; j += 16) {
+    const __mmask16 out = lane_range(0, std::min<std::int64_t>(16, n - j));
+    __m512 lo = _mm512_setzero_ps(), hi = lo;
+    if (row) {
+      lo = row_vector(row, w, s0 + 2 * j);
+      hi = row_vector(row, w, s0 + 2 * j + 16);
+    }
+    _mm512_mask_storeu_ps(d0 + j, out, _mm512_permutex2var_ps(lo, evens, hi));
+    if (d1) _mm512_mask_storeu_ps(d1 + j, out, _mm512_permutex2var_ps(lo, odds, hi));
+  }
+}
+
+// The input rows [iy0, iy1) that the band starting at output row oy0 reads.
+std::pair<std::int64_t, std::int64_t> band_input_rows(const ConvGeom& g, const DirectLayout& L,
+                                                      std::int64_t oy0) {
+  const std::int64_t iy0 = std::clamp<std::int64_t>(oy0 * g.sh - g.ph, 0, g.h);
+  return {iy0, std::clamp<std::int64_t>((oy0 + L.hb) * g.sh - g.ph, iy0, g.h)};
+}
+
+// Fills the band starting at output row oy0 from the group's input `x` ([C/groups, H, W]).
+void transform_band(const ConvGeom& g, const DirectLayout& L, const float* x, std::int64_t oy0, float* xt) {
+  const std::int64_t plane = L.hb * L.wq;
+  for (std::int64_t c = 0; c < g.cg(); ++c) {
+    for (std::int64_t py = 0; py < g.sh; ++py)
+      for (std::int64_t px = 0; px < g.sw; ++px) {
+        const std::int64_t f = L.phase_index[static_cast<std::size_t>(py * g.sw + px)];
+        if (f < 0) continue;
+        float* dst = xt + (c * L.count() + f) * plane;
+        // Stride 2: phase px = 1 is written along with px = 0 when both are stored.
+        const std::int64_t f1 =
+            g.sw == 2 && px == 0 ? L.phase_index[static_cast<std::size_t>(py * 2 + 1)] : -1;
+        if (g.sw == 2 && px == 1 && L.phase_index[static_cast<std::size_t>(py * 2)] >= 0) continue;
+        for (std::int64_t r = 0; r < L.hb; ++r) {
+          const std::int64_t iy = (oy0 + r) * g.sh + py - g.ph;
+          const float* row = iy < 0 || iy >= g.h ? nullptr : x + (c * g.h + iy) * g.w;
+          if (g.sw == 2)
+            deinterleave_row(row, g.w, px - g.pw, L.wq, dst + r * L.wq,
+                             f1 >= 0 ? xt + (c * L.count() + f1) * plane + r * L.wq : nullptr);
+          else
+            gather_row(row, g.w, px - g.pw, g.sw, L.wq, dst + r * L.wq);
+        }
+      }
+  }
+  std::fill(xt + g.cg() * L.count() * plane, xt + L.floats, 0.0f);
+}
+
+// Direct in place, for stride-1 convolutions whose output rows are as wide as the input's
+// ("same" horizontal padding): output pixel p of tap (c, ky, kx) reads input float
+// p + c*H*W + (ky*dh - ph)*W + (kx*dw - pw), so consecutive pixels read consecutive floats,
+// across rows too. The lanes whose tap falls in the padding (or wraps to a neighbouring row)
+// are masked off per tile; nothing is copied and no column is dropped.
+bool in_place(const ConvGeom& g) { return g.sh == 1 && g.sw == 1 && 2 * g.pw == (g.kw - 1) * g.dw; }
+
+void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
+                   const CpuContext& ctx) {
+  const std::int64_t cg = g.cg(), k = g.kdim(), taps = g.kh * g.kw, p = g.pixels(), plane = g.h * g.w;
+  std::vector<std::int64_t> off(static_cast<std::size_t>(k));
+  for (std::int64_t c = 0, t = 0; c < cg; ++c)
+    for (std::int64_t ky = 0; ky < g.kh; ++ky)
+      for (std::int64_t kx = 0; kx < g.kw; ++kx, ++t)
+        off[static_cast<std::size_t>(t)] = c * plane + (ky * g.dh - g.ph) * g.w + kx * g.dw - g.pw;
+  const std::int64_t off_lo = *std::min_element(off.begin(), off.end());
+  const std::int64_t off_hi = *std::max_element(off.begin(), off.end());
+  const float* x_end = x + g.n * g.c * plane;
+  const std::int64_t nc = block_columns(g, p), blocks = (p + nc - 1) / nc;
+  const std::int64_t ldc = (nc + 15) / 16 * 16;
+  const std::int64_t cbuf_floats = (g.og() + kMR - 1) / kMR * kMR * ldc;
+  const std::int64_t tiles = (nc + kNR - 1) / kNR;
+  const std::int64_t panels = (g.og() + kMR - 1) / kMR;
+  const float* ap = packed_weights(g, w, g.n * g.groups * blocks, ctx);
+  ctx.parallel_for(g.n * g.groups * blocks, 1, [&](std::int64_t b, std::int64_t e) {
+    std::vector<Run> runs;
+    Prefetch pf;
+    float* cbuf = scratch_data<float>(kResults, cbuf_floats);
+    std::vector<__mmask16> masks(static_cast<std::size_t>(tiles * taps * 3));
+    // The input rows that output pixels [q0, q0 + n) read.
+    auto input_rows = [&](std::int64_t q0, std::int64_t n) {
+      const std::int64_t iy0 = std::clamp<std::int64_t>(q0 / g.wo - g.ph, 0, g.h);
+      return std::pair{
+          iy0, std::clamp<std::int64_t>((q0 + n - 1) / g.wo + (g.kh - 1) * g.dh - g.ph + 1, iy0, g.h)};
+    };
+    for (std::int64_t it = b; it < e; ++it) {
+      const std::int64_t img = it / (g.groups * blocks), grp = it / blocks % g.groups, blk = it % blocks;
+      const std::int64_t q0 = blk * nc, n = std::min(nc, p - q0);
+      // Lanes each tap may read, per tile of the block: those whose input row (for ky) and
+      // column (for kx) exist.
+      for (std::int64_t tile = 0; tile * kNR < n; ++tile)
+        for (std::int64_t v = 0; v < 3; ++v) {
+          std::int64_t oy[16], ox[16];
+          const std::int64_t j0 = tile * kNR + 16 * v;
+          const std::int64_t lanes = std::clamp<std::int64_t>(n - j0, 0, 16);
+          for (std::int64_t l = 0; l < lanes; ++l) {
+            oy[l] = (q0 + j0 + l) / g.wo;
+            ox[l] = (q0 + j0 + l) % g.wo;
+          }
+          for (std::int64_t ky = 0; ky < g.kh; ++ky) {
+            unsigned rm = 0;
+            for (std::int64_t l = 0; l < lanes; ++l) {
+              const std::int64_t iy = oy[l] + ky * g.dh - g.ph;
+              if (iy >= 0 && iy < g.h) rm |= 1u << l;
+            }
+            for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+              unsigned cm = 0;
+              for (std::int64_t l = 0; l < lanes; ++l) {
+                const std::int64_t ix = ox[l] + kx * g.dw - g.pw;
+                if (ix >= 0 && ix < g.w) cm |= 1u << l;
+              }
+              masks[static_cast<std::size_t>((tile * taps + ky * g.kw + kx) * 3 + v)] =
+                  static_cast<__mmask16>(rm & cm);
+            }
+          }
+        }
+      pf.clear();
+      if (it + 1 < e) {
+        const std::int64_t nimg = (it + 1) / (g.groups * blocks), ngrp = (it + 1) / blocks % g.groups;
+        const std::int64_t nq0 = (it + 1) % blocks * nc;
+        const auto [iy0, iy1] = input_rows(nq0, std::min(nc, p - nq0));
+        const float* nin = x + (nimg * g.c + ngrp * cg) * plane;
+        for (std::int64_t c = 0; c < cg; ++c) pf.add(nin + c * plane + iy0 * g.w, (iy1 - iy0) * g.w);
+      }
+      const float* in = x + (img * g.c + grp * cg) * plane;
+      // Plain loads (masks applied by blending) unless some tap's 16-float vectors would reach
+      // past either end of the input tensor.
+      const bool guarded = in + q0 + off_lo < x || in + q0 + (n + 15) / 16 * 16 + off_hi > x_end;
+      block_gemm(g, w + grp * g.og() * k, ap ? ap + grp * panels * k * kMR : nullptr, in + q0, off.data(), n,
+                 nullptr, cbuf, ldc, &pf, masks.data(), guarded);
+      runs.assign(1, Run{0, n, img, q0 / g.wo, q0 % g.wo});
+      store_runs(g, ep, grp, runs, cbuf, ldc, y);
+    }
+  });
+}
+
+void conv_direct(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
+                 const CpuContext& ctx) {
+  if (in_place(g)) return conv_in_place(g, x, w, ep, y, ctx);
+  const std::int64_t cg = g.cg(), k = g.kdim();
+  const DirectLayout L(g, block_columns(g, g.ho * ((g.w + 2 * g.pw + g.sw - 1) / g.sw)));
+  // Tap k = (c, ky, kx) reads phase (ky*dh % sh, kx*dw % sw) shifted by (ky*dh / sh, kx*dw / sw).
+  std::vector<std::int64_t> off(static_cast<std::size_t>(k));
+  for (std::int64_t c = 0, t = 0; c < cg; ++c)
+    for (std::int64_t ky = 0; ky < g.kh; ++ky)
+      for (std::int64_t kx = 0; kx < g.kw; ++kx, ++t) {
+        const std::int64_t phase =
+            L.phase_index[static_cast<std::size_t>((ky * g.dh % g.sh) * g.sw + kx * g.dw % g.sw)];
+        off[static_cast<std::size_t>(t)] =
+            (c * L.count() + phase) * L.hb * L.wq + ky * g.dh / g.sh * L.wq + kx * g.dw / g.sw;
+      }
+  const std::int64_t bands = L.bands(g);
+  const std::int64_t ldc = (L.band_rows * L.wq + 15) / 16 * 16;
+  const std::int64_t cbuf_floats = (g.og() + kMR - 1) / kMR * kMR * ldc;
+  const std::int64_t panels = (g.og() + kMR - 1) / kMR;
+  const float* ap = packed_weights(g, w, g.n * g.groups * bands, ctx);
+  // Work items: (image, group, band), each transformed and computed by one thread.
+  ctx.parallel_for(g.n * g.groups * bands, 1, [&](std::int64_t b, std::int64_t e) {
+    std::vector<Run> runs;
+    Prefetch pf;
+    float* cbuf = scratch_data<float>(kResults, cbuf_floats);
+    float* xt = scratch_data<float>(kInput, L.floats);
+    for (std::int64_t it = b; it < e; ++it) {
+      const std::int64_t img = it / (g.groups * bands), grp = it / bands % g.groups, band = it % bands;
+      const std::int64_t oy0 = band * L.band_rows, rows = std::min(L.band_rows, g.ho - oy0);
+      transform_band(g, L, x + (img * g.c + grp * cg) * g.h * g.w, oy0, xt);
+      // While this band computes, the next one's input comes into L2.
+      pf.clear();
+      if (it + 1 < e) {
+        const std::int64_t nimg = (it + 1) / (g.groups * bands), ngrp = (it + 1) / bands % g.groups;
+        const auto [iy0, iy1] = band_input_rows(g, L, (it + 1) % bands * L.band_rows);
+        const float* nin = x + (nimg * g.c + ngrp * cg) * g.h * g.w;
+        for (std::int64_t c = 0; c < cg; ++c) pf.add(nin + (c * g.h + iy0) * g.w, (iy1 - iy0) * g.w);
+      }
+      block_gemm(g, w + grp * g.og() * k, ap ? ap + grp * panels * k * kMR : nullptr, xt, off.data(),
+                 rows * L.wq, nullptr, cbuf, ldc, &pf);
+      runs.clear();
+      for (std::int64_t i = 0; i < rows; ++i) runs.push_back({i * L.wq, g.wo, img, oy0 + i, 0});
+      store_runs(g, ep, grp, runs, cbuf, ldc, y);
+    }
+  });
+}
+
+// Gathers im2col blocks for Packed with the per-run work done once: for each run, the source
+// column and lane masks of every kernel column (kx) and the source row of every kernel row
+// (ky) are computed up front, so that each tap costs a masked load and a masked store per 16
+// pixels of each run.
+class RunPacker {
+ public:
+  RunPacker(const ConvGeom& g, const float* x, std::int64_t c0, const std::vector<Run>& runs)
+      : g_(g), runs_(runs) {
+    vecs_ = 0;
+    for (const Run& r : runs) vecs_ = std::max(vecs_, (r.len + 15) / 16);
+    const auto nr = runs.size();
+    rows_.resize(nr * static_cast<std::size_t>(g.kh));
+    cols_.resize(nr * static_cast<std::size_t>(g.kw * vecs_));
+    for (std::size_t i = 0; i < nr; ++i) {
+      const Run& r = runs[i];
+      const float* image = x + (r.img * g.c + c0) * g.h * g.w;
+      for (std::int64_t ky = 0; ky < g.kh; ++ky) {
+        const std::int64_t iy = r.oy * g.sh - g.ph + ky * g.dh;
+        rows_[i * static_cast<std::size_t>(g.kh) + static_cast<std::size_t>(ky)] =
+            iy < 0 || iy >= g.h ? nullptr : image + iy * g.w;
+      }
+      for (std::int64_t kx = 0; kx < g.kw; ++kx)
+        for (std::int64_t v = 0; v < vecs_; ++v) {
+          Col& c = cols_[(i * static_cast<std::size_t>(g.kw) + static_cast<std::size_t>(kx)) *
+                             static_cast<std::size_t>(vecs_) +
+                         static_cast<std::size_t>(v)];
+          c.out = lane_range(0, std::clamp<std::int64_t>(r.len - 16 * v, 0, 16));
+          c.src = (r.ox + 16 * v) * g.sw - g.pw + kx * g.dw;
+          c.lo = lane_range(std::clamp<std::int64_t>(-c.src, 0, 16),
+                            std::clamp<std::int64_t>(g.w - c.src, 0, 16));
+          c.hi = lane_range(std::clamp<std::int64_t>(-c.src - 16, 0, 16),
+                            std::clamp<std::int64_t>(g.w - c.src - 16, 0, 16));
+          if (g.sw == 1) c.lo &= c.out;
+        }
+    }
+  }
+
+  // dst[k * ld + run.col + j] for the taps k in [k0, k0 + kn).
+  void pack(std::int64_t k0, std::int64_t kn, float* dst, std::int64_t ld) const {
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const std::int64_t plane = g_.h * g_.w;
+    std::int64_t c = k0 / (g_.kh * g_.kw), ky = k0 / g_.kw % g_.kh, kx = k0 % g_.kw;
+    const auto kh = static_cast<std::size_t>(g_.kh), kw = static_cast<std::size_t>(g_.kw);
+    const auto nv = static_cast<std::size_t>(vecs_);
+    for (std::int64_t k = 0; k < kn; ++k) {
+      float* d = dst + k * ld;
+      for (std::size_t i = 0; i < runs_.size(); ++i) {
+        const float* row = rows_[i * kh + static_cast<std::size_t>(ky)];
+        const Col* col = &cols_[(i * kw + static_cast<std::size_t>(kx)) * nv];
+        float* out = d + runs_[i].col;
+        for (std::size_t v = 0; v < nv && col[v].out; ++v) {
+          __m512 val = _mm512_setzero_ps();
+          if (row) {
+            const float* src = row + c * plane;
+            val = load_lanes(src, col[v].src, col[v].lo);
+            if (g_.sw == 2)
+              val = _mm512_permutex2var_ps(val, evens, load_lanes(src, col[v].src + 16, col[v].hi));
+          }
+          _mm512_mask_storeu_ps(out + 16 * static_cast<std::int64_t>(v), col[v].out, val);
+        }
+      }
+      if (++kx == g_.kw) {
+        kx = 0;
+        if (++ky == g_.kh) {
+          ky = 0;
+          ++c;
+        }
+      }
+    }
+  }
+
+ private:
+  struct Col {
+    std::int64_t src;       // source column of lane 0
+    __mmask16 out, lo, hi;  // lanes to write; lanes to read in the first and second 16 sources
+  };
+  const ConvGeom& g_;
+  const std::vector<Run>& runs_;
+  std::int64_t vecs_;
+  std::vector<const float*> rows_;  // [run][ky]: the source row in channel c0, null in the padding
+  std::vector<Col> cols_;           // [run][kx][vector]
+};
+
+void conv_packed(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
+                 const CpuContext& ctx) {
+  const std::int64_t k = g.kdim(), total = g.n * g.pixels();
+  const std::int64_t nc = block_columns(g, total), blocks = (total + nc - 1) / nc;
+  const std::int64_t panels = (g.og() + kMR - 1) / kMR;
+  const float* ap = packed_weights(g, w, g.groups * blocks, ctx);
+  ctx.parallel_for(g.groups * blocks, 1, [&](std::int64_t b, std::int64_t e) {
+    std::vector<Run> runs;
+    const std::int64_t ldc = (nc + 15) / 16 * 16;
+    float* cbuf = scratch_data<float>(kResults, panels * kMR * ldc);
+    for (std::int64_t it = b; it < e; ++it) {
+      const std::int64_t grp = it / blocks, q0 = it % blocks * nc, n = std::min(nc, total - q0);
+      pixel_runs(g, q0, n, runs);
+      PackFn pack;
+      if (g.sw <= 2) {
+        auto packer = std::make_shared<RunPacker>(g, x, grp * g.cg(), runs);
+        pack = [packer](std::int64_t k0, std::int64_t kn, float* dst, std::int64_t ld) {
+          packer->pack(k0, kn, dst, ld);
+        };
+      } else {
+        pack = [&](std::int64_t k0, std::int64_t kn, float* dst, std::int64_t ld) {
+          im2col_runs(g, x, grp * g.cg(), k0, kn, runs, dst, ld);
+        };
+      }
+      block_gemm(g, w + grp * g.og() * k, ap ? ap + grp * panels * k * kMR : nullptr, nullptr, nullptr, n,
+                 &pack, cbuf, ldc);
+      store_runs(g, ep, grp, runs, cbuf, ldc, y);
+    }
+  });
+}
+
+}  // namespace avx
+#endif
+
+// ---- choosing the algorithm ----
+
+bool algo_available(ConvAlgo algo, DType dtype) {
+  switch (algo) {
+    case ConvAlgo::Auto:
+    case ConvAlgo::Gemm:
+    case ConvAlgo::Depthwise:
+      return true;
+    case ConvAlgo::Direct:
+    case ConvAlgo::Packed:
+      return KG_CONV_AVX512 && dtype == DType::F32;
+  }
+  return false;
+}
+
+ConvAlgo choose_algo(const ConvGeom& g, DType dtype) {
+  if (g.groups > 1 && g.og() <= 4) return ConvAlgo::Depthwise;
+  if (!algo_available(ConvAlgo::Direct, dtype)) return ConvAlgo::Gemm;
+#if KG_CONV_AVX512
+  // Direct wastes the lanes past each image's last pixel (in place) or the wq - wo columns past
+  // each output row (transformed); Packed gathers each input value under each tap once per
+  // block, which costs about as much as 40 multiply-adds per element, shared by the group's
+  // output channels (measured on ResNet-18's layers).
+  double waste = 0;
+  if (avx::in_place(g)) {
+    const std::int64_t p = g.pixels(), lanes = (p + 15) / 16 * 16;
+    waste = 1.0 - static_cast<double>(p) / static_cast<double>(lanes);
+  } else {
+    waste = 1.0 - static_cast<double>(g.wo) / static_cast<double>((g.w + 2 * g.pw + g.sw - 1) / g.sw);
+  }
+  const double gather = 40.0 / static_cast<double>(std::max<std::int64_t>(g.og(), 1));
+  return waste <= gather ? ConvAlgo::Direct : ConvAlgo::Packed;
+#else
+  return ConvAlgo::Gemm;
+#endif
+}
+
+template <class T>
+void conv2d_forward(const ConvGeom& g, ConvAlgo algo, const T* x, const T* w, const Epilogue<T>& ep, T* y,
+                    const CpuContext& ctx) {
+  if (g.n == 0 || g.o == 0 || g.pixels() == 0) return;
+  if (g.kdim() == 0) {  // no input channels: the epilogue of zeros
+    const std::int64_t p = g.pixels();
+    std::fill(y, y + g.n * g.o * p, T(0));
+    for (std::int64_t pl = 0; pl < g.n * g.o; ++pl)
+      epilogue_row(ep, pl % g.o, p, y + pl * p, y + pl * p, ep.residual ? ep.residual + pl * p : nullptr);
+    return;
+  }
+  if (algo == ConvAlgo::Auto) algo = choose_algo(g, dtype_of_v<T>);
+  if (!algo_available(algo, dtype_of_v<T>))
+    throw Error(util::cat("convolution algorithm ", static_cast<int>(algo), " is not available for ",
+                          dtype_name(dtype_of_v<T>), " in this build"));
+  switch (algo) {
+    case ConvAlgo::Depthwise:
+      return conv_depthwise(g, x, w, ep, y, ctx);
+    case ConvAlgo::Direct:
+    case ConvAlgo::Packed:
+#if KG_CONV_AVX512
+      if constexpr (std::is_same_v<T, float>) {
+        if (algo == ConvAlgo::Direct)
+          avx::conv_direct(g, x, w, ep, y, ctx);
+        else
+          avx::conv_packed(g, x, w, ep, y, ctx);
+        return;
+      }
+#endif
+      break;
+    default:
+      break;
+  }
+  conv_gemm(g, x, w, ep, y, ctx);
+}
+
+ConvGeom geometry(const Conv2dOp& op, const std::vector<std::int64_t>& in,
+                  const std::vector<std::int64_t>& out) {
   ConvGeom g;
   g.n = in[0];
   g.c = in[1];
@@ -274,6 +1042,24 @@ std::string size2_text(Size2 s) { return s.h == s.w ? util::cat(s.h) : util::cat
 
 }  // namespace
 
+bool conv_algo_available(ConvAlgo algo, DType dtype) { return algo_available(algo, dtype); }
+
+ConvAlgo conv_algo_for(const Conv2dOp& op, const std::vector<std::int64_t>& input, DType dtype) {
+  const Shape out = op.infer_output_shape({Shape::of(input)});
+  return choose_algo(geometry(op, input, out.sizes()), dtype);
+}
+
+void conv2d_cpu(const Conv2dOp& op, ConvAlgo algo, CpuContext& ctx) {
+  const Tensor& x = ctx.inputs[0];
+  const ConvGeom g = geometry(op, x.shape(), ctx.output.shape());
+  dispatch_float(x.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    Epilogue<T> ep;
+    if (op.options().bias) ep.shift = ctx.params[1].data<T>();
+    conv2d_forward<T>(g, algo, x.data<T>(), ctx.params[0].data<T>(), ep, ctx.output.data<T>(), ctx);
+  });
+}
+
 // ---- nn.conv2d ----
 
 Conv2dOp::Conv2dOp(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel,
@@ -281,8 +1067,8 @@ Conv2dOp::Conv2dOp(std::int64_t in_channels, std::int64_t out_channels, Size2 ke
     : in_(in_channels), out_(out_channels), kernel_(kernel), opt_(options), dtype_(dtype) {}
 
 std::string Conv2dOp::attributes() const {
-  std::string s = util::cat("in=", in_, " out=", out_, " k=", size2_text(kernel_), " s=", size2_text(opt_.stride),
-                            " p=", size2_text(opt_.padding));
+  std::string s = util::cat("in=", in_, " out=", out_, " k=", size2_text(kernel_),
+                            " s=", size2_text(opt_.stride), " p=", size2_text(opt_.padding));
   if (opt_.dilation.h != 1 || opt_.dilation.w != 1) s += " d=" + size2_text(opt_.dilation);
   if (opt_.groups != 1) s += util::cat(" groups=", opt_.groups);
   if (!opt_.bias) s += " bias=false";
@@ -312,15 +1098,17 @@ Shape Conv2dOp::infer_output_shape(const std::vector<Shape>& in) const {
     throw Error(util::cat("in_channels ", c, " is not divisible by groups ", opt_.groups));
   if (out_ % opt_.groups != 0)
     throw Error(util::cat("out_channels ", out_, " is not divisible by groups ", opt_.groups));
-  Shape out{x[0], Dim(out_),
-            window_out(x[2], kernel_.h, opt_.stride.h, opt_.padding.h, opt_.dilation.h, false, "input height"),
-            window_out(x[3], kernel_.w, opt_.stride.w, opt_.padding.w, opt_.dilation.w, false, "input width")};
+  Shape out{
+      x[0], Dim(out_),
+      window_out(x[2], kernel_.h, opt_.stride.h, opt_.padding.h, opt_.dilation.h, false, "input height"),
+      window_out(x[3], kernel_.w, opt_.stride.w, opt_.padding.w, opt_.dilation.w, false, "input width")};
   return out;
 }
 
 DType Conv2dOp::infer_output_dtype(const std::vector<DType>& in) const {
   DType t = require_float(in);
-  if (t != dtype_) throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
+  if (t != dtype_)
+    throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
   return t;
 }
 
@@ -335,21 +1123,16 @@ std::vector<ParamSpec> Conv2dOp::parameters() const {
   return p;
 }
 
-void Conv2dOp::cpu_forward(CpuContext& ctx) const {
-  const Tensor& x = ctx.inputs[0];
-  const ConvGeom g = geometry(*this, x.shape(), ctx.output.shape());
-  dispatch_float(x.dtype(), [&](auto zero) {
-    using T = decltype(zero);
-    Epilogue<T> ep;
-    if (opt_.bias) ep.shift = ctx.params[1].data<T>();
-    conv2d_forward<T>(g, x.data<T>(), ctx.params[0].data<T>(), ep, ctx.output.data<T>(), ctx);
-  });
-}
+void Conv2dOp::cpu_forward(CpuContext& ctx) const { conv2d_cpu(*this, ConvAlgo::Auto, ctx); }
+
+std::optional<Lowered> Conv2dOp::lower() const { return lower_conv2d(*this); }
 
 // ---- nn.fused_conv2d ----
 
 FusedConv2dOp::FusedConv2dOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params)
     : conv_(std::move(conv)), spec_(std::move(spec)), params_(std::move(params)) {}
+
+std::optional<Lowered> FusedConv2dOp::lower() const { return lower_fused_conv2d(*this); }
 
 std::string FusedConv2dOp::attributes() const {
   std::vector<std::string> parts;
@@ -360,7 +1143,8 @@ std::string FusedConv2dOp::attributes() const {
   std::string what;
   if (spec_.batch_norm) what += util::cat(" batch_norm(eps=", spec_.bn_eps, ")");
   if (spec_.residual) what += " add";
-  if (spec_.activation) what += util::cat(" ", kUnaryOps[static_cast<std::size_t>(spec_.activation->fn)].op_name);
+  if (spec_.activation)
+    what += util::cat(" ", kUnaryOps[static_cast<std::size_t>(spec_.activation->fn)].op_name);
   return util::cat(conv_.attributes(), " epilogue=[", what.empty() ? "" : what.substr(1), "] fused=[",
                    util::join(parts, ", "), "]");
 }
@@ -395,7 +1179,7 @@ void FusedConv2dOp::cpu_forward(CpuContext& ctx) const {
     std::vector<T> scale, shift;
     if (!spec_.batch_norm) {
       ep.shift = bias;
-      conv2d_forward<T>(g, x.data<T>(), ctx.params[0].data<T>(), ep, y, ctx);
+      conv2d_forward<T>(g, ConvAlgo::Auto, x.data<T>(), ctx.params[0].data<T>(), ep, y, ctx);
       return;
     }
     // Inference only: the lowering keeps batch norms unfused for training.
@@ -416,7 +1200,7 @@ void FusedConv2dOp::cpu_forward(CpuContext& ctx) const {
     }
     ep.scale = scale.data();
     ep.shift = shift.data();
-    conv2d_forward<T>(g, x.data<T>(), ctx.params[0].data<T>(), ep, y, ctx);
+    conv2d_forward<T>(g, ConvAlgo::Auto, x.data<T>(), ctx.params[0].data<T>(), ep, y, ctx);
   });
 }
 

@@ -21,8 +21,8 @@ namespace kg::ops {
 // known at record time, which infer_output_shape reports.
 class Conv2dOp final : public CustomOp {
  public:
-  Conv2dOp(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel, const nn::Conv2dOptions& options,
-           DType dtype);
+  Conv2dOp(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel,
+           const nn::Conv2dOptions& options, DType dtype);
   std::string name() const override { return "nn.conv2d"; }
   // "in=64 out=128 k=3 s=2 p=1", with "d=", "groups=" and "bias=false" when not the default.
   std::string attributes() const override;
@@ -30,6 +30,8 @@ class Conv2dOp final : public CustomOp {
   DType infer_output_dtype(const std::vector<DType>& in) const override;
   std::vector<ParamSpec> parameters() const override;
   void cpu_forward(CpuContext& ctx) const override;
+  // The GPU kernel (conv_gpu.cpp).
+  std::optional<Lowered> lower() const override;
 
   std::int64_t in_channels() const { return in_; }
   std::int64_t out_channels() const { return out_; }
@@ -44,12 +46,32 @@ class Conv2dOp final : public CustomOp {
   DType dtype_;  // of the parameters: the input's
 };
 
+// The CPU algorithms of a convolution (see conv.cpp). Auto picks one from the shapes and the
+// dtype; the others are named so that tests can run each of them on the same inputs.
+enum class ConvAlgo {
+  Auto,
+  Gemm,       // im2col tiles and the BLAS GEMM: any float dtype
+  Depthwise,  // a direct loop per output plane: any float dtype
+  Direct,     // f32 with AVX-512: implicit GEMM on a padded, stride-split copy of the input
+  Packed,     // f32 with AVX-512: im2col blocks spanning images, same kernel
+};
+
+// True when `algo` can run for `dtype` in this build.
+bool conv_algo_available(ConvAlgo algo, DType dtype);
+
+// The algorithm Auto picks for `op` on an input of these sizes ([N, C, H, W]) and dtype.
+ConvAlgo conv_algo_for(const Conv2dOp& op, const std::vector<std::int64_t>& input, DType dtype);
+
+// Computes `op` (with its bias) from ctx.inputs[0] and ctx.params into ctx.output with the
+// given algorithm; throws kg::Error when it is not available.
+void conv2d_cpu(const Conv2dOp& op, ConvAlgo algo, CpuContext& ctx);
+
 // What a fused convolution applies after the convolution, in this order.
 struct ConvEpilogueSpec {
   bool batch_norm = false;  // y = y * gamma / sqrt(var + eps) + (beta - mean * gamma / sqrt(var + eps))
   double bn_eps = 1e-5;
-  bool residual = false;              // y += the node's second input (same shape as the output)
-  std::optional<UnarySpec> activation;  // y = f(y)
+  bool residual = false;                 // y += the node's second input (same shape as the output)
+  std::optional<UnarySpec> activation;   // y = f(y)
   std::vector<std::string> fused_nodes;  // names of the absorbed nodes, for attributes()
   std::vector<std::string> fused_ops;    // their op names ("nn.batch_norm2d", "nn.relu", ...)
 };
@@ -71,6 +93,8 @@ class FusedConv2dOp final : public CustomOp {
   DType infer_output_dtype(const std::vector<DType>& in) const override;
   std::vector<ParamSpec> parameters() const override { return params_; }
   void cpu_forward(CpuContext& ctx) const override;
+  // The GPU kernel (conv_gpu.cpp).
+  std::optional<Lowered> lower() const override;
 
   const Conv2dOp& conv() const { return conv_; }
   const ConvEpilogueSpec& spec() const { return spec_; }

@@ -1,5 +1,6 @@
 #include <algorithm>
 
+#include "ops/conv.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -95,9 +96,10 @@ TEST(FuseConv, ConvBnReluBecomesOneNodeWithTheSameOutputs) {
       EXPECT_EQ(c1->op_name(), "nn.fused_conv2d");
       std::vector<std::string> names;
       for (const auto& p : c1->params) names.push_back(p.name);
-      EXPECT_EQ(names, (std::vector<std::string>{"layer1.conv1.weight", "layer1.conv1.bias", "layer1.bn1.weight",
-                                                 "layer1.bn1.bias", "layer1.bn1.running_mean",
-                                                 "layer1.bn1.running_var", "layer1.bn1.num_batches_tracked"}));
+      EXPECT_EQ(names,
+                (std::vector<std::string>{"layer1.conv1.weight", "layer1.conv1.bias", "layer1.bn1.weight",
+                                          "layer1.bn1.bias", "layer1.bn1.running_mean",
+                                          "layer1.bn1.running_var", "layer1.bn1.num_batches_tracked"}));
       const std::string attrs = c1->op->op().attributes();
       EXPECT_NE(attrs.find("batch_norm(eps=1e-05)"), std::string::npos) << attrs;
       EXPECT_NE(attrs.find("layer1.bn1:nn.batch_norm2d"), std::string::npos) << attrs;
@@ -121,9 +123,10 @@ TEST(FuseConv, BasicBlockWithResidualAndDownsample) {
   // so the residual is computed after conv2 in node order.
   Built b = record(kg::DType::F32, 4, 12, [](const kg::SymTensor& x) {
     kg::NameScope scope(x, "layer2.0");
-    auto y = kg::relu(kg::nn::batch_norm2d(kg::nn::conv2d(x, 8, 3, {.stride = 2, .padding = 1, .bias = false}, "conv1"),
-                                           "bn1"),
-                      "relu1");
+    auto y =
+        kg::relu(kg::nn::batch_norm2d(
+                     kg::nn::conv2d(x, 8, 3, {.stride = 2, .padding = 1, .bias = false}, "conv1"), "bn1"),
+                 "relu1");
     y = kg::nn::batch_norm2d(kg::nn::conv2d(y, 8, 3, {.padding = 1, .bias = false}, "conv2"), "bn2");
     kg::SymTensor identity;
     {
@@ -144,7 +147,8 @@ TEST(FuseConv, BasicBlockWithResidualAndDownsample) {
     ASSERT_NE(c2, nullptr);
     ASSERT_EQ(c2->inputs.size(), 2u);
     EXPECT_EQ(m.graph().node(c2->inputs[1]).name, "layer2.0.downsample.0");
-    EXPECT_NE(c2->op->op().attributes().find("epilogue=[batch_norm(eps=1e-05) add nn.relu]"), std::string::npos)
+    EXPECT_NE(c2->op->op().attributes().find("epilogue=[batch_norm(eps=1e-05) add nn.relu]"),
+              std::string::npos)
         << c2->op->op().attributes();
     const kg::Node* nc = find_node(m, "layer2.0.next.conv");
     ASSERT_NE(nc, nullptr);
@@ -225,6 +229,35 @@ TEST(FuseConv, OtherActivationsAndDepthwiseResidual) {
   kg::Model m = compare_fused(b, x, rng, 1e-12);
   EXPECT_EQ(op_nodes(m), 2);
   EXPECT_NE(find_node(m, "c1")->op->op().attributes().find("nn.silu"), std::string::npos);
-  EXPECT_NE(find_node(m, "dw")->op->op().attributes().find("epilogue=[batch_norm(eps=1e-05) add nn.leaky_relu]"),
-            std::string::npos);
+  EXPECT_NE(
+      find_node(m, "dw")->op->op().attributes().find("epilogue=[batch_norm(eps=1e-05) add nn.leaky_relu]"),
+      std::string::npos);
+}
+
+// Many channels on small images: the CPU computes these convolutions by gathering pixels of
+// several images into one block (the Packed algorithm), and the fused epilogue must follow
+// each pixel back to its image.
+TEST(FuseConv, EpilogueOnBlocksSpanningImages) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  using kg::ops::ConvAlgo;
+  if (kg::ops::conv_algo_available(ConvAlgo::Packed, kg::DType::F32)) {
+    const kg::ops::Conv2dOp c3(16, 256, 3, {.padding = 1}, kg::DType::F32),
+        c1(16, 256, 1, {}, kg::DType::F32);
+    EXPECT_EQ(kg::ops::conv_algo_for(c3, {7, 16, 5, 5}, kg::DType::F32), ConvAlgo::Packed);
+    EXPECT_EQ(kg::ops::conv_algo_for(c1, {7, 16, 5, 5}, kg::DType::F32), ConvAlgo::Packed);
+  }
+  Built b = record(kg::DType::F32, 16, 5, [](const kg::SymTensor& x) {
+    auto main = kg::nn::batch_norm2d(kg::nn::conv2d(x, 256, 3, {.padding = 1}, "conv"), "bn");
+    auto side = kg::nn::batch_norm2d(kg::nn::conv2d(x, 256, 1, {.bias = false}, "proj"), "proj_bn");
+    return std::vector<kg::SymTensor>{kg::relu(kg::add(main, side, "add"), "relu")};
+  });
+  for (std::int64_t batch : {1, 7}) {
+    kg::Model m = compare_fused(b, kg_test::random_tensor(rng, kg::DType::F32, {batch, 16, 5, 5}), rng, 1e-4);
+    EXPECT_EQ(op_nodes(m), 2);
+    EXPECT_NE(
+        find_node(m, "conv")->op->op().attributes().find("epilogue=[batch_norm(eps=1e-05) add nn.relu]"),
+        std::string::npos);
+  }
 }
