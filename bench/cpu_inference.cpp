@@ -1,7 +1,8 @@
 // Times a zoo model's forward pass on the CPU; scripts/bench runs it beside ONNX Runtime.
 //   cpu_inference --model resnet18 --batch 64 --weights W.safetensors --input X.safetensors
-//                 --output Y.safetensors [--warmup 2] [--runs 10] [--threads 2]
-// Prints "median_ms=<m> min_ms=<m>" and writes the last forward's logits to --output.
+//                 --output Y.safetensors [--warmup 2] [--runs 10] [--threads 2] [--profile 1]
+// Prints "median_ms=<m> min_ms=<m>" and writes the last forward's logits to --output. With
+// --profile 1 it also prints the last forward's time per op and its slowest nodes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,19 +22,21 @@ struct Args {
   std::string model, weights, input, output;
   std::int64_t batch = 1;
   int warmup = 2, runs = 10, threads = 2;
+  bool profile = false;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "cpu_inference: " << why << "\n"
             << "usage: cpu_inference --model NAME --batch N --weights PATH --input PATH --output PATH\n"
-            << "                     [--warmup W] [--runs R] [--threads T]\n";
+            << "                     [--warmup W] [--runs R] [--threads T] [--profile 0|1]\n";
   std::exit(2);
 }
 
 long parse_int(const std::string& flag, const std::string& v, long lo) {
   char* end = nullptr;
   const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < lo) usage(flag + " wants an integer >= " + std::to_string(lo) + ", got '" + v + "'");
+  if (v.empty() || *end != '\0' || n < lo)
+    usage(flag + " wants an integer >= " + std::to_string(lo) + ", got '" + v + "'");
   return n;
 }
 
@@ -43,15 +46,26 @@ Args parse(int argc, char** argv) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) usage(flag + " needs a value");
     const std::string v = argv[++i];
-    if (flag == "--model") a.model = v;
-    else if (flag == "--batch") a.batch = parse_int(flag, v, 1);
-    else if (flag == "--weights") a.weights = v;
-    else if (flag == "--input") a.input = v;
-    else if (flag == "--output") a.output = v;
-    else if (flag == "--warmup") a.warmup = static_cast<int>(parse_int(flag, v, 0));
-    else if (flag == "--runs") a.runs = static_cast<int>(parse_int(flag, v, 1));
-    else if (flag == "--threads") a.threads = static_cast<int>(parse_int(flag, v, 0));
-    else usage("unknown option " + flag);
+    if (flag == "--model")
+      a.model = v;
+    else if (flag == "--batch")
+      a.batch = parse_int(flag, v, 1);
+    else if (flag == "--weights")
+      a.weights = v;
+    else if (flag == "--input")
+      a.input = v;
+    else if (flag == "--output")
+      a.output = v;
+    else if (flag == "--warmup")
+      a.warmup = static_cast<int>(parse_int(flag, v, 0));
+    else if (flag == "--runs")
+      a.runs = static_cast<int>(parse_int(flag, v, 1));
+    else if (flag == "--threads")
+      a.threads = static_cast<int>(parse_int(flag, v, 0));
+    else if (flag == "--profile")
+      a.profile = parse_int(flag, v, 0) != 0;
+    else
+      usage("unknown option " + flag);
   }
   if (a.model.empty() || a.weights.empty() || a.input.empty() || a.output.empty())
     usage("--model, --weights, --input and --output are required");
@@ -62,14 +76,40 @@ Args parse(int argc, char** argv) {
 kg::Tensor read_input(const std::string& path, const std::vector<std::int64_t>& want) {
   auto tensors = kg::read_safetensors(path);
   kg::Tensor x;
-  if (tensors.count("input")) x = tensors.at("input");
-  else if (tensors.size() == 1) x = tensors.begin()->second;
-  else throw kg::Error("input file '" + path + "' holds " + std::to_string(tensors.size()) +
-                       " tensors and none is named 'input'");
+  if (tensors.count("input"))
+    x = tensors.at("input");
+  else if (tensors.size() == 1)
+    x = tensors.begin()->second;
+  else
+    throw kg::Error("input file '" + path + "' holds " + std::to_string(tensors.size()) +
+                    " tensors and none is named 'input'");
   if (x.shape() != want)
-    throw kg::Error("input file '" + path + "' holds " + kg::sizes_to_string(x.shape()) + " but the model takes " +
-                    kg::sizes_to_string(want));
+    throw kg::Error("input file '" + path + "' holds " + kg::sizes_to_string(x.shape()) +
+                    " but the model takes " + kg::sizes_to_string(want));
   return x.to(kg::DType::F32).clone();
+}
+
+// Time per op kind, then the ten slowest nodes, of the last forward.
+void print_profile(const std::vector<kg::NodeTime>& nodes) {
+  double total = 0;
+  std::map<std::string, std::pair<double, int>> by_op;
+  for (const auto& n : nodes) {
+    total += n.ms;
+    by_op[n.op].first += n.ms;
+    by_op[n.op].second += 1;
+  }
+  std::vector<std::pair<std::string, std::pair<double, int>>> ops(by_op.begin(), by_op.end());
+  std::sort(ops.begin(), ops.end(),
+            [](const auto& x, const auto& y) { return x.second.first > y.second.first; });
+  std::printf("profile of the last forward: %.3f ms over %zu nodes\n", total, nodes.size());
+  for (const auto& [op, t] : ops)
+    std::printf("  %-24s %9.3f ms  %5.1f%%  (%d nodes)\n", op.c_str(), t.first,
+                total > 0 ? 100.0 * t.first / total : 0.0, t.second);
+  std::vector<kg::NodeTime> slow = nodes;
+  std::sort(slow.begin(), slow.end(), [](const auto& x, const auto& y) { return x.ms > y.ms; });
+  slow.resize(std::min<std::size_t>(slow.size(), 10));
+  std::printf("slowest nodes:\n");
+  for (const auto& n : slow) std::printf("  %-28s %-24s %9.3f ms\n", n.node.c_str(), n.op.c_str(), n.ms);
 }
 
 }  // namespace
@@ -81,6 +121,7 @@ int main(int argc, char** argv) {
     const auto shape = kg::models::input_shape(a.model, a.batch);
     kg::LoadOptions opt;
     opt.threads = a.threads;
+    opt.profile = a.profile;
     kg::LoadedModel m = model.load(kg::Device::cpu(), {shape}, opt);
     m.load_weights(a.weights);
     const kg::Tensor x = read_input(a.input, shape);
@@ -100,6 +141,7 @@ int main(int argc, char** argv) {
     const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
     std::printf("model=%s batch=%lld runs=%d median_ms=%.4f min_ms=%.4f\n", a.model.c_str(),
                 static_cast<long long>(a.batch), a.runs, median, sorted.front());
+    if (a.profile) print_profile(m.profile());
     kg::write_safetensors(a.output, {{"logits", out.at(0).clone()}},
                           {{"model", a.model}, {"median_ms", std::to_string(median)}});
   } catch (const kg::Error& e) {

@@ -19,7 +19,7 @@ SymTensor lenet5(const SymTensor& x, std::int64_t num_classes) {
     h = nn::conv2d(h, 6, 5, pad2, "0");  // [N, 6, 28, 28]
     h = relu(h, "1");
     h = max_pool2d(h, 2, 2, 0, 1, false, "2");  // [N, 6, 14, 14]
-    h = nn::conv2d(h, 16, 5, {}, "3");  // [N, 16, 10, 10]
+    h = nn::conv2d(h, 16, 5, {}, "3");          // [N, 16, 10, 10]
     h = relu(h, "4");
     h = max_pool2d(h, 2, 2, 0, 1, false, "5");  // [N, 16, 5, 5]
   }

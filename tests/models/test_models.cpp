@@ -9,9 +9,9 @@
 using kg_test::fresh_seed;
 
 // expect_error with the statement in the failure trace.
-#define EXPECT_KG_ERROR(stmt, ...)                  \
-  do {                                              \
-    SCOPED_TRACE(#stmt);                            \
+#define EXPECT_KG_ERROR(stmt, ...)                     \
+  do {                                                 \
+    SCOPED_TRACE(#stmt);                               \
     kg_test::expect_error([&] { stmt; }, __VA_ARGS__); \
   } while (0)
 
@@ -104,7 +104,8 @@ Act bn(Act x, const Params& p, const std::string& name) {
     for (std::int64_t c = 0; c < x.c; ++c) {
       const double scale = g.item(c) / std::sqrt(var.item(c) + 1e-5);
       for (std::int64_t y = 0; y < x.h; ++y)
-        for (std::int64_t z = 0; z < x.w; ++z) x.at(i, c, y, z) = (x.at(i, c, y, z) - mu.item(c)) * scale + b.item(c);
+        for (std::int64_t z = 0; z < x.w; ++z)
+          x.at(i, c, y, z) = (x.at(i, c, y, z) - mu.item(c)) * scale + b.item(c);
     }
   return x;
 }
@@ -124,7 +125,8 @@ Act maxpool3s2p1(const Act& x) {
           for (std::int64_t ky = 0; ky < 3; ++ky)
             for (std::int64_t kx = 0; kx < 3; ++kx) {
               const std::int64_t iy = yy * 2 - 1 + ky, ix = xx * 2 - 1 + kx;
-              if (iy >= 0 && iy < x.h && ix >= 0 && ix < x.w) y.at(i, c, yy, xx) = std::max(y.at(i, c, yy, xx), x.at(i, c, iy, ix));
+              if (iy >= 0 && iy < x.h && ix >= 0 && ix < x.w)
+                y.at(i, c, yy, xx) = std::max(y.at(i, c, yy, xx), x.at(i, c, iy, ix));
             }
   return y;
 }
@@ -249,7 +251,8 @@ TEST(Models, Resnet18ParametersMatchTorchvision) {
     for (const auto& p : model.parameters()) {
       const bool counter = p.name.ends_with(".num_batches_tracked");
       EXPECT_EQ(p.dtype, counter ? kg::DType::I64 : kg::DType::F32) << p.name;
-      EXPECT_EQ(p.trainable, !counter && !p.name.ends_with(".running_mean") && !p.name.ends_with(".running_var"))
+      EXPECT_EQ(p.trainable,
+                !counter && !p.name.ends_with(".running_mean") && !p.name.ends_with(".running_var"))
           << p.name;
     }
   }
@@ -306,6 +309,7 @@ TEST(Models, ZooRunsAtBatch1And7) {
     kg::Model model = kg::models::build(name);
     const kg::Tensor x7 = kg_test::random_tensor(rng, kg::DType::F32, kg::models::input_shape(name, 7));
     kg::LoadedModel m7 = load_poisoned(model, x7.shape());
+    m7.load_state_dict(random_weights(m7, rng), /*strict=*/true);
     const kg::Tensor y7 = m7.forward({x7})[0];
     ASSERT_EQ(y7.shape(), (Shape{7, name == "lenet5" ? 10 : 1000}));
     EXPECT_TRUE(kg_test::all_written(y7));
@@ -321,6 +325,8 @@ TEST(Models, ZooRunsAtBatch1And7) {
     EXPECT_TRUE(kg_test::all_written(y1));
     kg::Tensor row = kg::Tensor::empty(kg::DType::F32, {1, classes});
     std::copy_n(y7.data<float>() + 4 * classes, classes, row.data<float>());
-    EXPECT_TRUE(kg_test::all_close(y1, row, 1e-4, 1e-5));
+    double scale = 0;
+    for (std::int64_t i = 0; i < row.numel(); ++i) scale = std::max(scale, std::abs(row.item(i)));
+    EXPECT_TRUE(kg_test::all_close(y1, row, 1e-4, 1e-5 * scale));
   }
 }
