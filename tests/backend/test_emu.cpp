@@ -13,6 +13,7 @@
 #include "backend/emu/executor.hpp"
 #include "backend/emu/host_jit.hpp"
 #include "compile/embedded_sources.hpp"
+#include "kg/cuda.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::expect_error;
@@ -641,4 +642,49 @@ TEST(Emu, CompilesEachSourceOnceAndCachesOnDisk) {
       [&] { jit.load("test.broken", "extern \"C\" __global__ void k(float* y) { y[0] = undefined_name; }"); },
       {"[test.broken] the host compiler failed to build the kernel source", "test.broken.cu:1",
        "undefined_name"});
+}
+
+// The same shared-memory + __shfl_xor_sync reduction (with ballot, match, reduce and atomics)
+// run emulated and on a GPU: everything but the float sum (whose atomicAdd order differs
+// between runs on a GPU) must agree exactly. Skipped without a GPU; scripts/gpu-check runs it.
+TEST(Emu, GpuReductionMatchesTheEmulator) {
+  if (!kg::cuda::available()) GTEST_SKIP() << "no GPU: " << kg::cuda::unavailable_reason();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int n = 100003, blocks = 24, threads = 256, warps = threads / 32;
+  kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {n});
+  // Emulated.
+  kg::Tensor sum = kg::Tensor::zeros(kg::DType::F32, {1});
+  kg::Tensor pos = kg::Tensor::zeros(kg::DType::I32, {1});
+  kg::Tensor mx = kg::Tensor::zeros(kg::DType::F32, {blocks});
+  kg::Tensor info = kg::Tensor::zeros(kg::DType::I32, {blocks * warps, 3});
+  kg::lower::ArgPack a = args(addr(x), addr(sum), addr(pos), addr(mx), addr(info));
+  a.i64(n);
+  kg::emu::launch("test.block_stats", kReduceSource, "block_stats", {blocks, 1, 1}, {threads, 1, 1},
+                  threads * sizeof(float), a);
+  // On the GPU.
+  auto dx = kg::cuda::DeviceTensorBuffer::from(x);
+  auto dsum = kg::cuda::DeviceTensorBuffer::from(kg::Tensor::zeros(kg::DType::F32, {1}));
+  auto dpos = kg::cuda::DeviceTensorBuffer::from(kg::Tensor::zeros(kg::DType::I32, {1}));
+  auto dmx = kg::cuda::DeviceTensorBuffer::from(kg::Tensor::zeros(kg::DType::F32, {blocks}));
+  auto dinfo = kg::cuda::DeviceTensorBuffer::from(kg::Tensor::zeros(kg::DType::I32, {blocks * warps, 3}));
+  auto k = kg::cuda::Kernel::compile("test.block_stats", kReduceSource, "block_stats");
+  k.launch({blocks, 1, 1}, {threads, 1, 1},
+           [&](kg::ArgVisitor& v) {
+             v.pointer(dx.ptr());
+             v.pointer(dsum.ptr());
+             v.pointer(dpos.ptr());
+             v.pointer(dmx.ptr());
+             v.pointer(dinfo.ptr());
+             v.i64(n);
+           },
+           threads * sizeof(float));
+  kg::Tensor gsum = dsum.download(), gpos = dpos.download(), gmx = dmx.download(), ginfo = dinfo.download();
+  double abs_sum = 0;
+  for (std::int64_t i = 0; i < n; ++i) abs_sum += std::abs(x.item(i));
+  EXPECT_NEAR(gsum.item(0), sum.item(0), 1e-6 * abs_sum);
+  EXPECT_EQ(gpos.item(0), pos.item(0));
+  for (int b = 0; b < blocks; ++b) EXPECT_EQ(gmx.item(b), mx.item(b)) << "block " << b;
+  for (std::int64_t i = 0; i < info.numel(); ++i) EXPECT_EQ(ginfo.item(i), info.item(i)) << "warp info " << i;
 }
