@@ -213,12 +213,13 @@ void im2col_runs(const ConvGeom& g, const T* x, std::int64_t c0, std::int64_t k0
 }
 
 // Writes the block's results (rows of `cbuf`, `ldc` apart, one per output channel of group
-// `grp`) to the output through the epilogue.
+// `grp`; those in [m0, m1) when given) to the output through the epilogue.
 template <class T>
 void store_runs(const ConvGeom& g, const Epilogue<T>& ep, std::int64_t grp, const std::vector<Run>& runs,
-                const T* cbuf, std::int64_t ldc, T* y) {
+                const T* cbuf, std::int64_t ldc, T* y, std::int64_t m0 = 0, std::int64_t m1 = -1) {
   const std::int64_t og = g.og(), p = g.pixels();
-  for (std::int64_t m = 0; m < og; ++m) {
+  if (m1 < 0 || m1 > og) m1 = og;
+  for (std::int64_t m = m0; m < m1; ++m) {
     const std::int64_t o = grp * og + m;
     for (const Run& r : runs) {
       const std::int64_t at = (r.img * g.o + o) * p + r.oy * g.wo + r.ox;
@@ -368,9 +369,9 @@ void conv_depthwise(const ConvGeom& g, const T* x, const T* w, const Epilogue<T>
 #if KG_CONV_AVX512
 namespace avx {
 
-constexpr std::int64_t kMR = 8;    // output channels per kernel call
-constexpr std::int64_t kNR = 48;   // columns per kernel call (three vectors)
-constexpr std::int64_t kKC = 640;  // most taps per block
+constexpr std::int64_t kMR = 8;     // output channels per kernel call
+constexpr std::int64_t kNR = 48;    // columns per kernel call (three vectors)
+constexpr std::int64_t kKC = 1280;  // most taps per block
 
 // Lanes to load per kernel tap, for a tile whose columns map to input positions that wrap
 // around rows or reach into the padding: m[t * 3 + v] holds the lanes of vector v that tap t
@@ -396,8 +397,8 @@ enum class BLoad {
 // i] (PackedA: one contiguous stream instead of kMR).
 template <int NV, BLoad Load, bool PackedA>
 inline void kernel(std::int64_t kc, const float* const* rows, const float* __restrict b,
-                   const std::int64_t* __restrict off, const TapMasks* tm, float* __restrict c, std::int64_t ldc,
-                   bool accumulate) {
+                   const std::int64_t* __restrict off, const TapMasks* tm, float* __restrict c,
+                   std::int64_t ldc, bool accumulate) {
   __m512 acc[kMR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < kMR; ++i)
@@ -527,14 +528,17 @@ const float* packed_weights(const ConvGeom& g, const float* w, std::int64_t bloc
 // b[off[k] + j] (`off` covers all taps) or, with `pack`, is gathered per tap block by pack(k0,
 // kn, dst, ld) into a scratch block first. `wg` is the group's weight [og, K] and `packed_a`,
 // when not null, the same packed by pack_weights (the group's panels). Results go to
-// `cbuf`, row m at cbuf + m * ldc, in panels of kMR rows (rows past og hold junk).
+// `cbuf`, row m at cbuf + m * ldc, in panels of kMR rows (rows past og hold junk); only the
+// panels [p0, p1) are computed when given.
 void block_gemm(const ConvGeom& g, const float* wg, const float* packed_a, const float* b,
                 const std::int64_t* off, std::int64_t n, const PackFn* pack, float* cbuf, std::int64_t ldc,
-                Prefetch* pf = nullptr, const __mmask16* tile_masks = nullptr, bool guarded = false) {
+                Prefetch* pf = nullptr, const __mmask16* tile_masks = nullptr, bool guarded = false,
+                std::int64_t p0 = 0, std::int64_t p1 = -1) {
   const std::int64_t period = g.kh * g.kw;
   const std::int64_t k = g.kdim(), og = g.og(), panels = (og + kMR - 1) / kMR;
+  if (p1 < 0 || p1 > panels) p1 = panels;
   const TapBlocks tb(k);
-  if (pf) pf->plan((k + tb.size - 1) / tb.size * ((n + kNR - 1) / kNR) * panels);
+  if (pf) pf->plan((k + tb.size - 1) / tb.size * ((n + kNR - 1) / kNR) * (p1 - p0));
   const std::int64_t ldb = (n + 15) / 16 * 16;
   float* bblock = pack ? scratch_data<float>(kOperand, tb.size * ldb) : nullptr;
   std::int64_t poff[kKC];
@@ -548,7 +552,8 @@ void block_gemm(const ConvGeom& g, const float* wg, const float* packed_a, const
     if (pack) {
       (*pack)(k0, kn, bblock, ldb);
       // The columns past n are read (BLoad::Plain) but never stored: zeros keep them finite.
-      for (std::int64_t kk = 0; kk < kn; ++kk) std::fill(bblock + kk * ldb + n, bblock + (kk + 1) * ldb, 0.0f);
+      for (std::int64_t kk = 0; kk < kn; ++kk)
+        std::fill(bblock + kk * ldb + n, bblock + (kk + 1) * ldb, 0.0f);
       bb = bblock;
       ob = poff;
     }
@@ -557,7 +562,7 @@ void block_gemm(const ConvGeom& g, const float* wg, const float* packed_a, const
     for (std::int64_t j = 0; j < n; j += kNR) {
       const std::int64_t cols = std::min(kNR, n - j);
       const int nv = static_cast<int>((cols + 15) / 16);
-      for (std::int64_t pnl = 0; pnl < panels; ++pnl) {
+      for (std::int64_t pnl = p0; pnl < p1; ++pnl) {
         // Rows past the group's channels repeat its last channel.
         if (packed_a)
           rows[0] = packed_a + (pnl * k + k0) * kMR;
@@ -574,9 +579,11 @@ void block_gemm(const ConvGeom& g, const float* wg, const float* packed_a, const
             kernel<1, Load, Packed>(kn, rows, bb + j, ob, &tm, c, ldc, k0 > 0);
         };
         if (!tile_masks)
-          packed_a ? run.template operator()<BLoad::Plain, true>() : run.template operator()<BLoad::Plain, false>();
+          packed_a ? run.template operator()<BLoad::Plain, true>()
+                   : run.template operator()<BLoad::Plain, false>();
         else if (!guarded)
-          packed_a ? run.template operator()<BLoad::Blend, true>() : run.template operator()<BLoad::Blend, false>();
+          packed_a ? run.template operator()<BLoad::Blend, true>()
+                   : run.template operator()<BLoad::Blend, false>();
         else
           packed_a ? run.template operator()<BLoad::Guarded, true>()
                    : run.template operator()<BLoad::Guarded, false>();
@@ -584,6 +591,20 @@ void block_gemm(const ConvGeom& g, const float* wg, const float* packed_a, const
       }
     }
   }
+}
+
+// Work items per (image, group, block of pixels): the group's channel panels are split into
+// this many chunks when there are too few blocks to keep every thread busy (small batches).
+std::int64_t channel_chunks(const ConvGeom& g, std::int64_t items) {
+  constexpr std::int64_t kWanted = 8;
+  const std::int64_t panels = (g.og() + kMR - 1) / kMR;
+  return std::clamp<std::int64_t>((kWanted + items - 1) / std::max<std::int64_t>(items, 1), 1, panels);
+}
+
+// The panels [p0, p1) of chunk `c` out of `chunks`.
+std::pair<std::int64_t, std::int64_t> chunk_panels(const ConvGeom& g, std::int64_t c, std::int64_t chunks) {
+  const std::int64_t panels = (g.og() + kMR - 1) / kMR;
+  return {c * panels / chunks, (c + 1) * panels / chunks};
 }
 
 // Columns per block: the block's results (all the group's channels) stay within 256 KiB.
@@ -716,23 +737,27 @@ void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epil
   const std::int64_t tiles = (nc + kNR - 1) / kNR;
   const std::int64_t panels = (g.og() + kMR - 1) / kMR;
   const float* ap = packed_weights(g, w, g.n * g.groups * blocks, ctx);
-  ctx.parallel_for(g.n * g.groups * blocks, 1, [&](std::int64_t b, std::int64_t e) {
+  const std::int64_t chunks = channel_chunks(g, g.n * g.groups * blocks);
+  ctx.parallel_for(g.n * g.groups * blocks * chunks, 1, [&](std::int64_t b, std::int64_t e) {
     std::vector<Run> runs;
     Prefetch pf;
     float* cbuf = scratch_data<float>(kResults, cbuf_floats);
     std::vector<__mmask16> masks(static_cast<std::size_t>(tiles * taps * 3));
+    std::int64_t masks_for = -1;  // the block `masks` describe
     // The input rows that output pixels [q0, q0 + n) read.
     auto input_rows = [&](std::int64_t q0, std::int64_t n) {
       const std::int64_t iy0 = std::clamp<std::int64_t>(q0 / g.wo - g.ph, 0, g.h);
       return std::pair{
           iy0, std::clamp<std::int64_t>((q0 + n - 1) / g.wo + (g.kh - 1) * g.dh - g.ph + 1, iy0, g.h)};
     };
-    for (std::int64_t it = b; it < e; ++it) {
+    for (std::int64_t item = b; item < e; ++item) {
+      const std::int64_t it = item / chunks, next = (item + 1) / chunks;
+      const auto [p0, p1] = chunk_panels(g, item % chunks, chunks);
       const std::int64_t img = it / (g.groups * blocks), grp = it / blocks % g.groups, blk = it % blocks;
       const std::int64_t q0 = blk * nc, n = std::min(nc, p - q0);
       // Lanes each tap may read, per tile of the block: those whose input row (for ky) and
       // column (for kx) exist.
-      for (std::int64_t tile = 0; tile * kNR < n; ++tile)
+      for (std::int64_t tile = 0; masks_for != blk && tile * kNR < n; ++tile)
         for (std::int64_t v = 0; v < 3; ++v) {
           std::int64_t oy[16], ox[16];
           const std::int64_t j0 = tile * kNR + 16 * v;
@@ -758,10 +783,11 @@ void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epil
             }
           }
         }
+      masks_for = blk;
       pf.clear();
-      if (it + 1 < e) {
-        const std::int64_t nimg = (it + 1) / (g.groups * blocks), ngrp = (it + 1) / blocks % g.groups;
-        const std::int64_t nq0 = (it + 1) % blocks * nc;
+      if (item + 1 < e && next != it) {
+        const std::int64_t nimg = next / (g.groups * blocks), ngrp = next / blocks % g.groups;
+        const std::int64_t nq0 = next % blocks * nc;
         const auto [iy0, iy1] = input_rows(nq0, std::min(nc, p - nq0));
         const float* nin = x + (nimg * g.c + ngrp * cg) * plane;
         for (std::int64_t c = 0; c < cg; ++c) pf.add(nin + c * plane + iy0 * g.w, (iy1 - iy0) * g.w);
@@ -771,9 +797,9 @@ void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epil
       // past either end of the input tensor.
       const bool guarded = in + q0 + off_lo < x || in + q0 + (n + 15) / 16 * 16 + off_hi > x_end;
       block_gemm(g, w + grp * g.og() * k, ap ? ap + grp * panels * k * kMR : nullptr, in + q0, off.data(), n,
-                 nullptr, cbuf, ldc, &pf, masks.data(), guarded);
+                 nullptr, cbuf, ldc, &pf, masks.data(), guarded, p0, p1);
       runs.assign(1, Run{0, n, img, q0 / g.wo, q0 % g.wo});
-      store_runs(g, ep, grp, runs, cbuf, ldc, y);
+      store_runs(g, ep, grp, runs, cbuf, ldc, y, p0 * kMR, p1 * kMR);
     }
   });
 }
@@ -798,29 +824,35 @@ void conv_direct(const ConvGeom& g, const float* x, const float* w, const Epilog
   const std::int64_t cbuf_floats = (g.og() + kMR - 1) / kMR * kMR * ldc;
   const std::int64_t panels = (g.og() + kMR - 1) / kMR;
   const float* ap = packed_weights(g, w, g.n * g.groups * bands, ctx);
-  // Work items: (image, group, band), each transformed and computed by one thread.
-  ctx.parallel_for(g.n * g.groups * bands, 1, [&](std::int64_t b, std::int64_t e) {
+  const std::int64_t chunks = channel_chunks(g, g.n * g.groups * bands);
+  // Work items: (image, group, band, channel chunk), each computed by one thread; a band is
+  // transformed once by each thread that computes some of its chunks.
+  ctx.parallel_for(g.n * g.groups * bands * chunks, 1, [&](std::int64_t b, std::int64_t e) {
     std::vector<Run> runs;
     Prefetch pf;
     float* cbuf = scratch_data<float>(kResults, cbuf_floats);
     float* xt = scratch_data<float>(kInput, L.floats);
-    for (std::int64_t it = b; it < e; ++it) {
+    std::int64_t transformed = -1;  // the band in xt
+    for (std::int64_t item = b; item < e; ++item) {
+      const std::int64_t it = item / chunks, next = (item + 1) / chunks;
+      const auto [p0, p1] = chunk_panels(g, item % chunks, chunks);
       const std::int64_t img = it / (g.groups * bands), grp = it / bands % g.groups, band = it % bands;
       const std::int64_t oy0 = band * L.band_rows, rows = std::min(L.band_rows, g.ho - oy0);
-      transform_band(g, L, x + (img * g.c + grp * cg) * g.h * g.w, oy0, xt);
+      if (transformed != it) transform_band(g, L, x + (img * g.c + grp * cg) * g.h * g.w, oy0, xt);
+      transformed = it;
       // While this band computes, the next one's input comes into L2.
       pf.clear();
-      if (it + 1 < e) {
-        const std::int64_t nimg = (it + 1) / (g.groups * bands), ngrp = (it + 1) / bands % g.groups;
-        const auto [iy0, iy1] = band_input_rows(g, L, (it + 1) % bands * L.band_rows);
+      if (item + 1 < e && next != it) {
+        const std::int64_t nimg = next / (g.groups * bands), ngrp = next / bands % g.groups;
+        const auto [iy0, iy1] = band_input_rows(g, L, next % bands * L.band_rows);
         const float* nin = x + (nimg * g.c + ngrp * cg) * g.h * g.w;
         for (std::int64_t c = 0; c < cg; ++c) pf.add(nin + (c * g.h + iy0) * g.w, (iy1 - iy0) * g.w);
       }
       block_gemm(g, w + grp * g.og() * k, ap ? ap + grp * panels * k * kMR : nullptr, xt, off.data(),
-                 rows * L.wq, nullptr, cbuf, ldc, &pf);
+                 rows * L.wq, nullptr, cbuf, ldc, &pf, nullptr, false, p0, p1);
       runs.clear();
       for (std::int64_t i = 0; i < rows; ++i) runs.push_back({i * L.wq, g.wo, img, oy0 + i, 0});
-      store_runs(g, ep, grp, runs, cbuf, ldc, y);
+      store_runs(g, ep, grp, runs, cbuf, ldc, y, p0 * kMR, p1 * kMR);
     }
   });
 }
@@ -832,7 +864,7 @@ void conv_direct(const ConvGeom& g, const float* x, const float* w, const Epilog
 class RunPacker {
  public:
   RunPacker(const ConvGeom& g, const float* x, std::int64_t c0, const std::vector<Run>& runs)
-      : g_(g), runs_(runs) {
+      : g_(g), runs_(runs), begin_(x), end_(x + g.n * g.c * g.h * g.w) {
     vecs_ = 0;
     for (const Run& r : runs) vecs_ = std::max(vecs_, (r.len + 15) / 16);
     const auto nr = runs.size();
@@ -879,9 +911,8 @@ class RunPacker {
           __m512 val = _mm512_setzero_ps();
           if (row) {
             const float* src = row + c * plane;
-            val = load_lanes(src, col[v].src, col[v].lo);
-            if (g_.sw == 2)
-              val = _mm512_permutex2var_ps(val, evens, load_lanes(src, col[v].src + 16, col[v].hi));
+            val = load(src, col[v].src, col[v].lo);
+            if (g_.sw == 2) val = _mm512_permutex2var_ps(val, evens, load(src, col[v].src + 16, col[v].hi));
           }
           _mm512_mask_storeu_ps(out + 16 * static_cast<std::int64_t>(v), col[v].out, val);
         }
@@ -901,8 +932,21 @@ class RunPacker {
     std::int64_t src;       // source column of lane 0
     __mmask16 out, lo, hi;  // lanes to write; lanes to read in the first and second 16 sources
   };
+  // The lanes `m` of 16 floats from row + at, the others 0. A masked load is far slower than a
+  // plain one on memory that misses the cache, so it is used only at the ends of the tensor.
+  __m512 load(const float* row, std::int64_t at, __mmask16 m) const {
+    const auto p = reinterpret_cast<std::uintptr_t>(row) + static_cast<std::uintptr_t>(at) * sizeof(float);
+    if (p >= reinterpret_cast<std::uintptr_t>(begin_) &&
+        p + 16 * sizeof(float) <= reinterpret_cast<std::uintptr_t>(end_)) {
+      __m512 v = _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+      asm("" : "+v"(v));  // keeps the load and the blend apart (see BLoad)
+      return _mm512_maskz_mov_ps(m, v);
+    }
+    return load_lanes(row, at, m);
+  }
   const ConvGeom& g_;
   const std::vector<Run>& runs_;
+  const float *begin_, *end_;  // the input tensor
   std::int64_t vecs_;
   std::vector<const float*> rows_;  // [run][ky]: the source row in channel c0, null in the padding
   std::vector<Col> cols_;           // [run][kx][vector]
@@ -914,11 +958,14 @@ void conv_packed(const ConvGeom& g, const float* x, const float* w, const Epilog
   const std::int64_t nc = block_columns(g, total), blocks = (total + nc - 1) / nc;
   const std::int64_t panels = (g.og() + kMR - 1) / kMR;
   const float* ap = packed_weights(g, w, g.groups * blocks, ctx);
-  ctx.parallel_for(g.groups * blocks, 1, [&](std::int64_t b, std::int64_t e) {
+  const std::int64_t chunks = channel_chunks(g, g.groups * blocks);
+  ctx.parallel_for(g.groups * blocks * chunks, 1, [&](std::int64_t b, std::int64_t e) {
     std::vector<Run> runs;
     const std::int64_t ldc = (nc + 15) / 16 * 16;
     float* cbuf = scratch_data<float>(kResults, panels * kMR * ldc);
-    for (std::int64_t it = b; it < e; ++it) {
+    for (std::int64_t item = b; item < e; ++item) {
+      const std::int64_t it = item / chunks;
+      const auto [p0, p1] = chunk_panels(g, item % chunks, chunks);
       const std::int64_t grp = it / blocks, q0 = it % blocks * nc, n = std::min(nc, total - q0);
       pixel_runs(g, q0, n, runs);
       PackFn pack;
@@ -933,8 +980,8 @@ void conv_packed(const ConvGeom& g, const float* x, const float* w, const Epilog
         };
       }
       block_gemm(g, w + grp * g.og() * k, ap ? ap + grp * panels * k * kMR : nullptr, nullptr, nullptr, n,
-                 &pack, cbuf, ldc);
-      store_runs(g, ep, grp, runs, cbuf, ldc, y);
+                 &pack, cbuf, ldc, nullptr, nullptr, false, p0, p1);
+      store_runs(g, ep, grp, runs, cbuf, ldc, y, p0 * kMR, p1 * kMR);
     }
   });
 }
@@ -962,18 +1009,19 @@ ConvAlgo choose_algo(const ConvGeom& g, DType dtype) {
   if (!algo_available(ConvAlgo::Direct, dtype)) return ConvAlgo::Gemm;
 #if KG_CONV_AVX512
   // Direct wastes the lanes past each image's last pixel (in place) or the wq - wo columns past
-  // each output row (transformed); Packed gathers each input value under each tap once per
-  // block, which costs about as much as 40 multiply-adds per element, shared by the group's
-  // output channels (measured on ResNet-18's layers).
-  double waste = 0;
-  if (avx::in_place(g)) {
-    const std::int64_t p = g.pixels(), lanes = (p + 15) / 16 * 16;
-    waste = 1.0 - static_cast<double>(p) / static_cast<double>(lanes);
-  } else {
-    waste = 1.0 - static_cast<double>(g.wo) / static_cast<double>((g.w + 2 * g.pw + g.sw - 1) / g.sw);
-  }
-  const double gather = 40.0 / static_cast<double>(std::max<std::int64_t>(g.og(), 1));
-  return waste <= gather ? ConvAlgo::Direct : ConvAlgo::Packed;
+  // each output row (transformed). Packed wastes only the lanes past the batch's last pixel but
+  // gathers each input value under each tap once per block, which costs about as much as 40
+  // multiply-adds per element, shared by the group's output channels (measured on ResNet-18's
+  // layers).
+  auto lane_waste = [](std::int64_t pixels) {
+    return 1.0 - static_cast<double>(pixels) / static_cast<double>((pixels + 15) / 16 * 16);
+  };
+  const double direct = avx::in_place(g) ? lane_waste(g.pixels())
+                                         : 1.0 - static_cast<double>(g.wo) /
+                                                     static_cast<double>((g.w + 2 * g.pw + g.sw - 1) / g.sw);
+  const double packed =
+      lane_waste(g.n * g.pixels()) + 40.0 / static_cast<double>(std::max<std::int64_t>(g.og(), 1));
+  return direct <= packed ? ConvAlgo::Direct : ConvAlgo::Packed;
 #else
   return ConvAlgo::Gemm;
 #endif

@@ -21,30 +21,57 @@ namespace {
 
 std::string size2_text(Size2 s) { return s.h == s.w ? util::cat(s.h) : util::cat(s.h, "x", s.w); }
 
-// acc[j] = the larger of acc[j] and src[j * stride] for j < n, NaN when either is (PyTorch's
-// max pooling propagates NaN). Vectorised for f32 with stride 1 or 2; reads no element of src
-// past the last one it uses.
-template <class T> void max_into(T* acc, const T* src, std::int64_t stride, std::int64_t n) {
-  std::int64_t j = 0;
+// out[j] = the largest of src[t * tap_step + j * stride] over the taps t, for j < n; NaN when
+// any is NaN (PyTorch's max pooling propagates NaN). Vectorised for f32 with stride 1 or 2 (the
+// maximum of a window stays in a register across its taps); the loads are masked so that no
+// element past the last one used is read.
+template <class T>
+void max_taps(T* out, const T* src, std::int64_t taps, std::int64_t tap_step, std::int64_t stride,
+              std::int64_t n) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
     if (stride <= 2) {
       const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-      for (; stride == 1 ? j + 16 <= n : j + 16 < n; j += 16) {
-        const __m512 v = stride == 1 ? _mm512_loadu_ps(src + j)
-                                     : _mm512_permutex2var_ps(_mm512_loadu_ps(src + 2 * j), evens,
-                                                              _mm512_loadu_ps(src + 2 * j + 16));
-        const __m512 a = _mm512_loadu_ps(acc + j);
-        // max_ps returns its second operand when either is NaN; a NaN acc is put back.
-        const __m512 m = _mm512_maskz_max_ps(0xFFFF, a, v);  // (the unmasked form trips GCC 12's -Wmaybe-uninitialized)
-        _mm512_storeu_ps(acc + j, _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a));
+      auto lanes = [](std::int64_t count) {
+        return static_cast<__mmask16>(count >= 16 ? 0xFFFFu : count <= 0 ? 0u : (1u << count) - 1u);
+      };
+      for (std::int64_t j = 0; j < n; j += 16) {
+        const std::int64_t left = n - j;
+        const __mmask16 used = lanes(left);
+        // The stride-2 lanes need 2 * left - 1 consecutive elements.
+        const __mmask16 lo_used = lanes(2 * left - 1), hi_used = lanes(2 * left - 17);
+        __m512 m = _mm512_setzero_ps();
+        __mmask16 nan = 0;
+        for (std::int64_t t = 0; t < taps; ++t) {
+          const float* p = src + t * tap_step + j * stride;
+          // Plain loads where every lane is used: masked ones are much slower on memory that
+          // misses the cache.
+          __m512 v;
+          if (stride == 1)
+            v = left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(used, p);
+          else if (left > 16)
+            v = _mm512_permutex2var_ps(_mm512_loadu_ps(p), evens, _mm512_loadu_ps(p + 16));
+          else
+            v = _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(lo_used, p), evens,
+                                       _mm512_maskz_loadu_ps(hi_used, p + 16));
+          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          // (The zero-masked max avoids GCC 12's false -Wmaybe-uninitialized on the plain one.)
+          m = t == 0 ? v : _mm512_maskz_max_ps(0xFFFF, m, v);
+        }
+        m = _mm512_mask_mov_ps(m, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+        _mm512_mask_storeu_ps(out + j, used, m);
       }
+      return;
     }
   }
 #endif
-  for (; j < n; ++j) {
-    const T v = src[j * stride];
-    acc[j] = (v > acc[j] || v != v) ? v : acc[j];
+  for (std::int64_t j = 0; j < n; ++j) {
+    T m = src[j * stride];
+    for (std::int64_t t = 1; t < taps; ++t) {
+      const T v = src[t * tap_step + j * stride];
+      m = (v > m || v != v) ? v : m;
+    }
+    out[j] = m;
   }
 }
 
@@ -178,9 +205,8 @@ class MaxPool2dOp final : public CustomOp {
     const std::int64_t ph = w_.padding.h, pw = w_.padding.w, dh = w_.dilation.h, dw = w_.dilation.w;
     // Output columns whose whole window lies inside the row: [ox_lo, ox_hi).
     const std::int64_t ox_lo = std::min(wo, (pw + sw - 1) / sw);
-    const std::int64_t ox_hi = std::max(ox_lo, std::min(wo, w - (kw - 1) * dw + pw > 0
-                                                                ? (w - (kw - 1) * dw + pw - 1) / sw + 1
-                                                                : 0));
+    const std::int64_t ox_hi =
+        std::max(ox_lo, std::min(wo, w - (kw - 1) * dw + pw > 0 ? (w - (kw - 1) * dw + pw - 1) / sw + 1 : 0));
     dispatch_float(x.dtype(), [&](auto zero) {
       using T = decltype(zero);
       const T* xp = x.data<T>();
@@ -206,29 +232,20 @@ class MaxPool2dOp final : public CustomOp {
               rm[ox] = m;
             };
             for (std::int64_t ox = 0; ox < ox_lo; ++ox) edge(ox);
-            // Inside the row: one pass per kernel column over all the columns.
-            if (sw == 1 || sw == 2) {
-              for (std::int64_t ox = ox_lo; ox < ox_hi; ++ox) rm[ox] = row[ox * sw - pw];
-              for (std::int64_t kx = 1; kx < kw; ++kx)
-                max_into(rm + ox_lo, row - pw + kx * dw + ox_lo * sw, sw, ox_hi - ox_lo);
-            } else {
-              for (std::int64_t ox = ox_lo; ox < ox_hi; ++ox) {
-                const T* r = row + ox * sw - pw;
-                T m = r[0];
-                for (std::int64_t kx = 1; kx < kw; ++kx) m = take(m, r[kx * dw]);
-                rm[ox] = m;
-              }
-            }
+            // The columns whose window lies inside the row, all the kernel's columns at once.
+            if (ox_hi > ox_lo) max_taps(rm + ox_lo, row - pw + ox_lo * sw, kw, dw, sw, ox_hi - ox_lo);
             for (std::int64_t ox = ox_hi; ox < wo; ++ox) edge(ox);
           }
           for (std::int64_t oy = 0; oy < ho; ++oy) {
+            // The window's rows inside the input: ky in [ky0, ky1).
+            const std::int64_t top = oy * sh - ph;
+            const std::int64_t ky0 = top >= 0 ? 0 : (-top + dh - 1) / dh;
+            const std::int64_t ky1 = std::min(kh, top >= h ? 0 : (h - top + dh - 1) / dh);
             T* out = dst + oy * wo;
-            std::fill(out, out + wo, lowest);
-            for (std::int64_t ky = 0; ky < kh; ++ky) {
-              const std::int64_t iy = oy * sh - ph + ky * dh;
-              if (iy < 0 || iy >= h) continue;
-              max_into(out, rowmax.data() + iy * wo, 1, wo);
-            }
+            if (ky1 <= ky0)
+              std::fill(out, out + wo, lowest);
+            else
+              max_taps(out, rowmax.data() + (top + ky0 * dh) * wo, ky1 - ky0, dh * wo, 1, wo);
           }
         }
       });

@@ -34,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(256)
                 float* __restrict__ block_max, unsigned* __restrict__ warp_info, long long n) {
   __shared__ float partial[32];
   extern __shared__ float maxima[];
-  float v = 0.f, m = -INFINITY;
+  float v = 0.f, m = -3.402823466e38f;  // -FLT_MAX: NVRTC has no INFINITY macro
   int pos = 0;
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
