@@ -87,6 +87,12 @@ class LinearOp final : public CustomOp {
       using T = decltype(zero);
       const Tensor& w = ctx.params[0];
       T* y = ctx.output.data<T>();
+      if (rows * in_ * out_ <= kSmallGemm) {
+        // A few rows (batch 1 inference): BLAS's call and thread start-up cost more than the
+        // arithmetic, so take dot products directly, with the bias.
+        small_linear(x.data<T>(), w.data<T>(), bias_ ? ctx.params[1].data<T>() : nullptr, y, rows);
+        return;
+      }
       gemm(false, true, rows, out_, in_, T(1), x.data<T>(), in_, w.data<T>(), in_, T(0), y, out_);
       if (bias_) {
         const T* bp = ctx.params[1].data<T>();
@@ -99,6 +105,28 @@ class LinearOp final : public CustomOp {
   }
 
  private:
+  static constexpr std::int64_t kSmallGemm = 1 << 17;  // multiply-adds below which BLAS is skipped
+
+  // y[r, j] = b[j] + x[r, :] · w[j, :], with 16 independent partial sums so the loop vectorises.
+  template <class T>
+  void small_linear(const T* x, const T* w, const T* b, T* y, std::int64_t rows) const {
+    constexpr int L = 16;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * in_;
+      for (std::int64_t j = 0; j < out_; ++j) {
+        const T* wj = w + j * in_;
+        T acc[L] = {};
+        std::int64_t k = 0;
+        for (; k + L <= in_; k += L)
+          for (int l = 0; l < L; ++l) acc[l] += xr[k + l] * wj[k + l];
+        T s = b ? b[j] : T(0);
+        for (; k < in_; ++k) s += xr[k] * wj[k];
+        for (int l = 0; l < L; ++l) s += acc[l];
+        y[r * out_ + j] = s;
+      }
+    }
+  }
+
   std::int64_t in_, out_;
   bool bias_;
   DType dtype_;  // of the parameters: the input's
