@@ -37,6 +37,63 @@ Error labelled(const std::string& label, const Error& err) {
 
 }  // namespace
 
+RuntimeOpSizes consult_runtime_op(const Node& n, const RuntimeOp& rt,
+                                  const std::vector<std::vector<std::int64_t>>& in_shapes,
+                                  const std::vector<std::int64_t>& out_shape,
+                                  const std::vector<ParamSpec>& specs, std::mt19937_64& rng) {
+  const std::string label = n.label();
+  RuntimeOpSizes r;
+  const int n_act = rt.n_activation_inputs();
+  if (n_act < 0 || n_act > static_cast<int>(in_shapes.size()))
+    throw Error(util::cat(label, " n_activation_inputs() is ", n_act, " but the node has ", in_shapes.size(),
+                          " inputs"));
+  if (auto real = rt.compute_concrete_output_shape(in_shapes); real && *real != out_shape)
+    throw Error(util::cat(label, " infer_output_shape says ", sizes_to_string(out_shape), " for inputs ",
+                          shapes_text(in_shapes),
+                          " but the kernel (RuntimeOp::compute_concrete_output_shape) writes ",
+                          sizes_to_string(*real)));
+
+  // The op's own parameters must be what the RuntimeOp expects; an op without them gets the
+  // RuntimeOp's, named after the node.
+  const auto shapes = rt.param_shapes(in_shapes, out_shape);
+  if (!specs.empty()) {
+    bool same = shapes.size() == specs.size();
+    for (std::size_t i = 0; same && i < shapes.size(); ++i) same = shapes[i] == specs[i].shape;
+    if (!same) {
+      std::vector<std::vector<std::int64_t>> declared;
+      for (const auto& s : specs) declared.push_back(s.shape);
+      throw Error(util::cat(label, " RuntimeOp::param_shapes gives [", shapes_text(shapes),
+                            "] but the op declares [", shapes_text(declared), "]"));
+    }
+  } else {
+    const auto names = rt.param_names();
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      ParamSpec spec;
+      spec.name = n.name + "." + (i < names.size() ? names[i] : util::cat("param", i));
+      spec.shape = shapes[i];
+      spec.dtype = rt.param_dtype(static_cast<int>(i));
+      spec.trainable = false;
+      if (auto init = rt.param_init_data(static_cast<int>(i))) {
+        check_param_init(init->size(), spec.shape, spec.dtype, spec.name, label);
+        spec.init = ParamInit::from_bytes(std::move(*init));
+      } else {
+        spec.init = ParamInit::constant(0.0);
+      }
+      Tensor t = Tensor::empty(spec.dtype, spec.shape);
+      runtime::init_param(t, spec, n, rng);
+      r.new_specs.push_back(std::move(spec));
+      r.new_params.push_back(t);
+    }
+  }
+  r.row_stride = rt.forward_output_row_stride(out_shape);
+  const std::int64_t last = out_shape.empty() ? 1 : out_shape.back();
+  if (r.row_stride < last)
+    throw Error(util::cat(label, " forward_output_row_stride ", r.row_stride,
+                          " is smaller than the row length ", last));
+  r.scratch_bytes = rt.scratch_bytes(in_shapes, out_shape);
+  return r;
+}
+
 DevicePtr value_address(const runtime::Plan& plan, int node, DevicePtr arena,
                         const std::vector<DevicePtr>& inputs) {
   const auto& v = plan.values[static_cast<std::size_t>(node)];
@@ -68,55 +125,14 @@ LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtim
       const auto& out_shape = plan.values[static_cast<std::size_t>(e.node)].shape;
       const auto in_shapes = input_shapes(n, plan);
 
-      const int n_act = rt.n_activation_inputs();
-      if (n_act < 0 || n_act > static_cast<int>(n.inputs.size()))
-        throw Error(util::cat(label, " n_activation_inputs() is ", n_act, " but the node has ",
-                              n.inputs.size(), " inputs"));
-      if (auto real = rt.compute_concrete_output_shape(in_shapes); real && *real != out_shape)
-        throw Error(util::cat(label, " infer_output_shape says ", sizes_to_string(out_shape), " for inputs ",
-                              shapes_text(in_shapes),
-                              " but the kernel (RuntimeOp::compute_concrete_output_shape) writes ",
-                              sizes_to_string(*real)));
-
-      // The op's own parameters must be what the RuntimeOp expects; an op without them gets the
-      // RuntimeOp's, named after the node.
-      auto shapes = rt.param_shapes(in_shapes, out_shape);
-      if (!step.specs.empty()) {
-        bool same = shapes.size() == step.specs.size();
-        for (std::size_t i = 0; same && i < shapes.size(); ++i) same = shapes[i] == step.specs[i].shape;
-        if (!same) {
-          std::vector<std::vector<std::int64_t>> declared;
-          for (const auto& s : step.specs) declared.push_back(s.shape);
-          throw Error(util::cat(label, " RuntimeOp::param_shapes gives [", shapes_text(shapes),
-                                "] but the op declares [", shapes_text(declared), "]"));
-        }
-      } else {
-        auto names = rt.param_names();
-        for (std::size_t i = 0; i < shapes.size(); ++i) {
-          ParamSpec spec;
-          spec.name = n.name + "." + (i < names.size() ? names[i] : util::cat("param", i));
-          spec.shape = shapes[i];
-          spec.dtype = rt.param_dtype(static_cast<int>(i));
-          spec.trainable = false;
-          if (auto init = rt.param_init_data(static_cast<int>(i))) {
-            check_param_init(init->size(), spec.shape, spec.dtype, spec.name, label);
-            spec.init = ParamInit::from_bytes(std::move(*init));
-          } else {
-            spec.init = ParamInit::constant(0.0);
-          }
-          Tensor t = Tensor::empty(spec.dtype, spec.shape);
-          runtime::init_param(t, spec, n, rng);
-          plan.memory.param_bytes += t.nbytes();
-          step.specs.push_back(std::move(spec));
-          step.params.push_back(t);
-        }
+      RuntimeOpSizes sizes = consult_runtime_op(n, rt, in_shapes, out_shape, step.specs, rng);
+      for (std::size_t i = 0; i < sizes.new_specs.size(); ++i) {
+        plan.memory.param_bytes += sizes.new_params[i].nbytes();
+        step.specs.push_back(std::move(sizes.new_specs[i]));
+        step.params.push_back(sizes.new_params[i]);
       }
-
-      const std::int64_t rs = rt.forward_output_row_stride(out_shape);
+      const std::int64_t rs = sizes.row_stride;
       const std::int64_t last = out_shape.empty() ? 1 : out_shape.back();
-      if (rs < last)
-        throw Error(
-            util::cat(label, " forward_output_row_stride ", rs, " is smaller than the row length ", last));
       if (rs != last && plan.values[static_cast<std::size_t>(e.node)].root != e.node)
         throw Error(label + " a padded row stride needs the node to own its buffer");
       lp.row_stride[static_cast<std::size_t>(e.node)] = rs;
@@ -129,7 +145,7 @@ LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtim
       sl.node = e.node;
       sl.label = label;
       sl.kernel_name = e.name;
-      sl.scratch_bytes = rt.scratch_bytes(in_shapes, out_shape);
+      sl.scratch_bytes = sizes.scratch_bytes;
       if (sl.scratch_bytes) {
         const int at = plan.step_of[static_cast<std::size_t>(e.node)];
         scratch_reqs.push_back({sl.scratch_bytes, at, at});

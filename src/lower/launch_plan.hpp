@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -25,21 +26,36 @@ struct LaunchSpec {
 
 struct StepLaunches {
   int node = -1;
-  std::string label;         // "[op @ node]"
-  std::string kernel_name;   // Lowered::name
+  std::string label;        // "[op @ node]"
+  std::string kernel_name;  // Lowered::name
   std::string ptx;
-  std::string entry;         // the PTX entry name
+  std::string entry;  // the PTX entry name
   std::size_t scratch_bytes = 0;
   std::size_t scratch_offset = 0;  // in the arena
   std::vector<LaunchSpec> launches;
 };
 
 struct LaunchPlan {
-  std::vector<StepLaunches> steps;        // one per non-view executable, in order
-  std::vector<std::int64_t> row_stride;   // by node id: elements between output rows
-  std::vector<std::size_t> value_bytes;   // by node id: buffer bytes (padded rows included)
+  std::vector<StepLaunches> steps;       // one per non-view executable, in order
+  std::vector<std::int64_t> row_stride;  // by node id: elements between output rows
+  std::vector<std::size_t> value_bytes;  // by node id: buffer bytes (padded rows included)
   std::size_t arena_bytes = 0;
 };
+
+// What a RuntimeOp says about one node at concrete shapes, checked against the graph.
+struct RuntimeOpSizes {
+  std::vector<ParamSpec> new_specs;  // parameters the RuntimeOp declares for an op without its own
+  std::vector<Tensor> new_params;    // their initial values (param_init_data, else zeros)
+  std::int64_t row_stride = 0;       // elements between output rows
+  std::size_t scratch_bytes = 0;
+};
+
+// Checks the RuntimeOp of node `n` (activation inputs, concrete output shape, parameter shapes
+// against `specs`, the node's own) and sizes its output rows and scratch. Errors name the node.
+RuntimeOpSizes consult_runtime_op(const Node& n, const RuntimeOp& rt,
+                                  const std::vector<std::vector<std::int64_t>>& in_shapes,
+                                  const std::vector<std::int64_t>& out_shape,
+                                  const std::vector<ParamSpec>& specs, std::mt19937_64& rng);
 
 // Phase 1: checks each RuntimeOp against the graph (activation inputs, concrete output shape,
 // parameter shapes), adds RuntimeOp-declared parameters to `plan` (param_init_data checked),
@@ -55,6 +71,7 @@ void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lower
                    const std::vector<std::vector<DevicePtr>>& params);
 
 // The address of a node's output for the given arena and input addresses.
-DevicePtr value_address(const runtime::Plan& plan, int node, DevicePtr arena, const std::vector<DevicePtr>& inputs);
+DevicePtr value_address(const runtime::Plan& plan, int node, DevicePtr arena,
+                        const std::vector<DevicePtr>& inputs);
 
 }  // namespace kg::lower

@@ -11,6 +11,7 @@
 #include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
 #include "lower/launch_check.hpp"
+#include "lower/launch_plan.hpp"
 #include "runtime/plan_builder.hpp"
 #include "util/str.hpp"
 
@@ -49,12 +50,6 @@ class PoolContext final : public CpuContext {
 
 DevicePtr host_address(const Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.raw()); }
 
-std::string shapes_text(const std::vector<std::vector<std::int64_t>>& shapes) {
-  std::vector<std::string> t;
-  for (const auto& s : shapes) t.push_back(sizes_to_string(s));
-  return util::join(t, ", ");
-}
-
 // Lowers the node and checks its RuntimeOp against the concrete shapes, as the GPU path does at
 // load: activation inputs, the concrete output shape, parameter shapes; parameters the RuntimeOp
 // declares for itself are created from param_init_data (else zeros).
@@ -76,56 +71,16 @@ std::shared_ptr<Executor::EmulatedNode> prepare(const Node& n, const runtime::St
   std::vector<std::vector<std::int64_t>> in_shapes;
   for (const auto& t : ins) in_shapes.push_back(t.shape());
   const auto& out_shape = out.shape();
-  const int n_act = rt.n_activation_inputs();
-  if (n_act < 0 || n_act > static_cast<int>(ins.size()))
-    throw Error(
-        util::cat(label, " n_activation_inputs() is ", n_act, " but the node has ", ins.size(), " inputs"));
-  if (auto real = rt.compute_concrete_output_shape(in_shapes); real && *real != out_shape)
-    throw Error(util::cat(label, " infer_output_shape says ", sizes_to_string(out_shape), " for inputs ",
-                          shapes_text(in_shapes),
-                          " but the kernel (RuntimeOp::compute_concrete_output_shape) writes ",
-                          sizes_to_string(*real)));
-  const auto shapes = rt.param_shapes(in_shapes, out_shape);
-  if (!step.specs.empty()) {
-    bool same = shapes.size() == step.specs.size();
-    for (std::size_t i = 0; same && i < shapes.size(); ++i) same = shapes[i] == step.specs[i].shape;
-    if (!same) {
-      std::vector<std::vector<std::int64_t>> declared;
-      for (const auto& s : step.specs) declared.push_back(s.shape);
-      throw Error(util::cat(label, " RuntimeOp::param_shapes gives [", shapes_text(shapes),
-                            "] but the op declares [", shapes_text(declared), "]"));
-    }
-  } else {
-    const auto names = rt.param_names();
-    std::mt19937_64 rng(0);
-    for (std::size_t i = 0; i < shapes.size(); ++i) {
-      ParamSpec spec;
-      spec.name = n.name + "." + (i < names.size() ? names[i] : util::cat("param", i));
-      spec.shape = shapes[i];
-      spec.dtype = rt.param_dtype(static_cast<int>(i));
-      spec.trainable = false;
-      if (auto init = rt.param_init_data(static_cast<int>(i))) {
-        lower::check_param_init(init->size(), spec.shape, spec.dtype, spec.name, label);
-        spec.init = ParamInit::from_bytes(std::move(*init));
-      } else {
-        spec.init = ParamInit::constant(0.0);
-      }
-      Tensor t = Tensor::empty(spec.dtype, spec.shape);
-      runtime::init_param(t, spec, n, rng);
-      e->own_specs.push_back(std::move(spec));
-      e->own_params.push_back(t);
-    }
-  }
-
+  std::mt19937_64 rng(0);
+  lower::RuntimeOpSizes sizes = lower::consult_runtime_op(n, rt, in_shapes, out_shape, step.specs, rng);
+  e->own_specs = std::move(sizes.new_specs);
+  e->own_params = std::move(sizes.new_params);
   const std::int64_t last = out_shape.empty() ? 1 : out_shape.back();
-  e->row_stride = rt.forward_output_row_stride(out_shape);
-  if (e->row_stride < last)
-    throw Error(util::cat(label, " forward_output_row_stride ", e->row_stride,
-                          " is smaller than the row length ", last));
+  e->row_stride = sizes.row_stride;
   if (e->row_stride != last && last > 0)
     e->padded = Tensor::empty(out.dtype(), {numel_of(out_shape) / last, e->row_stride});
-  if (const std::size_t s = rt.scratch_bytes(in_shapes, out_shape); s > 0)
-    e->scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(s)});
+  if (sizes.scratch_bytes > 0)
+    e->scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(sizes.scratch_bytes)});
   try {
     e->module = emu::HostJit::global().load(e->lowered.name, e->lowered.source);
     e->kernel = &e->module->find(e->lowered.entry_point, label);
