@@ -58,7 +58,7 @@ std::string entry_params(const char* t) {
 
 // conv.cu without its entries: everything before its "---- entries ----" line.
 std::string conv_body() {
-  const std::string& all = kernel_file("conv.cu");
+  const std::string all = kernel_file("conv.cu");  // a copy: GCC 13 warns on the reference (-Wdangling-reference)
   const std::size_t at = all.find("\n// ---- entries ----");
   if (at == std::string::npos) throw Error("conv.cu has no \"---- entries ----\" line to cut at");
   return all.substr(0, at + 1);
