@@ -1,9 +1,11 @@
 #include "compile/compiler.hpp"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "compile/embedded_sources.hpp"
@@ -66,6 +68,27 @@ void write_atomic(const fs::path& p, const std::string& text) {
   fs::rename(tmp, p, ec);
   if (ec) fs::remove(tmp, ec);
 }
+
+#ifdef KG_HAVE_NVRTC
+// NVRTC opens libnvrtc-builtins by its soname when it first compiles. That search ignores our
+// executable's run path, so on a machine whose loader does not know the toolkit's library folder
+// it fails. Loading the builtins from the folder libnvrtc itself came from first makes that
+// later open find the library already loaded.
+void preload_nvrtc_builtins() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    Dl_info info{};
+    if (!::dladdr(reinterpret_cast<void*>(&nvrtcCompileProgram), &info) || !info.dli_fname) return;
+    const fs::path dir = fs::path(info.dli_fname).parent_path();
+    int major = 0, minor = 0;
+    nvrtcVersion(&major, &minor);
+    for (const std::string& name : {util::cat("libnvrtc-builtins.so.", major, ".", minor),
+                                   util::cat("libnvrtc-builtins.so.", major), std::string("libnvrtc-builtins.so")}) {
+      if (fs::exists(dir / name) && ::dlopen((dir / name).c_str(), RTLD_NOW | RTLD_GLOBAL)) return;
+    }
+  });
+}
+#endif
 
 }  // namespace
 
@@ -131,6 +154,7 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
       hdr_names.push_back(hname.c_str());
       hdr_src.push_back(htext.c_str());
     }
+    preload_nvrtc_builtins();
     nvrtcProgram prog;
     const std::string file = name + ".cu";
     if (nvrtcCreateProgram(&prog, source.c_str(), file.c_str(), static_cast<int>(hdr_src.size()), hdr_src.data(),
