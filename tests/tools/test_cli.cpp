@@ -11,24 +11,16 @@
 
 #include "graph/dump.hpp"
 #include "kg/models.hpp"
+#include "support/cli_util.hpp"
 #include "support/test_util.hpp"
 #include "util/str.hpp"
 
+using kg_test::CliResult;
+using kg_test::expect_one_line_error;
 using kg_test::fresh_seed;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct CliResult {
-  int code = -1;
-  std::string out, err;
-};
-
-std::string quote(const std::string& arg) {
-  std::string q = "'";
-  for (char c : arg) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -37,19 +29,13 @@ std::string read_file(const std::string& path) {
   return os.str();
 }
 
-int count_lines(const std::string& text) {
-  int n = 0;
-  for (char c : text) n += c == '\n';
-  return n;
-}
-
 class Cli : public ::testing::Test {
  protected:
   void SetUp() override {
     std::string pattern = (fs::temp_directory_path() / "kg-cli-test-XXXXXX").string();
     ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
     dir_ = pattern;
-    binary_ = std::string(KG_BINARY_DIR) + "/kgraph";
+    binary_ = kg_test::kgraph_binary();
     ASSERT_TRUE(fs::exists(binary_)) << binary_ << " is missing: build the kgraph target before the tests";
   }
   void TearDown() override {
@@ -61,39 +47,7 @@ class Cli : public ::testing::Test {
 
   // Runs kgraph with `args`; stdout and stderr are captured apart.
   CliResult run(const std::vector<std::string>& args, const std::string& env = "") {
-    const std::string err_path = file("stderr.txt");
-    std::string cmd = "KG_NUM_THREADS=2 " + env + " " + quote(binary_);
-    for (const auto& a : args) cmd += " " + quote(a);
-    cmd += " 2>" + quote(err_path);
-    CliResult r;
-    FILE* p = ::popen(cmd.c_str(), "r");
-    if (p == nullptr) {
-      ADD_FAILURE() << "popen failed: " << cmd;
-      return r;
-    }
-    char buf[4096];
-    std::size_t n = 0;
-    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-    const int status = ::pclose(p);
-    r.err = read_file(err_path);
-    if (WIFEXITED(status)) {
-      r.code = WEXITSTATUS(status);
-    } else {
-      ADD_FAILURE() << cmd << " did not exit normally (status " << status << ")\n" << r.err;
-    }
-    EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
-    EXPECT_NE(r.code, 134) << "aborted: " << r.err;
-    EXPECT_NE(r.code, 139) << "crashed: " << r.err;
-    return r;
-  }
-
-  // A failure: the exit code, one "kgraph: error: ..." line holding `parts`, nothing on stdout.
-  void expect_one_line_error(const CliResult& r, int code, const std::vector<std::string>& parts) {
-    EXPECT_EQ(r.code, code) << r.err;
-    EXPECT_EQ(r.err.rfind("kgraph: error: ", 0), 0u) << r.err;
-    EXPECT_EQ(count_lines(r.err), 1) << r.err;
-    for (const auto& p : parts)
-      EXPECT_NE(r.err.find(p), std::string::npos) << "error lacks '" << p << "': " << r.err;
+    return kg_test::run_kgraph(args, env, file("stderr.txt"));
   }
 
   std::string dir_, binary_;
@@ -228,9 +182,9 @@ TEST_F(Cli, InspectWritesDotAndRendersIt) {
   expect_one_line_error(run({"inspect", "lenet5", "--render", file("g.txt")}), 1, {"g.txt", ".svg"});
   // Without graphviz on PATH the error says what is missing.
   fs::create_directory(file("empty-bin"));
-  expect_one_line_error(
-      run({"inspect", "lenet5", "--render", file("g.png")}, "PATH=" + quote(file("empty-bin"))), 1,
-      {"g.png", "'dot'", "graphviz"});
+  expect_one_line_error(run({"inspect", "lenet5", "--render", file("g.png")},
+                            "PATH=" + kg_test::shell_quote(file("empty-bin"))),
+                        1, {"g.png", "'dot'", "graphviz"});
   EXPECT_FALSE(fs::exists(file("g.png")));
   expect_one_line_error(run({"inspect", "lenet5", "--dot", file("no-dir/g.dot")}), 1, {"no-dir/g.dot"});
 }

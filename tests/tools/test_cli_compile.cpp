@@ -13,22 +13,12 @@
 #include "kg/cuda.hpp"
 #include "kg/models.hpp"
 #include "lower/lowering.hpp"
+#include "support/cli_util.hpp"
 #include "support/test_util.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
-
-struct CliResult {
-  int code = -1;
-  std::string out, err;
-};
-
-std::string quote(const std::string& arg) {
-  std::string q = "'";
-  for (char c : arg) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> v;
@@ -52,7 +42,7 @@ class CliCompile : public ::testing::Test {
     ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
     dir_ = pattern;
     cache_ = (fs::path(dir_) / "cache").string();
-    binary_ = std::string(KG_BINARY_DIR) + "/kgraph";
+    binary_ = kg_test::kgraph_binary();
     ASSERT_TRUE(fs::exists(binary_)) << binary_ << " is missing: build the kgraph target before the tests";
   }
   void TearDown() override {
@@ -61,40 +51,15 @@ class CliCompile : public ::testing::Test {
   }
 
   // Runs kgraph with `args` and a cache directory of this test's own.
-  CliResult run(const std::vector<std::string>& args) {
-    const std::string err_path = (fs::path(dir_) / "stderr.txt").string();
-    std::string cmd = "KG_NUM_THREADS=2 KG_CACHE_DIR=" + quote(cache_) + " " + quote(binary_);
-    for (const auto& a : args) cmd += " " + quote(a);
-    cmd += " 2>" + quote(err_path);
-    CliResult r;
-    FILE* p = ::popen(cmd.c_str(), "r");
-    if (p == nullptr) {
-      ADD_FAILURE() << "popen failed: " << cmd;
-      return r;
-    }
-    char buf[4096];
-    std::size_t n = 0;
-    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-    const int status = ::pclose(p);
-    std::ifstream f(err_path);
-    std::ostringstream os;
-    os << f.rdbuf();
-    r.err = os.str();
-    if (WIFEXITED(status))
-      r.code = WEXITSTATUS(status);
-    else
-      ADD_FAILURE() << cmd << " did not exit normally (status " << status << ")\n" << r.err;
-    EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
-    return r;
+  kg_test::CliResult run(const std::vector<std::string>& args) {
+    return kg_test::run_kgraph(args, "KG_CACHE_DIR=" + kg_test::shell_quote(cache_),
+                               (fs::path(dir_) / "stderr.txt").string());
   }
 
-  void expect_one_line_error(const CliResult& r, int code, const std::vector<std::string>& parts) {
-    EXPECT_EQ(r.code, code) << r.err;
-    EXPECT_EQ(r.err.rfind("kgraph: error: ", 0), 0u) << r.err;
-    EXPECT_EQ(lines_of(r.err).size(), 1u) << r.err;
+  // A one-line error and nothing on stdout.
+  void expect_one_line_error(const kg_test::CliResult& r, int code, const std::vector<std::string>& parts) {
+    kg_test::expect_one_line_error(r, code, parts);
     EXPECT_EQ(r.out, "");
-    for (const auto& p : parts)
-      EXPECT_NE(r.err.find(p), std::string::npos) << "error lacks '" << p << "': " << r.err;
   }
 
   int cached_ptx_files() const {

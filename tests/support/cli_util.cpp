@@ -1,0 +1,60 @@
+#include "support/cli_util.hpp"
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace kg_test {
+
+std::string kgraph_binary() { return std::string(KG_BINARY_DIR) + "/kgraph"; }
+
+std::string shell_quote(const std::string& arg) {
+  std::string q = "'";
+  for (char c : arg) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+CliResult run_kgraph(const std::vector<std::string>& args, const std::string& env,
+                     const std::string& err_path) {
+  std::string cmd = "KG_NUM_THREADS=2 " + env + " " + shell_quote(kgraph_binary());
+  for (const auto& a : args) cmd += " " + shell_quote(a);
+  cmd += " 2>" + shell_quote(err_path);
+  CliResult r;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) {
+    ADD_FAILURE() << "popen failed: " << cmd;
+    return r;
+  }
+  char buf[4096];
+  std::size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = ::pclose(p);
+  std::ifstream f(err_path, std::ios::binary);
+  std::ostringstream os;
+  os << f.rdbuf();
+  r.err = os.str();
+  if (WIFEXITED(status)) {
+    r.code = WEXITSTATUS(status);
+  } else {
+    ADD_FAILURE() << cmd << " did not exit normally (status " << status << ")\n" << r.err;
+  }
+  EXPECT_EQ(r.err.find("terminate called"), std::string::npos) << r.err;
+  EXPECT_NE(r.code, 134) << "aborted: " << r.err;
+  EXPECT_NE(r.code, 139) << "crashed: " << r.err;
+  return r;
+}
+
+void expect_one_line_error(const CliResult& r, int code, const std::vector<std::string>& parts) {
+  EXPECT_EQ(r.code, code) << r.err;
+  EXPECT_EQ(r.err.rfind("kgraph: error: ", 0), 0u) << r.err;
+  int lines = 0;
+  for (char c : r.err) lines += c == '\n';
+  EXPECT_EQ(lines, 1) << r.err;
+  for (const auto& p : parts)
+    EXPECT_NE(r.err.find(p), std::string::npos) << "error lacks '" << p << "': " << r.err;
+}
+
+}  // namespace kg_test
