@@ -71,6 +71,33 @@ class CpuContext {
   virtual void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const;
 };
 
+// What the backward of an op reads from the forward pass. The runtime keeps exactly these
+// tensors alive until the op's backward has run; the others may be overwritten by then.
+struct BackwardSaves {
+  bool inputs = true;   // the activation inputs
+  bool output = false;  // the op's output
+};
+
+// What a CPU backward gets: the forward's tensors, the gradient of the loss with respect to
+// the output, and the gradients to write. Inputs (or the output) that the op did not ask to
+// be saved carry their shape and dtype but no data (raw() is null). A gradient the runtime
+// does not need (an input that depends on no parameter, a buffer that is not trainable) is
+// likewise undefined: check `wants_input_grad(i)` / `wants_param_grad(i)`. Every element of
+// each wanted gradient must be written (overwritten, not accumulated: the runtime sums
+// gradients from several consumers).
+class CpuBackwardContext : public CpuContext {
+ public:
+  CpuBackwardContext(std::span<const Tensor> inputs, std::span<const Tensor> params, Tensor output,
+                     Tensor grad_output, std::span<Tensor> grad_inputs, std::span<Tensor> grad_params,
+                     bool training, std::uint64_t seed);
+
+  Tensor grad_output;              // same shape and dtype as the output
+  std::span<Tensor> grad_inputs;   // one per input, shaped like it
+  std::span<Tensor> grad_params;   // one per parameter, shaped like it
+  bool wants_input_grad(std::size_t i) const { return i < grad_inputs.size() && grad_inputs[i].raw() != nullptr; }
+  bool wants_param_grad(std::size_t i) const { return i < grad_params.size() && grad_params[i].raw() != nullptr; }
+};
+
 // The graph-level description of an operation. Hold configuration here, never per-run state.
 class CustomOp {
  public:
@@ -92,6 +119,15 @@ class CustomOp {
   virtual std::string lower_backward_source() const { return {}; }
   // Computes the output on the CPU. The default throws "has no CPU implementation".
   virtual void cpu_forward(CpuContext& ctx) const;
+  // True when cpu_backward is implemented. Training a model in which this op lies on a path
+  // from a parameter to the loss needs a backward: this one on the CPU, or the lowered one
+  // (lower_backward_source() with RuntimeOp::has_backward()) on a GPU and under emulation.
+  virtual bool has_cpu_backward() const { return false; }
+  // Writes the gradients of the loss with respect to the wanted inputs and parameters. The
+  // seed and training flag are the forward's, so a random op can regenerate its mask.
+  virtual void cpu_backward(CpuBackwardContext& ctx) const;
+  // What the backward reads from the forward (default: the inputs, not the output).
+  virtual BackwardSaves backward_saves() const { return {}; }
   // Attributes for dumps, e.g. "k=5 s=1 p=2" (default: none).
   virtual std::string attributes() const { return {}; }
   // True when the output is the first input's bytes reinterpreted (Reshape, Flatten): the

@@ -50,6 +50,22 @@ struct LoadOptions {
   int threads = 0;
   // On cuda: capture the whole forward into a CUDA graph at the first run and replay it.
   bool cuda_graph = false;
+  // Models lowered for training: the scalar output that LoadedModel::backward() starts from.
+  // Empty: the only output of rank 0 (none or several: backward() is unavailable).
+  std::string loss;
+};
+
+// An optimiser for LoadedModel::step(), with PyTorch's update rules and defaults.
+struct OptimizerOptions {
+  enum class Kind { Sgd, AdamW };
+  Kind kind = Kind::Sgd;
+  double lr = 0.01;
+  double momentum = 0.0;      // SGD: v = momentum·v + g; p -= lr·v
+  double weight_decay = 0.0;  // SGD: added to the gradient (L2); AdamW: decoupled, p -= lr·wd·p
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // AdamW
+  static OptimizerOptions sgd(double lr, double momentum = 0.0, double weight_decay = 0.0);
+  static OptimizerOptions adamw(double lr = 1e-3, double weight_decay = 0.01, double beta1 = 0.9,
+                                double beta2 = 0.999, double eps = 1e-8);
 };
 
 // The memory plan of a loaded model.
@@ -146,6 +162,32 @@ class LoadedModel {
   void load_weights(const std::string& path);
   // Writes every parameter to a safetensors file.
   void save_weights(const std::string& path) const;
+
+  // ---- training (a Model lowered with LoweringMode::Training) ----
+  // The output backward() starts from (LoadOptions::loss), or "" when there is none.
+  std::string loss_name() const;
+  // Adds the gradient of the loss of the last forward() to every trainable parameter's
+  // gradient (zero_grad() clears them). Throws when no forward has run since the last
+  // backward, or when the model has no loss.
+  void backward();
+  // Sets every parameter gradient to zero.
+  void zero_grad();
+  // Chooses the optimiser (its state starts empty) and changes the learning rate.
+  void set_optimizer(const OptimizerOptions& options);
+  void set_learning_rate(double lr);
+  // One optimiser update of every trainable parameter from its gradient.
+  void step();
+  // The gradient of a trainable parameter, and all of them by name.
+  Tensor grad(const std::string& name) const;
+  std::map<std::string, Tensor> gradients() const;
+  // Optimiser state ("<param>.momentum_buffer", "<param>.exp_avg", "<param>.exp_avg_sq",
+  // "step") and its restoration (names and shapes must match the optimiser set).
+  std::map<std::string, Tensor> optimizer_state() const;
+  void load_optimizer_state(const std::map<std::string, Tensor>& state);
+  // A checkpoint: parameters, optimiser state under "optimizer/<name>", and `metadata`, in one
+  // safetensors file. load_checkpoint restores both and returns the metadata.
+  void save_checkpoint(const std::string& path, const std::map<std::string, std::string>& metadata = {}) const;
+  std::map<std::string, std::string> load_checkpoint(const std::string& path);
 
  private:
   std::shared_ptr<Impl> impl_;

@@ -96,6 +96,13 @@ SymTensor avg_pool2d(const SymTensor& x, Size2 kernel, Size2 stride = 0, Size2 p
 SymTensor global_avg_pool(const SymTensor& x, const std::string& name = "");
 SymTensor upsample_nearest2d(const SymTensor& x, Size2 scale_factor, const std::string& name = "");
 
+// ---- losses (scalar outputs [] that LoadedModel::backward starts from) ----
+// Mean cross-entropy of logits [N, C] against integer class labels [N] (i32 or i64). A label
+// outside [0, C) is an error naming the node, the row and the label when the loss runs.
+SymTensor cross_entropy(const SymTensor& logits, const SymTensor& labels, const std::string& name = "");
+// Mean squared error mean((prediction - target)²) over every element; equal shapes.
+SymTensor mse_loss(const SymTensor& prediction, const SymTensor& target, const std::string& name = "");
+
 namespace nn {
 
 // y = x Wᵀ + b over the last dim. weight [out, in], bias [out]. The last dim must be known.

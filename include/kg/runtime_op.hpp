@@ -42,6 +42,21 @@ class ArgVisitor {
   virtual void bytes(const void* data, std::size_t n) = 0;
 };
 
+// What the backward launches of an op see. Tensors the op's CustomOp::backward_saves() did
+// not ask for, and gradients nobody needs, have ptr 0 (their shapes are still given).
+// Gradients are overwritten, every element; the runtime sums contributions of several
+// consumers.
+struct BackwardTensors {
+  std::vector<DeviceTensor> inputs;       // the forward's activation inputs
+  std::vector<DeviceTensor> params;       // the op's parameters
+  DeviceTensor output;                    // the forward's output
+  DeviceTensor grad_output;               // dLoss/dOutput
+  std::vector<DeviceTensor> grad_inputs;  // dLoss/dInput, one per activation input
+  std::vector<DeviceTensor> grad_params;  // dLoss/dParam, one per parameter
+  DevicePtr scratch = 0;                  // backward_scratch_bytes() bytes
+  std::uint64_t seed = 0;                 // the forward's seed (random ops)
+};
+
 class RuntimeOp {
  public:
   virtual ~RuntimeOp() = default;
@@ -89,6 +104,24 @@ class RuntimeOp {
   // (nullopt: the graph's). A disagreement is an error at load.
   virtual std::optional<std::vector<std::int64_t>> compute_concrete_output_shape(
       const std::vector<std::vector<std::int64_t>>& input_shapes) const;
+
+  // ---- backward (training): kernels from CustomOp::lower_backward_source() ----
+  // True when the op has backward launches (default false: training through this op on a
+  // GPU is an error naming it).
+  virtual bool has_backward() const;
+  // Backward launches per execution (default 1), run in order.
+  virtual int n_backward_launches(const BackwardTensors& t) const;
+  // The __global__ function of backward launch `launch` in the backward source ("" = the
+  // only one).
+  virtual std::string backward_entry_point(int launch) const;
+  // Packs the arguments of backward launch `launch` (checked against the PTX like forward).
+  virtual void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& visitor) const;
+  virtual Dim3 backward_block(int launch) const;
+  // A zero dimension is an error naming the op, the node and the launch.
+  virtual Dim3 backward_grid(int launch, const BackwardTensors& t) const;
+  virtual std::size_t backward_dynamic_shared_bytes(int launch, const BackwardTensors& t) const;
+  // Scratch bytes for the backward (default 0).
+  virtual std::size_t backward_scratch_bytes(const BackwardTensors& t) const;
 };
 
 }  // namespace kg

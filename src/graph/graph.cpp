@@ -165,6 +165,18 @@ NoCpuImplementation::NoCpuImplementation()
 
 void CustomOp::cpu_forward(CpuContext&) const { throw NoCpuImplementation(); }
 
+void CustomOp::cpu_backward(CpuBackwardContext&) const {
+  throw Error("has no CPU backward (override CustomOp::cpu_backward and has_cpu_backward)");
+}
+
+CpuBackwardContext::CpuBackwardContext(std::span<const Tensor> in, std::span<const Tensor> ps, Tensor out,
+                                       Tensor grad_out, std::span<Tensor> grad_in, std::span<Tensor> grad_ps,
+                                       bool train, std::uint64_t s)
+    : CpuContext(in, ps, std::move(out), train, s),
+      grad_output(std::move(grad_out)),
+      grad_inputs(grad_in),
+      grad_params(grad_ps) {}
+
 CustomData::CustomData(std::shared_ptr<const CustomOp> op) : op_(std::move(op)) {
   if (!op_) throw Error("CustomData: null op");
 }

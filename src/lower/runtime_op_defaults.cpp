@@ -1,5 +1,6 @@
 // Default behaviour of RuntimeOp: right for a single-launch inference op.
 #include "kg/runtime_op.hpp"
+#include "kg/error.hpp"
 #include "util/str.hpp"
 
 namespace kg {
@@ -30,5 +31,16 @@ std::optional<std::vector<std::int64_t>> RuntimeOp::compute_concrete_output_shap
     const std::vector<std::vector<std::int64_t>>&) const {
   return std::nullopt;
 }
+
+bool RuntimeOp::has_backward() const { return false; }
+int RuntimeOp::n_backward_launches(const BackwardTensors&) const { return 1; }
+std::string RuntimeOp::backward_entry_point(int) const { return {}; }
+void RuntimeOp::pack_backward_args(int, const BackwardTensors&, ArgVisitor&) const {
+  throw Error("has_backward() is true but RuntimeOp::pack_backward_args is not overridden");
+}
+Dim3 RuntimeOp::backward_block(int) const { return block(); }
+Dim3 RuntimeOp::backward_grid(int, const BackwardTensors& t) const { return grid(t.grad_output.shape); }
+std::size_t RuntimeOp::backward_dynamic_shared_bytes(int, const BackwardTensors&) const { return 0; }
+std::size_t RuntimeOp::backward_scratch_bytes(const BackwardTensors&) const { return 0; }
 
 }  // namespace kg
