@@ -1,6 +1,6 @@
 # Writes OUTPUT: a C++ file defining kg::compile's embedded kernel sources from the .cu and .cuh
-# files under SOURCE_DIR (run at build time; no nvcc involved).
-file(GLOB cu_files "${SOURCE_DIR}/*.cu")
+# files under SOURCE_DIR, and the .cu files under EXTRA_DIR (run at build time; no nvcc involved).
+file(GLOB cu_files "${SOURCE_DIR}/*.cu" "${EXTRA_DIR}/*.cu")
 file(GLOB cuh_files "${SOURCE_DIR}/*.cuh")
 list(SORT cu_files)
 list(SORT cuh_files)

@@ -105,6 +105,10 @@ class RuntimeOp {
   virtual std::optional<std::vector<std::int64_t>> compute_concrete_output_shape(
       const std::vector<std::vector<std::int64_t>>& input_shapes) const;
 
+  // False when the kernels only implement inference behaviour (BatchNorm with running
+  // statistics, Dropout as identity): a train-mode run on a GPU is then an error naming the op.
+  virtual bool supports_train_mode() const;
+
   // ---- backward (training): kernels from CustomOp::lower_backward_source() ----
   // True when the op has backward launches (default false: training through this op on a
   // GPU is an error naming it).

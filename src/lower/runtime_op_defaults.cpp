@@ -32,6 +32,7 @@ std::optional<std::vector<std::int64_t>> RuntimeOp::compute_concrete_output_shap
   return std::nullopt;
 }
 
+bool RuntimeOp::supports_train_mode() const { return true; }
 bool RuntimeOp::has_backward() const { return false; }
 int RuntimeOp::n_backward_launches(const BackwardTensors&) const { return 1; }
 std::string RuntimeOp::backward_entry_point(int) const { return {}; }

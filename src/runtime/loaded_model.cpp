@@ -50,11 +50,21 @@ std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
   }
   ++m.runs;
   m.last_profile.clear();
-  if (m.cuda) return m.cuda->run(inputs, m.training, m.options.profile ? &m.last_profile : nullptr);
+  m.forward_ready = false;
+  m.last_seed = m.options.seed + m.runs;
+  m.last_training = m.training;
+  if (m.cuda) {
+    auto outs = m.cuda->run(inputs, m.training, m.options.profile ? &m.last_profile : nullptr);
+    m.forward_ready = m.plan.training.enabled;
+    return outs;
+  }
   void* arena = m.arena.raw();
   if (m.options.poison_buffers) std::memset(arena, 0xFF, m.arena.nbytes());
-  m.executor->run(g, m.plan, inputs, arena, m.training, m.options.seed + m.runs,
-                  m.options.profile ? &m.last_profile : nullptr);
+  m.executor->run(g, m.plan, inputs, arena, m.training, m.last_seed, m.options.profile ? &m.last_profile : nullptr);
+  if (m.plan.training.enabled) {
+    m.last_inputs = inputs;  // handles: the backward reads saved inputs
+    m.forward_ready = true;
+  }
   std::vector<Tensor> outs;
   for (int o : m.plan.outputs) outs.push_back(cpu::Executor::value_tensor(m.plan, o, inputs, arena).clone());
   return outs;

@@ -25,6 +25,24 @@ struct LoadedModel::Impl {
   bool training = false;
   std::uint64_t runs = 0;
   std::vector<NodeTime> last_profile;
+
+  // ---- training (plan.training.enabled) ----
+  std::string loss_name;
+  // Host gradients and optimiser state, per plan step and parameter (undefined tensors for
+  // parameters without a gradient). On cuda they mirror the device's when asked for.
+  std::vector<std::vector<Tensor>> grads;
+  std::vector<std::vector<std::vector<Tensor>>> slots;  // per step, parameter, slot
+  bool grads_fresh = true;     // zero since zero_grad(): backward writes instead of adding
+  bool forward_ready = false;  // a forward ran since the last backward
+  std::uint64_t last_seed = 0;
+  bool last_training = false;
+  std::vector<Tensor> last_inputs;  // cpu: the last forward's inputs (the backward reads them)
+  bool have_optimizer = false;
+  OptimizerOptions optimizer;
+  std::int64_t optimizer_steps = 0;
 };
+
+// Zeroed host gradients for every trainable parameter a backward step reaches.
+void init_training_state(LoadedModel::Impl& m);
 
 }  // namespace kg

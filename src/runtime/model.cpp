@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "backend/cpu/executor.hpp"
@@ -9,6 +10,7 @@
 #include "runtime/loaded_model_impl.hpp"
 #include "backend/cuda/executor.hpp"
 #include "lower/lowering.hpp"
+#include "runtime/autograd.hpp"
 #include "runtime/plan_builder.hpp"
 #include "runtime/shape_binding.hpp"
 #include "util/str.hpp"
@@ -101,9 +103,33 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
 
   runtime::BoundShapes bound = runtime::bind_shapes(*graph_, live_, input_shapes);
   impl->plan = runtime::build_plan(*graph_, live_, outs, bound, options.seed);
+  int loss = -1;
+  if (mode_ == LoweringMode::Training) {
+    loss = runtime::find_loss(*graph_, outputs_, bound, options.loss);
+    for (auto& o : outputs_)
+      if (o.second == loss) impl->loss_name = o.first;
+  } else if (!options.loss.empty()) {
+    throw Error("LoadOptions::loss names '" + options.loss + "' but the model was lowered for inference");
+  }
   if (device.kind == Device::Kind::Cuda) {
-    impl->cuda = cuda::make_executor(device.index, *graph_, lower::lower_model(*this), impl->plan, options);
+    lower::LoweredGraph lowered = lower::lower_model(*this);
+    std::map<int, const lower::Executable*> by_node;
+    for (const auto& e : lowered.executables) by_node[e.node] = &e;
+    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, [&](const Node& n) {
+      auto it = by_node.find(n.id);
+      return it != by_node.end() && it->second->runtime_op && it->second->runtime_op->has_backward() &&
+             !it->second->backward_source.empty();
+    });
+    if (impl->plan.training.enabled) init_training_state(*impl);
+    impl->cuda = cuda::make_executor(device.index, *graph_, lowered, impl->plan, options);
   } else {
+    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, [](const Node& n) {
+      const CustomOp& op = n.op->op();
+      if (op.has_cpu_backward()) return true;
+      std::optional<Lowered> l = op.lower();
+      return l && l->runtime_op && l->runtime_op->has_backward() && !op.lower_backward_source().empty();
+    });
+    if (impl->plan.training.enabled) init_training_state(*impl);
     runtime::Plan& plan = impl->plan;
     runtime::place_in_arena(plan, *graph_, [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); },
                             {});

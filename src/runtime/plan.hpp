@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kg/model.hpp"
+#include "runtime/memory_plan.hpp"
 
 namespace kg::runtime {
 
@@ -26,6 +27,41 @@ struct Step {
   std::vector<Tensor> params;    // host values, one per spec
 };
 
+// A gradient contribution of one backward step to one of its inputs.
+struct GradTarget {
+  int root = -1;                 // storage root whose gradient it is (-1: not wanted)
+  bool accumulate = false;       // written into `temp_offset`, then added to the root's gradient
+  std::size_t temp_offset = 0;   // arena offset of the temporary (when accumulate)
+};
+
+// One op's backward, in the order backward runs (reverse topological).
+struct BackwardStep {
+  int step = -1;                     // index in Plan::steps
+  int node = -1;
+  std::vector<GradTarget> inputs;    // one per node input
+  std::vector<bool> want_param;      // one per parameter spec (trainable and needed)
+  std::vector<std::size_t> param_temp_offsets;  // per parameter: arena temporary (accumulation)
+  BackwardSaves saves;
+};
+
+// The backward half of a plan (models lowered for training that have a loss).
+struct TrainingPlan {
+  bool enabled = false;
+  int loss_node = -1;                    // node id of the loss output
+  std::vector<BackwardStep> steps;
+  std::vector<std::size_t> grad_offset;  // by root node id: arena offset of its gradient
+  std::vector<char> has_grad;            // by root node id
+  std::vector<int> zero_roots;           // gradients read but never written: zeroed first
+  // Arena requests of the gradients and temporaries (placed by place_in_arena), and where
+  // each offset goes: a root's gradient, an input temporary, a parameter temporary.
+  struct Target {
+    enum class Kind { Grad, InputTemp, ParamTemp } kind;
+    int a = 0, b = 0;  // root id; or backward step and input/parameter index
+  };
+  std::vector<BufferRequest> requests;
+  std::vector<Target> targets;
+};
+
 struct Plan {
   std::vector<Value> values;  // by node id (dead nodes have root -1)
   std::vector<Step> steps;    // topological order; view nodes are not steps
@@ -34,6 +70,7 @@ struct Plan {
   std::vector<int> first, last;  // by node id: lifetime of a storage root in live-order steps
   std::vector<int> step_of;      // by node id: position in `live`
   MemoryPlan memory;
+  TrainingPlan training;
 };
 
 }  // namespace kg::runtime

@@ -117,7 +117,20 @@ std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const st
   }
   const std::size_t n_values = reqs.size();
   reqs.insert(reqs.end(), extra.begin(), extra.end());
+  TrainingPlan& tp = plan.training;
+  const std::size_t n_before_training = reqs.size();
+  reqs.insert(reqs.end(), tp.requests.begin(), tp.requests.end());
   Placement placement = plan_buffers(reqs);
+  for (std::size_t k = 0; k < tp.targets.size(); ++k) {
+    const std::size_t off = placement.offsets[n_before_training + k];
+    const auto& t = tp.targets[k];
+    const auto a = static_cast<std::size_t>(t.a), b = static_cast<std::size_t>(t.b);
+    switch (t.kind) {
+      case TrainingPlan::Target::Kind::Grad: tp.grad_offset[a] = off; break;
+      case TrainingPlan::Target::Kind::InputTemp: tp.steps[a].inputs[b].temp_offset = off; break;
+      case TrainingPlan::Target::Kind::ParamTemp: tp.steps[a].param_temp_offsets[b] = off; break;
+    }
+  }
   for (std::size_t i = 0; i < n_values; ++i)
     plan.values[static_cast<std::size_t>(req_node[i])].offset = placement.offsets[i];
   for (int id : plan.live) {
@@ -131,7 +144,7 @@ std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const st
   for (int o : plan.outputs) out_bytes += plan.values[static_cast<std::size_t>(o)].bytes();
   plan.memory.peak_bytes = plan.memory.arena_bytes + plan.memory.param_bytes + out_bytes;
   return std::vector<std::size_t>(placement.offsets.begin() + static_cast<std::ptrdiff_t>(n_values),
-                                  placement.offsets.end());
+                                  placement.offsets.begin() + static_cast<std::ptrdiff_t>(n_before_training));
 }
 
 }  // namespace kg::runtime

@@ -149,7 +149,173 @@ void run_emulated(Executor::EmulatedNode& e, const Node& n, const runtime::Step&
   }
 }
 
+// The backward twin of PoolContext.
+class PoolBackwardContext final : public CpuBackwardContext {
+ public:
+  PoolBackwardContext(std::span<const Tensor> in, std::span<const Tensor> ps, Tensor out, Tensor grad_out,
+                      std::span<Tensor> grad_in, std::span<Tensor> grad_ps, bool train, std::uint64_t seed,
+                      ThreadPool& pool)
+      : CpuBackwardContext(in, ps, std::move(out), std::move(grad_out), grad_in, grad_ps, train, seed), pool_(pool) {}
+  void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const override {
+    pool_.parallel_for(n, grain, fn);
+  }
+
+ private:
+  ThreadPool& pool_;
+};
+
+template <class T> void add_span(T* dst, const T* src, std::int64_t b, std::int64_t e) {
+  for (std::int64_t i = b; i < e; ++i) dst[i] += src[i];
+}
+
+// dst += src (same dtype and element count; float dtypes).
+void add_into(const Tensor& dst_t, const Tensor& src, ThreadPool& pool) {
+  Tensor dst = dst_t;
+  const std::int64_t n = dst.numel();
+  if (src.numel() != n || src.dtype() != dst.dtype())
+    throw Error(util::cat("gradient sum: ", sizes_to_string(src.shape()), " ", dtype_name(src.dtype()), " into ",
+                          sizes_to_string(dst.shape()), " ", dtype_name(dst.dtype())));
+  switch (dst.dtype()) {
+    case DType::F32: {
+      float* d = dst.data<float>();
+      const float* s = src.data<float>();
+      pool.parallel_for(n, 1 << 15, [&](std::int64_t b, std::int64_t e) { add_span(d, s, b, e); });
+      return;
+    }
+    case DType::F64: {
+      double* d = dst.data<double>();
+      const double* s = src.data<double>();
+      pool.parallel_for(n, 1 << 15, [&](std::int64_t b, std::int64_t e) { add_span(d, s, b, e); });
+      return;
+    }
+    default:
+      for (std::int64_t i = 0; i < n; ++i) {
+        Tensor one = Tensor::wrap(static_cast<std::byte*>(dst.raw()) + static_cast<std::size_t>(i) * dtype_size(dst.dtype()),
+                                  dst.dtype(), {});
+        one.fill(dst.item(i) + src.item(i));
+      }
+  }
+}
+
+// Runs the lowered backward kernels of an op without a CPU backward through the emulator.
+void run_emulated_backward(const Node& n, const std::vector<Tensor>& ins, const std::vector<Tensor>& params,
+                           const std::vector<ParamSpec>& specs, const Tensor& out, const Tensor& grad_out,
+                           std::vector<Tensor>& grad_in, std::vector<Tensor>& grad_params, std::uint64_t seed) {
+  const std::string label = n.label();
+  std::optional<Lowered> l = n.op->op().lower();
+  if (!l || !l->runtime_op || !l->runtime_op->has_backward())
+    throw Error(label + " has no backward (CustomOp::cpu_backward, or RuntimeOp::has_backward with "
+                        "lower_backward_source())");
+  const RuntimeOp& rt = *l->runtime_op;
+  const std::string source = n.op->op().lower_backward_source();
+  if (source.empty()) throw Error(label + " RuntimeOp::has_backward() is true but lower_backward_source() is empty");
+  auto dev = [](const Tensor& t) { return DeviceTensor{host_address(t), t.shape(), t.dtype()}; };
+  BackwardTensors bt;
+  for (const auto& t : ins) bt.inputs.push_back(dev(t));
+  bt.inputs.resize(static_cast<std::size_t>(rt.n_activation_inputs()));
+  for (std::size_t i = 0; i < params.size(); ++i) bt.params.push_back({host_address(params[i]), specs[i].shape, specs[i].dtype});
+  bt.output = dev(out);
+  bt.grad_output = dev(grad_out);
+  for (const auto& t : grad_in) bt.grad_inputs.push_back(dev(t));
+  bt.grad_inputs.resize(bt.inputs.size());
+  for (const auto& t : grad_params) bt.grad_params.push_back(dev(t));
+  bt.seed = seed;
+  Tensor scratch;
+  const std::size_t sb = rt.backward_scratch_bytes(bt);
+  if (sb > 0) {
+    scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(sb)});
+    bt.scratch = host_address(scratch);
+  }
+  const int nl = rt.n_backward_launches(bt);
+  if (nl < 1) throw Error(util::cat(label, " n_backward_launches is ", nl));
+  const std::string name = (l->name.empty() ? n.op->name() : l->name) + ".backward";
+  for (int i = 0; i < nl; ++i) {
+    const Dim3 grid = rt.backward_grid(i, bt), block = rt.backward_block(i);
+    lower::check_grid(grid, bt.grad_output.shape, label + " backward", i);
+    lower::ArgPack pack;
+    rt.pack_backward_args(i, bt, pack);
+    emu::LaunchOptions o;
+    o.label = label + " backward";
+    emu::launch(name, source, rt.backward_entry_point(i), grid, block, rt.backward_dynamic_shared_bytes(i, bt), pack, o);
+  }
+}
+
 }  // namespace
+
+std::uint64_t Executor::node_seed(std::uint64_t seed, int node) {
+  return seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(node);
+}
+
+void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
+                            std::vector<std::vector<Tensor>>& param_grads, bool accumulate_params, bool training,
+                            std::uint64_t seed, std::vector<NodeTime>* profile) {
+  using clock = std::chrono::steady_clock;
+  const runtime::TrainingPlan& tp = plan.training;
+  auto* base = static_cast<std::byte*>(arena);
+  auto grad_of = [&](int node) {
+    const auto& v = plan.values[static_cast<std::size_t>(node)];
+    return Tensor::wrap(base + tp.grad_offset[static_cast<std::size_t>(v.root)], v.dtype, v.shape);
+  };
+  for (int r : tp.zero_roots) std::memset(base + tp.grad_offset[static_cast<std::size_t>(r)], 0,
+                                          plan.values[static_cast<std::size_t>(r)].bytes());
+  grad_of(tp.loss_node).fill(1.0);
+
+  std::vector<Tensor> ins, grad_in, grad_params;
+  for (const runtime::BackwardStep& b : tp.steps) {
+    const Node& n = graph.node(b.node);
+    const runtime::Step& step = plan.steps[static_cast<std::size_t>(b.step)];
+    auto t0 = clock::now();
+    ins.clear();
+    grad_in.clear();
+    grad_params.clear();
+    for (std::size_t i = 0; i < n.inputs.size(); ++i) {
+      const int in = n.inputs[i];
+      const auto& v = plan.values[static_cast<std::size_t>(in)];
+      ins.push_back(b.saves.inputs ? value_tensor(plan, in, inputs, arena) : Tensor::wrap(nullptr, v.dtype, v.shape));
+      const runtime::GradTarget& g = b.inputs[i];
+      if (g.root < 0)
+        grad_in.push_back(Tensor::wrap(nullptr, v.dtype, v.shape));
+      else if (g.accumulate)
+        grad_in.push_back(Tensor::wrap(base + g.temp_offset, v.dtype, v.shape));
+      else
+        grad_in.push_back(grad_of(in));
+    }
+    const auto& ov = plan.values[static_cast<std::size_t>(b.node)];
+    Tensor out = b.saves.output ? value_tensor(plan, b.node, inputs, arena) : Tensor::wrap(nullptr, ov.dtype, ov.shape);
+    std::vector<Tensor>& pg = param_grads[static_cast<std::size_t>(b.step)];
+    for (std::size_t p = 0; p < step.specs.size(); ++p) {
+      const auto& spec = step.specs[p];
+      if (!b.want_param[p])
+        grad_params.push_back(Tensor::wrap(nullptr, spec.dtype, spec.shape));
+      else if (accumulate_params)
+        grad_params.push_back(Tensor::wrap(base + b.param_temp_offsets[p], spec.dtype, spec.shape));
+      else
+        grad_params.push_back(pg[p]);
+    }
+    const std::uint64_t s = node_seed(seed, b.node);
+    try {
+      if (n.op->op().has_cpu_backward()) {
+        PoolBackwardContext ctx(ins, step.params, out, grad_of(b.node), grad_in, grad_params, training, s, pool());
+        n.op->op().cpu_backward(ctx);
+      } else {
+        run_emulated_backward(n, ins, step.params, step.specs, out, grad_of(b.node), grad_in, grad_params, s);
+      }
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      throw Error(what.rfind(n.label(), 0) == 0 ? what : n.label() + " backward: " + what);
+    } catch (const std::exception& e) {
+      throw Error(n.label() + " backward failed: " + e.what());
+    }
+    for (std::size_t i = 0; i < n.inputs.size(); ++i)
+      if (b.inputs[i].root >= 0 && b.inputs[i].accumulate) add_into(grad_of(n.inputs[i]), grad_in[i], pool());
+    if (accumulate_params)
+      for (std::size_t p = 0; p < step.specs.size(); ++p)
+        if (b.want_param[p]) add_into(pg[p], grad_params[p], pool());
+    if (profile)
+      profile->push_back({n.name, n.op_name() + " (backward)",
+                          std::chrono::duration<double, std::milli>(clock::now() - t0).count()});
+  }
+}
 
 Executor::Executor(int threads) {
   if (threads > 0) own_ = std::make_unique<ThreadPool>(threads);
@@ -178,8 +344,7 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
     auto emulated = emulated_.find(step.node);
     bool emulate = emulated != emulated_.end();
     if (!emulate) {
-      PoolContext ctx(ins, step.params, out, training,
-                      seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(step.node), pool());
+      PoolContext ctx(ins, step.params, out, training, node_seed(seed, step.node), pool());
       try {
         n.op->op().cpu_forward(ctx);
       } catch (const NoCpuImplementation&) {

@@ -20,6 +20,16 @@ class Executor {
   // Errors from an op are rethrown prefixed with its node's label.
   void run(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
            bool training, std::uint64_t seed, std::vector<NodeTime>* profile);
+  // Runs the backward steps of plan.training: seeds the loss gradient with 1, runs each op's
+  // backward (CPU, else its lowered backward kernels through the emulator) and sums gradients.
+  // `param_grads[s][p]` is the gradient of plan.steps[s]'s parameter p (undefined when not
+  // trainable); with `accumulate_params` contributions are added to it, else written. `seed`
+  // and `training` must be the forward's.
+  void run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
+                    std::vector<std::vector<Tensor>>& param_grads, bool accumulate_params, bool training,
+                    std::uint64_t seed, std::vector<NodeTime>* profile);
+  // The seed an op node gets for the run seeded `seed` (forward and backward alike).
+  static std::uint64_t node_seed(std::uint64_t seed, int node);
   // The tensor of a node's output (a view into the arena or an input).
   static Tensor value_tensor(const runtime::Plan& plan, int node, const std::vector<Tensor>& inputs,
                              void* arena);

@@ -11,6 +11,7 @@
 
 #ifdef KG_HAVE_CUDA
 #include "backend/cuda/context.hpp"
+#include "backend/cuda/trainer.hpp"
 #include "lower/launch_plan.hpp"
 #endif
 
@@ -39,6 +40,15 @@ class GpuExecutor final : public Executor {
   std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::vector<NodeTime>* profile) override;
   void upload_params() override;
   void download_params() override;
+  void backward(bool accumulate_params, std::uint64_t seed, std::vector<NodeTime>* profile) override {
+    trainer().backward(accumulate_params, seed, profile);
+  }
+  void zero_grad() override { trainer().zero_grad(); }
+  void step(const OptimizerOptions& o, std::int64_t step) override { trainer().step(o, step); }
+  void reset_optimizer(const OptimizerOptions& o) override { trainer().reset_optimizer(o); }
+  void download_grads(std::vector<std::vector<Tensor>>& g) override { trainer().download_grads(g); }
+  void download_slots(std::vector<std::vector<std::vector<Tensor>>>& s) override { trainer().download_slots(s); }
+  void upload_slots(const std::vector<std::vector<std::vector<Tensor>>>& s) override { trainer().upload_slots(s); }
 
  private:
   struct Step {
@@ -49,6 +59,10 @@ class GpuExecutor final : public Executor {
   };
   DevicePtr value_ptr(int node) const;
   void launch_all();
+  Trainer& trainer() {
+    if (!trainer_) throw Error("cuda: the model has no training plan");
+    return *trainer_;
+  }
 
   Context& ctx_;
   const Graph& graph_;
@@ -61,6 +75,8 @@ class GpuExecutor final : public Executor {
   std::vector<Step> steps_;
   CUgraph graph_handle_ = nullptr;
   CUgraphExec graph_exec_ = nullptr;
+  std::vector<std::string> eval_only_;  // labels of ops whose kernels have no train mode
+  std::unique_ptr<Trainer> trainer_;
 };
 
 GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, runtime::Plan& plan,
@@ -96,6 +112,10 @@ GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGra
     ordered.push_back(std::move(st));
   }
   steps_ = std::move(ordered);
+  for (const auto& e : lowered.executables)
+    if (!e.view && !e.runtime_op->supports_train_mode()) eval_only_.push_back(graph.node(e.node).label());
+  if (plan.training.enabled)
+    trainer_ = std::make_unique<Trainer>(ctx_, graph, lowered, plan, arena_.ptr(), input_ptrs_, param_ptrs);
 }
 
 GpuExecutor::~GpuExecutor() {
@@ -117,7 +137,9 @@ void GpuExecutor::launch_all() {
 }
 
 std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool training, std::vector<NodeTime>* profile) {
-  if (training) throw Error("cuda: training runs are not supported by this backend yet");
+  if (training && !eval_only_.empty())
+    throw Error(eval_only_.front() + " cuda: this op's kernels implement inference behaviour only; a train-mode run "
+                                     "(set_training(true)) needs it on the cpu device");
   ctx_.make_current();
   const Driver& d = ctx_.driver();
   for (std::size_t k = 0; k < inputs.size(); ++k) ctx_.upload_async(inputs_[k].ptr(), inputs[k].raw(), inputs[k].nbytes());

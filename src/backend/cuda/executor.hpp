@@ -27,6 +27,18 @@ class Executor {
   virtual void upload_params() = 0;
   // Copies device parameter values back to the host tensors.
   virtual void download_params() = 0;
+
+  // ---- training (plan.training.enabled) ----
+  // Runs the backward of the last run (see cpu::Executor::run_backward).
+  virtual void backward(bool accumulate_params, std::uint64_t seed, std::vector<NodeTime>* profile) = 0;
+  virtual void zero_grad() = 0;
+  // One optimiser update at step `step` (1-based); state starts at zero after reset_optimizer.
+  virtual void step(const OptimizerOptions& options, std::int64_t step) = 0;
+  virtual void reset_optimizer(const OptimizerOptions& options) = 0;
+  // Device gradients and optimiser state into / from host tensors shaped like the impl's.
+  virtual void download_grads(std::vector<std::vector<Tensor>>& grads) = 0;
+  virtual void download_slots(std::vector<std::vector<std::vector<Tensor>>>& slots) = 0;
+  virtual void upload_slots(const std::vector<std::vector<std::vector<Tensor>>>& slots) = 0;
 };
 
 // Compiles every executable for the device's architecture, checks the launches, plans and

@@ -1,0 +1,267 @@
+#ifdef KG_HAVE_CUDA
+#include "backend/cuda/trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "compile/compiler.hpp"
+#include "compile/embedded_sources.hpp"
+#include "compile/ptx.hpp"
+#include "kg/error.hpp"
+#include "lower/launch_plan.hpp"
+#include "runtime/optimizer.hpp"
+#include "util/str.hpp"
+
+namespace kg::cuda {
+
+namespace {
+constexpr unsigned kThreads = 256;
+
+Error labelled(const std::string& label, const Error& e) {
+  const std::string what = e.what();
+  return Error(what.rfind(label, 0) == 0 ? what : label + " " + what);
+}
+}  // namespace
+
+Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const runtime::Plan& plan,
+                 DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params)
+    : ctx_(ctx), graph_(graph), plan_(plan), arena_(arena), params_(std::move(params)) {
+  const runtime::TrainingPlan& tp = plan.training;
+  // Runtime kernels.
+  {
+    const std::string& src = compile::kernel_source("train.cu");
+    const auto compiled = compile::Compiler::global().compile("kg.train", src, ctx_.arch());
+    fill_ = ctx_.function(compiled.ptx, "kg_fill_f32", "[kg.train]");
+    add_ = ctx_.function(compiled.ptx, "kg_add_f32", "[kg.train]");
+    sgd_ = ctx_.function(compiled.ptx, "kg_sgd_f32", "[kg.train]");
+    adamw_ = ctx_.function(compiled.ptx, "kg_adamw_f32", "[kg.train]");
+  }
+  // Parameter gradients, for the parameters some backward step wants.
+  grads_.resize(plan.steps.size());
+  for (std::size_t s = 0; s < plan.steps.size(); ++s) grads_[s].resize(plan.steps[s].specs.size());
+  for (const auto& b : tp.steps) {
+    const auto& st = plan.steps[static_cast<std::size_t>(b.step)];
+    for (std::size_t p = 0; p < st.specs.size(); ++p) {
+      if (!b.want_param[p]) continue;
+      if (st.specs[p].dtype != DType::F32)
+        throw Error(util::cat(graph.node(b.node).label(), " parameter '", st.specs[p].name, "' is ",
+                              dtype_name(st.specs[p].dtype), "; training on cuda supports f32 parameters"));
+      grads_[static_cast<std::size_t>(b.step)][p] = DeviceBuffer(ctx_, st.params[p].nbytes());
+    }
+  }
+  zero_grad();
+
+  std::map<int, const lower::Executable*> by_node;
+  for (const auto& e : lowered.executables) by_node[e.node] = &e;
+  auto grad_addr = [&](int node) {
+    const auto& v = plan.values[static_cast<std::size_t>(node)];
+    return arena + tp.grad_offset[static_cast<std::size_t>(v.root)];
+  };
+  for (const auto& b : tp.steps) {
+    const Node& n = graph.node(b.node);
+    const lower::Executable& e = *by_node.at(b.node);
+    Backward bw;
+    bw.step = &b;
+    bw.label = n.label() + " backward";
+    bw.rt = e.runtime_op;
+    try {
+      const auto& st = plan.steps[static_cast<std::size_t>(b.step)];
+      BackwardTensors& t = bw.tensors;
+      for (std::size_t i = 0; i < n.inputs.size(); ++i) {
+        const int in = n.inputs[i];
+        const auto& v = plan.values[static_cast<std::size_t>(in)];
+        t.inputs.push_back({b.saves.inputs ? lower::value_address(plan, in, arena, inputs) : 0, v.shape, v.dtype});
+        const runtime::GradTarget& g = b.inputs[i];
+        DevicePtr gp = g.root < 0 ? 0 : g.accumulate ? arena + g.temp_offset : grad_addr(in);
+        if (g.root >= 0 && v.dtype != DType::F32)
+          throw Error(util::cat("input ", i, " is ", dtype_name(v.dtype), "; training on cuda supports f32 activations"));
+        t.grad_inputs.push_back({gp, v.shape, v.dtype});
+      }
+      t.inputs.resize(static_cast<std::size_t>(bw.rt->n_activation_inputs()));
+      t.grad_inputs.resize(t.inputs.size());
+      const auto& pa = params_.at(static_cast<std::size_t>(b.step));
+      for (std::size_t p = 0; p < st.specs.size(); ++p) {
+        t.params.push_back({pa.at(p), st.specs[p].shape, st.specs[p].dtype});
+        const bool want = b.want_param[p];
+        bw.direct_param_grads.push_back(want ? grads_[static_cast<std::size_t>(b.step)][p].ptr() : 0);
+        bw.temp_param_grads.push_back(want ? arena + b.param_temp_offsets[p] : 0);
+        t.grad_params.push_back({bw.direct_param_grads.back(), st.specs[p].shape, st.specs[p].dtype});
+      }
+      const auto& ov = plan.values[static_cast<std::size_t>(b.node)];
+      t.output = {b.saves.output ? lower::value_address(plan, b.node, arena, inputs) : 0, ov.shape, ov.dtype};
+      t.grad_output = {grad_addr(b.node), ov.shape, ov.dtype};
+      const std::size_t sb = bw.rt->backward_scratch_bytes(t);
+      if (sb > 0) {
+        bw.scratch = DeviceBuffer(ctx_, sb);
+        t.scratch = bw.scratch.ptr();
+      }
+      const compile::CompileResult compiled =
+          compile::Compiler::global().compile(e.name + ".backward", e.backward_source, ctx_.arch());
+      bw.entries = compile::parse_ptx_entries(compiled.ptx);
+      const int nl = bw.rt->n_backward_launches(t);
+      if (nl < 1) throw Error(util::cat("n_backward_launches is ", nl));
+      for (int l = 0; l < nl; ++l) {
+        const std::string want = bw.rt->backward_entry_point(l);
+        const compile::PtxEntry& entry = lower::resolve_entry(bw.entries, want, bw.label);
+        lower::check_block(entry, bw.rt->backward_block(l), bw.label, l);
+        bw.entry_names.push_back(entry.name);
+        bw.arg_names.push_back(compile::kernel_param_names(e.backward_source, want.empty() ? entry.name : want));
+        bw.fns.push_back(ctx_.function(compiled.ptx, entry.name, bw.label));
+      }
+    } catch (const Error& err) {
+      throw labelled(bw.label, err);
+    } catch (const std::exception& err) {
+      throw Error(bw.label + " RuntimeOp failed: " + err.what());
+    }
+    steps_.push_back(std::move(bw));
+  }
+}
+
+void Trainer::launch_1d(CUfunction f, std::int64_t n, void** params, const std::string& label) {
+  const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, 65535));
+  ctx_.launch(f, Dim3{blocks, 1, 1}, Dim3{kThreads, 1, 1}, 0, params, label);
+}
+
+void Trainer::add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::string& label) {
+  long long nn = n;
+  void* p[] = {&dst, &src, &nn};
+  launch_1d(add_, n, p, label);
+}
+
+void Trainer::backward(bool accumulate_params, std::uint64_t seed, std::vector<NodeTime>* profile) {
+  ctx_.make_current();
+  const runtime::TrainingPlan& tp = plan_.training;
+  for (int r : tp.zero_roots)
+    ctx_.fill_bytes_async(arena_ + tp.grad_offset[static_cast<std::size_t>(r)], 0,
+                          plan_.values[static_cast<std::size_t>(r)].bytes());
+  {
+    const auto& lv = plan_.values[static_cast<std::size_t>(tp.loss_node)];
+    if (lv.dtype != DType::F32) throw Error("training on cuda needs an f32 loss, got " + std::string(dtype_name(lv.dtype)));
+    DevicePtr lp = arena_ + tp.grad_offset[static_cast<std::size_t>(lv.root)];
+    float one = 1.0f;
+    long long n = numel_of(lv.shape);
+    void* p[] = {&lp, &one, &n};
+    launch_1d(fill_, n, p, "[kg.train loss seed]");
+  }
+  for (auto& bw : steps_) {
+    const runtime::BackwardStep& b = *bw.step;
+    const Node& n = graph_.node(b.node);
+    auto t0 = std::chrono::steady_clock::now();
+    if (profile) ctx_.synchronize();
+    BackwardTensors& t = bw.tensors;
+    for (std::size_t p = 0; p < t.grad_params.size(); ++p)
+      t.grad_params[p].ptr = accumulate_params ? bw.temp_param_grads[p] : bw.direct_param_grads[p];
+    t.seed = seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(b.node);
+    try {
+      for (std::size_t l = 0; l < bw.fns.size(); ++l) {
+        const int li = static_cast<int>(l);
+        const Dim3 grid = bw.rt->backward_grid(li, t), block = bw.rt->backward_block(li);
+        lower::check_grid(grid, t.grad_output.shape, bw.label, li);
+        lower::ArgPack pack;
+        bw.rt->pack_backward_args(li, t, pack);
+        const compile::PtxEntry& entry = lower::resolve_entry(bw.entries, bw.entry_names[l], bw.label);
+        lower::check_args(entry, pack, bw.arg_names[l], bw.label, li);
+        auto kp = pack.kernel_params();
+        ctx_.launch(bw.fns[l], grid, block, bw.rt->backward_dynamic_shared_bytes(li, t), kp.data(), bw.label);
+      }
+    } catch (const Error& err) {
+      throw labelled(bw.label, err);
+    }
+    for (std::size_t i = 0; i < b.inputs.size(); ++i) {
+      const runtime::GradTarget& g = b.inputs[i];
+      if (g.root < 0 || !g.accumulate) continue;
+      const auto& v = plan_.values[static_cast<std::size_t>(n.inputs[i])];
+      add(arena_ + tp.grad_offset[static_cast<std::size_t>(v.root)], arena_ + g.temp_offset, numel_of(v.shape),
+          bw.label + " gradient sum");
+    }
+    if (accumulate_params)
+      for (std::size_t p = 0; p < bw.direct_param_grads.size(); ++p)
+        if (bw.direct_param_grads[p])
+          add(bw.direct_param_grads[p], bw.temp_param_grads[p], numel_of(t.grad_params[p].shape),
+              bw.label + " parameter gradient sum");
+    if (profile) {
+      ctx_.synchronize();
+      profile->push_back({n.name, n.op_name() + " (backward)",
+                          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
+    }
+  }
+}
+
+void Trainer::zero_grad() {
+  ctx_.make_current();
+  for (auto& row : grads_)
+    for (auto& g : row)
+      if (g.ptr()) ctx_.fill_bytes_async(g.ptr(), 0, g.bytes());
+}
+
+void Trainer::reset_optimizer(const OptimizerOptions& options) {
+  ctx_.make_current();
+  const std::size_t n_slots = runtime::optimizer_slots(options).size();
+  slots_.clear();
+  slots_.resize(grads_.size());
+  for (std::size_t s = 0; s < grads_.size(); ++s) {
+    slots_[s].resize(grads_[s].size());
+    for (std::size_t p = 0; p < grads_[s].size(); ++p) {
+      if (!grads_[s][p].ptr()) continue;
+      for (std::size_t k = 0; k < n_slots; ++k) {
+        slots_[s][p].emplace_back(ctx_, grads_[s][p].bytes());
+        ctx_.fill_bytes_async(slots_[s][p].back().ptr(), 0, grads_[s][p].bytes());
+      }
+    }
+  }
+}
+
+void Trainer::step(const OptimizerOptions& o, std::int64_t step) {
+  ctx_.make_current();
+  for (std::size_t s = 0; s < grads_.size(); ++s)
+    for (std::size_t p = 0; p < grads_[s].size(); ++p) {
+      if (!grads_[s][p].ptr()) continue;
+      DevicePtr param = params_[s][p], grad = grads_[s][p].ptr();
+      long long n = static_cast<long long>(grads_[s][p].bytes() / sizeof(float));
+      float lr = static_cast<float>(o.lr), wd = static_cast<float>(o.weight_decay);
+      const std::string label = "[optimizer @ " + plan_.steps[s].specs[p].name + "]";
+      if (o.kind == OptimizerOptions::Kind::Sgd) {
+        DevicePtr buf = slots_.at(s).at(p).empty() ? 0 : slots_[s][p][0].ptr();
+        float mom = static_cast<float>(o.momentum);
+        int first = step == 1 ? 1 : 0;
+        void* a[] = {&param, &grad, &buf, &lr, &wd, &mom, &first, &n};
+        launch_1d(sgd_, n, a, label);
+      } else {
+        DevicePtr m = slots_.at(s).at(p).at(0).ptr(), v = slots_[s][p].at(1).ptr();
+        float b1 = static_cast<float>(o.beta1), b2 = static_cast<float>(o.beta2), eps = static_cast<float>(o.eps);
+        float c1 = static_cast<float>(1.0 - std::pow(o.beta1, static_cast<double>(step)));
+        float c2 = static_cast<float>(std::sqrt(1.0 - std::pow(o.beta2, static_cast<double>(step))));
+        void* a[] = {&param, &grad, &m, &v, &lr, &wd, &b1, &b2, &c1, &c2, &eps, &n};
+        launch_1d(adamw_, n, a, label);
+      }
+    }
+}
+
+void Trainer::download_grads(std::vector<std::vector<Tensor>>& grads) {
+  ctx_.make_current();
+  ctx_.synchronize();
+  for (std::size_t s = 0; s < grads_.size(); ++s)
+    for (std::size_t p = 0; p < grads_[s].size(); ++p)
+      if (grads_[s][p].ptr()) ctx_.download(grads[s][p].raw(), grads_[s][p].ptr(), grads_[s][p].bytes());
+}
+
+void Trainer::download_slots(std::vector<std::vector<std::vector<Tensor>>>& slots) {
+  ctx_.make_current();
+  ctx_.synchronize();
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    for (std::size_t p = 0; p < slots_[s].size(); ++p)
+      for (std::size_t k = 0; k < slots_[s][p].size(); ++k)
+        ctx_.download(slots[s][p][k].raw(), slots_[s][p][k].ptr(), slots_[s][p][k].bytes());
+}
+
+void Trainer::upload_slots(const std::vector<std::vector<std::vector<Tensor>>>& slots) {
+  ctx_.make_current();
+  for (std::size_t s = 0; s < slots_.size(); ++s)
+    for (std::size_t p = 0; p < slots_[s].size(); ++p)
+      for (std::size_t k = 0; k < slots_[s][p].size(); ++k)
+        ctx_.upload(slots_[s][p][k].ptr(), slots[s][p][k].raw(), slots_[s][p][k].bytes());
+}
+
+}  // namespace kg::cuda
+#endif
