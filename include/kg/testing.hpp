@@ -43,21 +43,19 @@ struct CheckOpReport {
   std::string to_string() const;
 };
 
-// Records `op` on inputs of `input_shapes` (symbolic: dynamic dims are bound to each batch size)
-// and `dtypes`, then for each batch size: checks infer_output_shape with concrete sizes against
-// the recorded shape and the kernel's, runs the CPU implementation on poisoned outputs, the
-// lowered kernel under emulation and on a GPU, compares them with the CPU and reruns each. An op
-// with a backward (CustomOp::has_cpu_backward) also gets check_gradients at the largest batch
-// size. Never throws for a failing op: every failure is a line of the report.
 // Options of the gradient check.
 struct GradCheckOptions {
-  // Central-difference step, taken in f64 when the op accepts f64 inputs.
+  // Central-difference step (times max(1, |x|)), taken in f64 when the op accepts f64 copies of
+  // the inputs. When it does not (an op configured for f32), the check runs in the dtypes given
+  // with the step at least 3e-3 (f32) or 3e-2 (f16, bf16) and rtol, atol at least 1e-2, 1e-3.
   double eps = 1e-6;
-  // |backward - reference| <= atol + rtol * |reference|, per element.
+  // |backward - reference| <= atol + rtol * |reference|, per element. At a non-differentiable
+  // point (the one-sided differences disagree) a value between the one-sided slopes passes.
   double rtol = 1e-4, atol = 1e-6;
   // Seed of the random inputs, parameters and output gradient; 0 draws a fresh one.
   std::uint64_t seed = 0;
-  // Run the op in train mode (Dropout, BatchNorm batch statistics).
+  // Run the op in train mode (Dropout, BatchNorm batch statistics). Every forward and backward
+  // gets the same seed, so random masks repeat.
   bool training = true;
   // Also run the lowered backward kernels under the CUDA emulator (checked mode), and on a GPU
   // when one is usable, against the CPU backward.
@@ -65,16 +63,39 @@ struct GradCheckOptions {
   bool gpu = true;
   // Makes input `index` (as CheckOpOptions::make_input); e.g. valid class labels.
   std::function<Tensor(int index, const std::vector<std::int64_t>& shape)> make_input;
+  // Finite differences at most at this many elements per tensor (the first, the last and
+  // random others); a tensor with fewer is checked at every element.
+  std::int64_t max_elements = 64;
+  // Tolerance of the lowered backward (emulated, GPU) against the CPU backward, which is run in
+  // the dtypes given (kernels reduce in another order).
+  double lowered_rtol = 1e-4, lowered_atol = 1e-5;
 };
 
-// Checks an op's backward at concrete input shapes: its CPU backward against central finite
-// differences of its CPU forward, for every float input and trainable parameter and a random
-// output gradient (in f64 when `dtypes` are f64); every wanted gradient element written; then
-// the lowered backward kernels against the CPU backward. Every failure is a report line naming
-// the op, the tensor, the element and both values. Never throws for a failing op.
+// Checks an op's backward at concrete input shapes, for every float input and trainable
+// parameter (non-trainable ones get no gradient) and a random output gradient:
+//  - the CPU backward on NaN-poisoned gradients: every element written, and equal to central
+//    finite differences of sum(grad_output * cpu_forward) (in f64 when the op takes f64);
+//  - tensors that backward_saves() does not keep are given without data, as the runtime does.
+//    Before that, the backward runs with stand-ins of other values for them: a changed
+//    gradient means it reads such a tensor, which is reported (a backward that reads one
+//    without changing its result would crash on the null data instead);
+//  - the lowered backward (RuntimeOp::has_backward, lower_backward_source): compiled with
+//    NVRTC for sm_90 and checked against the PTX where NVRTC is present, run under the
+//    emulator in checked mode and on a GPU when one is usable, in the dtypes given, on
+//    NaN-filled gradient buffers, against the CPU backward (or against finite differences
+//    when the op has no CPU backward). A zero grid dimension fails naming the launch.
+// Every failure is a report line naming the op, the tensor, the element and both values.
+// Never throws for a failing op.
 CheckOpReport check_gradients(const CustomData& op, const std::vector<std::vector<std::int64_t>>& input_shapes,
                               const std::vector<DType>& dtypes, const GradCheckOptions& options = {});
 
+// Records `op` on inputs of `input_shapes` (symbolic: dynamic dims are bound to each batch size)
+// and `dtypes`, then for each batch size: checks infer_output_shape with concrete sizes against
+// the recorded shape and the kernel's, runs the CPU implementation on poisoned outputs, the
+// lowered kernel under emulation and on a GPU, compares them with the CPU and reruns each. An op
+// with a backward (a CPU one, or backward launches in its RuntimeOp) also gets check_gradients
+// at the largest batch size, its lines marked "gradients batch <n>". Never throws for a failing
+// op: every failure is a line of the report.
 CheckOpReport check_op(const CustomData& op, const std::vector<Shape>& input_shapes,
                        const std::vector<DType>& dtypes, const CheckOpOptions& options = {});
 

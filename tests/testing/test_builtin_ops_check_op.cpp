@@ -68,6 +68,8 @@ std::vector<Case> cases() {
       {"conv2d_f64", {{b(), 2, 6, 6}}, [](const V& x) { return kg::nn::conv2d(x[0], 3, 3); }, kg::DType::F64, 1e-10,
        1e-12},
       {"softmax_f64", {{b(), 3, 10}}, [](const V& x) { return kg::softmax(x[0], -1); }, kg::DType::F64, 1e-12, 1e-14},
+      {"mse_loss", {{b(), 3, 5}, {b(), 3, 5}}, [](const V& x) { return kg::mse_loss(x[0], x[1]); }, kg::DType::F32,
+       red_rtol, red_atol},
   };
 }
 
@@ -93,11 +95,19 @@ TEST(CheckOp, EveryBuiltInOpPasses) {
     o.rtol = c.rtol;
     o.atol = c.atol;
     o.reruns = 1;
-    const auto r = kg::testing::check_op(recorded(c), c.shapes, std::vector<kg::DType>(c.shapes.size(), c.dtype), o);
+    const kg::CustomData op = recorded(c);
+    const auto r = kg::testing::check_op(op, c.shapes, std::vector<kg::DType>(c.shapes.size(), c.dtype), o);
     EXPECT_TRUE(r.ok) << r.to_string();
-    // The emulated kernel ran and matched at every batch size.
-    int emulated = 0;
-    for (const auto& l : r.lines) emulated += l.rfind("PASS", 0) == 0 && l.find(", emulator") != std::string::npos;
+    // The emulated kernel ran and matched at every batch size; an op with a backward had its
+    // gradients checked against finite differences at the largest one.
+    int emulated = 0, gradients = 0;
+    for (const auto& l : r.lines) {
+      emulated += l.rfind("PASS batch ", 0) == 0 && l.find(", emulator") != std::string::npos;
+      gradients += l.rfind("PASS gradients batch 3, cpu_backward, ", 0) == 0;
+    }
     EXPECT_EQ(emulated, 2) << r.to_string();
+    if (op->has_cpu_backward()) {
+      EXPECT_GT(gradients, 0) << r.to_string();
+    }
   }
 }
