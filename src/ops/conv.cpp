@@ -32,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -1088,6 +1089,274 @@ ConvGeom geometry(const Conv2dOp& op, const std::vector<std::int64_t>& in,
 
 std::string size2_text(Size2 s) { return s.h == s.w ? util::cat(s.h) : util::cat(s.h, "x", s.w); }
 
+// ---- backward ----
+//
+// With the im2col matrix col[k, pixel] of an image and group (the input under tap k, 0 in the
+// padding) the convolution is y = W col, so dW = sum over images of dY colᵀ and dcol = Wᵀ dY,
+// which col2im scatters back onto the input (several taps read the same input value). The
+// batch is cut into a fixed number of image ranges; a work unit is a range and a group, taken
+// in blocks of output pixels (several whole images per GEMM when they are small, else tiles of
+// one image). Each range sums its weight gradient into its own buffer and the buffers are
+// added in range order, so the result does not depend on the threads. A stride-1 convolution
+// takes dx another way: as the convolution of dy with the flipped weights, on the forward's
+// kernels (input_grad_as_convolution).
+
+// row[ix0 + j * sw] += s[j] for the j in [0, n) whose index falls inside [0, w); nothing for a
+// padding row (null).
+template <class T>
+void scatter_add_row(T* row, std::int64_t w, std::int64_t ix0, std::int64_t sw, std::int64_t n, const T* s) {
+  if (!row) return;
+  std::int64_t lo = ix0 >= 0 ? 0 : (-ix0 + sw - 1) / sw;
+  std::int64_t hi = ix0 >= w ? 0 : (w - ix0 + sw - 1) / sw;
+  lo = std::min(lo, n);
+  hi = std::clamp(hi, lo, n);
+  if (sw == 1) {
+    for (std::int64_t j = lo; j < hi; ++j) row[ix0 + j] += s[j];
+  } else {
+    for (std::int64_t j = lo; j < hi; ++j) row[ix0 + j * sw] += s[j];
+  }
+}
+
+// The adjoint of im2col_runs: dx[the input under tap k for each pixel of `runs`] +=
+// col[k * ld + column], for the taps k in [k0, k0 + kn) of the group starting at channel c0.
+template <class T>
+void col2im_runs(const ConvGeom& g, T* dx, std::int64_t c0, std::int64_t k0, std::int64_t kn,
+                 const std::vector<Run>& runs, const T* col, std::int64_t ld) {
+  std::int64_t c = k0 / (g.kh * g.kw), ky = k0 / g.kw % g.kh, kx = k0 % g.kw;
+  for (std::int64_t k = 0; k < kn; ++k) {
+    const T* src = col + k * ld;
+    for (const Run& r : runs) {
+      const std::int64_t iy = r.oy * g.sh - g.ph + ky * g.dh;
+      T* row = iy < 0 || iy >= g.h ? nullptr : dx + ((r.img * g.c + c0 + c) * g.h + iy) * g.w;
+      scatter_add_row(row, g.w, r.ox * g.sw - g.pw + kx * g.dw, g.sw, r.len, src + r.col);
+    }
+    if (++kx == g.kw) {
+      kx = 0;
+      if (++ky == g.kh) {
+        ky = 0;
+        ++c;
+      }
+    }
+  }
+}
+
+// c[i * ldc + j] += sum over k < kd of a[i * lda + k] * b[j * ldb + k] for i < m, j < n: the
+// weight gradient's GEMM (dY times the im2col matrix transposed), whose operands both run along
+// the pixels. For few output channels and taps the BLAS spends more time packing its operands
+// than multiplying (each element is used m or n times); this kernel reads them in place, 4 rows
+// of each at a time against 16 accumulator vectors, over 64-byte vectors of pixels.
+template <class T>
+void dot_rows(std::int64_t m, std::int64_t n, std::int64_t kd, const T* a, std::int64_t lda, const T* b,
+              std::int64_t ldb, T* c, std::int64_t ldc) {
+  constexpr int L = 64 / sizeof(T);  // lanes of a vector
+  typedef T Vec __attribute__((vector_size(64)));
+  auto load = [](const T* p) {
+    Vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  };
+  auto block = [&]<int MB, int NB>(std::int64_t i0, std::int64_t j0) {
+    Vec acc[MB][NB] = {};
+    std::int64_t k = 0;
+    for (; k + L <= kd; k += L) {
+      Vec av[MB], bv[NB];
+      for (int i = 0; i < MB; ++i) av[i] = load(a + (i0 + i) * lda + k);
+      for (int j = 0; j < NB; ++j) bv[j] = load(b + (j0 + j) * ldb + k);
+      for (int i = 0; i < MB; ++i)
+        for (int j = 0; j < NB; ++j) acc[i][j] += av[i] * bv[j];
+    }
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) {
+        T sum = T(0);
+        for (int l = 0; l < L; ++l) sum += acc[i][j][l];
+        for (std::int64_t kk = k; kk < kd; ++kk) sum += a[(i0 + i) * lda + kk] * b[(j0 + j) * ldb + kk];
+        c[(i0 + i) * ldc + j0 + j] += sum;
+      }
+  };
+  auto rows = [&]<int MB>(std::int64_t i0) {
+    std::int64_t j0 = 0;
+    for (; j0 + 4 <= n; j0 += 4) block.template operator()<MB, 4>(i0, j0);
+    for (; j0 < n; ++j0) block.template operator()<MB, 1>(i0, j0);
+  };
+  std::int64_t i0 = 0;
+  for (; i0 + 4 <= m; i0 += 4) rows.template operator()<4>(i0);
+  for (; i0 < m; ++i0) rows.template operator()<1>(i0);
+}
+
+// The weight gradient's GEMM: dot_rows where the BLAS would mostly pack, else the BLAS.
+template <class T>
+void weight_grad_gemm(std::int64_t og, std::int64_t kdim, std::int64_t cnt, const T* dy, std::int64_t ld_dy,
+                      const T* col, std::int64_t ld_col, T* dw) {
+  if (og * kdim <= 4096)
+    dot_rows(og, kdim, cnt, dy, ld_dy, col, ld_col, dw, kdim);
+  else
+    gemm(false, true, og, kdim, cnt, T(1), dy, ld_dy, col, ld_col, T(1), dw, kdim);
+}
+
+// The number of image ranges (each with its weight-gradient partial sum): at most one per image,
+// at most max(16, hardware threads), and their partial sums together at most about 64 MiB.
+std::int64_t backward_chunks(std::int64_t items, std::int64_t weight_bytes) {
+  const std::int64_t threads = std::max<std::int64_t>(16, std::thread::hardware_concurrency());
+  const std::int64_t by_memory = std::max<std::int64_t>(1, (std::int64_t{64} << 20) / std::max<std::int64_t>(weight_bytes, 1));
+  return std::clamp<std::int64_t>(std::min(threads, by_memory), 1, std::max<std::int64_t>(items, 1));
+}
+
+// dx of a stride-1 convolution is itself a stride-1 convolution: of dy, zero-padded by
+// d * (k - 1) - p, with the weights flipped in both kernel dims and their two channel dims
+// swapped within each group, w'[g * cg + c, m, ky, kx] = w[g * og + m, c, kh - 1 - ky, kw - 1 - kx].
+// It then runs on the forward's kernels. False (nothing done) when the convolution is strided or
+// pads more than that.
+template <class T>
+bool input_grad_as_convolution(const ConvGeom& g, const T* w, const T* dy, T* dx, const CpuContext& ctx) {
+  const std::int64_t ph = g.dh * (g.kh - 1) - g.ph, pw = g.dw * (g.kw - 1) - g.pw;
+  if (g.sh != 1 || g.sw != 1 || ph < 0 || pw < 0) return false;
+  ConvGeom t = g;
+  t.c = g.o;
+  t.h = g.ho;
+  t.w = g.wo;
+  t.o = g.c;
+  t.ph = ph;
+  t.pw = pw;
+  t.ho = g.h;
+  t.wo = g.w;
+  const std::int64_t og = g.og(), cg = g.cg(), khw = g.kh * g.kw;
+  std::vector<T> flipped(static_cast<std::size_t>(g.o * cg * khw));
+  for (std::int64_t grp = 0; grp < g.groups; ++grp)
+    for (std::int64_t m = 0; m < og; ++m)
+      for (std::int64_t c = 0; c < cg; ++c) {
+        const T* src = w + ((grp * og + m) * cg + c) * khw;
+        T* dst = flipped.data() + ((grp * cg + c) * og + m) * khw;
+        for (std::int64_t i = 0; i < khw; ++i) dst[i] = src[khw - 1 - i];
+      }
+  conv2d_forward<T>(t, ConvAlgo::Auto, dy, flipped.data(), Epilogue<T>{}, dx, ctx);
+  return true;
+}
+
+// Gradients of a convolution without epilogue: dx [N, C, H, W] (null: not wanted), dw
+// [O, C/groups, kh, kw] and db [O] (null: not wanted), from dy [N, O, Ho, Wo]. x is needed only
+// for dw, w only for dx.
+template <class T>
+void conv2d_backward(const ConvGeom& g, const T* x, const T* w, const T* dy, T* dx, T* dw, T* db,
+                     const CpuContext& ctx) {
+  const std::int64_t p = g.pixels(), og = g.og(), cg = g.cg(), kdim = g.kdim(), hw = g.h * g.w;
+  if (db) {
+    ctx.parallel_for(g.o, std::max<std::int64_t>(1, 65536 / std::max<std::int64_t>(g.n * p, 1)),
+                     [&](std::int64_t o0, std::int64_t o1) {
+                       for (std::int64_t o = o0; o < o1; ++o) {
+                         T s = T(0);
+                         for (std::int64_t img = 0; img < g.n; ++img) {
+                           const T* row = dy + (img * g.o + o) * p;
+                           T part[8] = {};
+                           std::int64_t j = 0;
+                           for (; j + 8 <= p; j += 8)
+                             for (int l = 0; l < 8; ++l) part[l] += row[j + l];
+                           for (; j < p; ++j) s += row[j];
+                           for (int l = 0; l < 8; ++l) s += part[l];
+                         }
+                         db[o] = s;
+                       }
+                     });
+  }
+  const std::int64_t wsize = g.o * kdim;
+  if (!dx && !dw) return;
+  // A stride-1 convolution's dx on the forward's kernels; the blocks below then compute dw only.
+  if (dx && g.n > 0 && p > 0 && kdim > 0 && og > 0 && input_grad_as_convolution(g, w, dy, dx, ctx)) {
+    if (!dw) return;
+    dx = nullptr;
+  }
+  if (g.n == 0 || p == 0 || kdim == 0 || og == 0) {  // nothing reaches a weight or an input
+    if (dw) std::fill(dw, dw + wsize, T(0));
+    if (dx) std::fill(dx, dx + g.n * g.c * hw, T(0));
+    return;
+  }
+  // Blocks of output pixels: whole images while several fit the budget of gemm_tile_pixels
+  // (one GEMM over all of them), else tiles of one image. A pointwise convolution reads its
+  // operands in place, image by image.
+  std::int64_t nb = gemm_tile_pixels(g, sizeof(T));
+  if (nb >= p && !g.pointwise()) {
+    const auto budget = static_cast<std::int64_t>((384 * 1024) / sizeof(T)) / kdim;
+    nb = std::max<std::int64_t>(1, budget / p) * p;
+  }
+  const std::int64_t image_chunks = backward_chunks(g.n, wsize * static_cast<std::int64_t>(sizeof(T)));
+  const std::int64_t units = image_chunks * g.groups;  // (image range, group)
+  std::vector<T> partials(dw ? static_cast<std::size_t>(image_chunks * wsize) : 0, T(0));
+  auto run_unit = [&](std::int64_t unit) {
+    const std::int64_t ic = unit / g.groups, grp = unit % g.groups;
+    const std::int64_t img0 = ic * g.n / image_chunks, img1 = (ic + 1) * g.n / image_chunks;
+    T* dwp = dw ? partials.data() + ic * wsize + grp * og * kdim : nullptr;
+    const T* wg = w + grp * og * kdim;
+    if (dx && !g.pointwise())
+      for (std::int64_t img = img0; img < img1; ++img) {
+        T* d = dx + (img * g.c + grp * cg) * hw;
+        std::fill(d, d + cg * hw, T(0));
+      }
+    std::vector<Run> runs;
+    for (std::int64_t q0 = img0 * p; q0 < img1 * p;) {
+      // Pixels [q0, q0 + cnt): within one image, or whole images.
+      const std::int64_t img = q0 / p, pix = q0 % p;
+      const std::int64_t cnt = nb <= p ? std::min(nb, p - pix) : std::min(nb, (img1 - img) * p);
+      const std::int64_t in_off = (img * g.c + grp * cg) * hw;
+      // dY of the block as [og, cnt]: in place within one image, else gathered image by image.
+      const T* dyb = dy + (img * g.o + grp * og) * p + pix;
+      std::int64_t ld = p;
+      if (cnt > p - pix) {
+        T* buf = scratch_data<T>(kInput, og * cnt);
+        for (std::int64_t i = 0; i < cnt / p; ++i)
+          for (std::int64_t m = 0; m < og; ++m) {
+            const T* src = dy + ((img + i) * g.o + grp * og + m) * p;
+            std::copy(src, src + p, buf + m * cnt + i * p);
+          }
+        dyb = buf;
+        ld = cnt;
+      }
+      if (g.pointwise()) {
+        // The input is its own im2col matrix (rows of p pixels); so is dx.
+        if (dwp) weight_grad_gemm(og, kdim, cnt, dyb, ld, x + in_off + pix, p, dwp);
+        if (dx) gemm(true, false, kdim, cnt, og, T(1), wg, kdim, dyb, ld, T(0), dx + in_off + pix, p);
+      } else {
+        pixel_runs(g, q0, cnt, runs);
+        if (dwp) {
+          T* col = scratch_data<T>(kOperand, kdim * cnt);
+          bool packed = false;
+#if KG_CONV_AVX512
+          if constexpr (std::is_same_v<T, float>) {
+            if (g.sw <= 2) {
+              avx::RunPacker(g, x, grp * cg, runs).pack(0, kdim, col, cnt);
+              packed = true;
+            }
+          }
+#endif
+          if (!packed) im2col_runs(g, x, grp * cg, 0, kdim, runs, col, cnt);
+          weight_grad_gemm(og, kdim, cnt, dyb, ld, col, cnt, dwp);
+        }
+        if (dx) {
+          T* dcol = scratch_data<T>(kResults, kdim * cnt);
+          gemm(true, false, kdim, cnt, og, T(1), wg, kdim, dyb, ld, T(0), dcol, cnt);
+          col2im_runs(g, dx, grp * cg, 0, kdim, runs, dcol, cnt);
+        }
+      }
+      q0 += cnt;
+    }
+  };
+  if (units == 1) {
+    run_unit(0);  // one unit: the BLAS library threads its GEMMs
+  } else {
+    BlasSingleThreaded single;
+    ctx.parallel_for(units, 1, [&](std::int64_t u0, std::int64_t u1) {
+      for (std::int64_t u = u0; u < u1; ++u) run_unit(u);
+    });
+  }
+  if (dw) {
+    ctx.parallel_for(wsize, 4096, [&](std::int64_t i0, std::int64_t i1) {
+      for (std::int64_t i = i0; i < i1; ++i) {
+        T s = partials[static_cast<std::size_t>(i)];
+        for (std::int64_t c = 1; c < image_chunks; ++c) s += partials[static_cast<std::size_t>(c * wsize + i)];
+        dw[i] = s;
+      }
+    });
+  }
+}
+
 }  // namespace
 
 bool conv_algo_available(ConvAlgo algo, DType dtype) { return algo_available(algo, dtype); }
@@ -1174,6 +1443,21 @@ std::vector<ParamSpec> Conv2dOp::parameters() const {
 void Conv2dOp::cpu_forward(CpuContext& ctx) const { conv2d_cpu(*this, ConvAlgo::Auto, ctx); }
 
 std::optional<Lowered> Conv2dOp::lower() const { return lower_conv2d(*this); }
+
+std::string Conv2dOp::lower_backward_source() const { return conv2d_backward_source(); }
+
+void Conv2dOp::cpu_backward(CpuBackwardContext& ctx) const {
+  const Tensor& x = ctx.inputs[0];
+  const ConvGeom g = geometry(*this, x.shape(), ctx.grad_output.shape());
+  dispatch_float(x.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    T* dx = ctx.wants_input_grad(0) ? ctx.grad_inputs[0].data<T>() : nullptr;
+    T* dw = ctx.wants_param_grad(0) ? ctx.grad_params[0].data<T>() : nullptr;
+    T* db = opt_.bias && ctx.wants_param_grad(1) ? ctx.grad_params[1].data<T>() : nullptr;
+    conv2d_backward<T>(g, dw ? x.data<T>() : nullptr, ctx.params[0].data<T>(), ctx.grad_output.data<T>(), dx, dw,
+                       db, ctx);
+  });
+}
 
 // ---- nn.fused_conv2d ----
 

@@ -32,6 +32,13 @@ class Conv2dOp final : public CustomOp {
   void cpu_forward(CpuContext& ctx) const override;
   // The GPU kernel (conv_gpu.cpp).
   std::optional<Lowered> lower() const override;
+  // Gradients of the input, the weight and the bias: im2col and BLAS GEMMs on the CPU; the
+  // kernels of conv_backward.cu on the GPU. The backward reads the input (for the weight's
+  // gradient) and the weight, never the output.
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {true, false}; }
+  void cpu_backward(CpuBackwardContext& ctx) const override;
+  std::string lower_backward_source() const override;
 
   std::int64_t in_channels() const { return in_; }
   std::int64_t out_channels() const { return out_; }

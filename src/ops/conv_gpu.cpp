@@ -37,6 +37,22 @@ struct ConvGpuShape {
 };
 static_assert(sizeof(ConvGpuShape) == 24 * 8, "must match KgConvShape in conv.cu");
 
+// KgConvGradShape in conv_backward.cu, same layout.
+struct ConvGradShape {
+  std::int64_t n, c, h, w;
+  std::int64_t o, ho, wo;
+  std::int64_t kh, kw;
+  std::int64_t sh, sw, ph, pw;
+  std::int64_t dh, dw;
+  std::int64_t groups;
+};
+static_assert(sizeof(ConvGradShape) == 16 * 8, "must match KgConvGradShape in conv_backward.cu");
+
+// The backward launches, in this order (an unwanted gradient's launch is one idle block).
+enum ConvBackwardLaunch { kGradInput, kGradWeight, kGradBias };
+constexpr unsigned kConvBackwardThreads = 256;         // KG_CONV_BWD_THREADS
+constexpr std::int64_t kConvBackwardMaxBlocks = 65535LL * 32;  // the kernels loop over the rest
+
 // Output channels per thread (direct and tiled): a divisor of the group's count when 4 or 2 is
 // one, else 4 (some threads' last channels idle) unless the group has fewer than 3.
 std::int64_t channels_per_thread(std::int64_t og) {
@@ -105,8 +121,8 @@ constexpr std::int64_t kMaxItemsPerLaunch = (std::int64_t{1} << 31) - 1;
 
 class ConvRuntime final : public RuntimeOp {
  public:
-  ConvRuntime(ConvGpuConfig cfg, ConvGpuAlgo algo, std::string label)
-      : cfg_(std::move(cfg)), algo_(algo), label_(std::move(label)) {}
+  ConvRuntime(ConvGpuConfig cfg, ConvGpuAlgo algo, std::string label, bool backward)
+      : cfg_(std::move(cfg)), algo_(algo), label_(std::move(label)), backward_(backward) {}
 
   int n_activation_inputs() const override { return cfg_.residual ? 2 : 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
@@ -154,6 +170,51 @@ class ConvRuntime final : public RuntimeOp {
   }
   Dim3 block() const override { return {kConvThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return grid_for_launch(0, shape); }
+
+  // ---- backward (conv_backward.cu): dx, dw, then db with a bias ----
+  bool has_backward() const override { return backward_; }
+  int n_backward_launches(const BackwardTensors&) const override { return cfg_.options.bias ? 3 : 2; }
+  std::string backward_entry_point(int launch) const override {
+    const char* what = launch == kGradInput ? "input" : launch == kGradWeight ? "weight" : "bias";
+    return entry_for(util::cat("kg_conv2d_backward_", what), cfg_.dtype);
+  }
+  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+    switch (launch) {
+      case kGradInput:
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.params[0].ptr);
+        v.pointer(t.grad_inputs[0].ptr);
+        break;
+      case kGradWeight:
+        v.pointer(t.inputs[0].ptr);
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.grad_params[0].ptr);
+        break;
+      default:
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.grad_params[1].ptr);
+        break;
+    }
+    const ConvGradShape s = grad_geometry(t);
+    v.bytes(&s, sizeof s);
+  }
+  Dim3 backward_block(int) const override { return {kConvBackwardThreads, 1, 1}; }
+  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
+    if (wanted(launch, t).ptr == 0) return {1, 1, 1};
+    const ConvGradShape s = grad_geometry(t);
+    std::int64_t items = 0;
+    switch (launch) {
+      case kGradInput:  // a thread per input element
+        return grid_1d(s.n * s.c * s.h * s.w, kConvBackwardThreads);
+      case kGradWeight:  // a block per weight element
+        items = s.o * (s.c / s.groups) * s.kh * s.kw;
+        break;
+      default:  // a block per output channel
+        items = s.o;
+        break;
+    }
+    return {static_cast<unsigned>(std::clamp<std::int64_t>(items, 1, kConvBackwardMaxBlocks)), 1, 1};
+  }
   Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
     const std::int64_t n = images_of(launch, shape).second;
     const std::int64_t og = shape[1] / cfg_.options.groups;
@@ -231,9 +292,23 @@ class ConvRuntime final : public RuntimeOp {
     return s;
   }
 
+  // The gradient launch `launch` writes.
+  static const DeviceTensor& wanted(int launch, const BackwardTensors& t) {
+    return launch == kGradInput ? t.grad_inputs.at(0) : t.grad_params.at(launch == kGradWeight ? 0 : 1);
+  }
+  ConvGradShape grad_geometry(const BackwardTensors& t) const {
+    const auto& in = t.inputs.at(0).shape;
+    const auto& out = t.grad_output.shape;
+    const auto& op = cfg_.options;
+    return ConvGradShape{in[0],        in[1],        in[2],        in[3],       out[1],      out[2],
+                         out[3],       cfg_.kernel.h, cfg_.kernel.w, op.stride.h, op.stride.w, op.padding.h,
+                         op.padding.w, op.dilation.h, op.dilation.w, op.groups};
+  }
+
   ConvGpuConfig cfg_;
   ConvGpuAlgo algo_;
   std::string label_;  // "[nn.conv2d]", for errors
+  bool backward_;      // a plain convolution: its backward kernels apply
 };
 
 }  // namespace
@@ -271,7 +346,9 @@ ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg) {
 
 Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   const ConvGpuAlgo algo = conv_gpu_algo(cfg);
-  auto rt = std::make_shared<ConvRuntime>(cfg, algo, "[" + op_name + "]");
+  // The backward kernels compute a plain convolution's gradients: no fused epilogue.
+  const bool backward = !cfg.batch_norm && !cfg.residual && !cfg.activation;
+  auto rt = std::make_shared<ConvRuntime>(cfg, algo, "[" + op_name + "]", backward);
   const char* algo_name = algo == ConvGpuAlgo::Gemm    ? "gemm"
                           : algo == ConvGpuAlgo::Tiled ? "tiled"
                                                        : "direct";
@@ -313,6 +390,8 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
 }
 
 std::optional<Lowered> lower_conv2d(const Conv2dOp& op) { return lower_conv(conv_gpu_config(op), op.name()); }
+
+std::string conv2d_backward_source() { return kernel_file("conv_backward.cu"); }
 
 std::optional<Lowered> lower_fused_conv2d(const FusedConv2dOp& op) {
   return lower_conv(conv_gpu_config(op), op.name());

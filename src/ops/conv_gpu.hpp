@@ -45,4 +45,8 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name);
 std::optional<Lowered> lower_conv2d(const Conv2dOp& op);
 std::optional<Lowered> lower_fused_conv2d(const FusedConv2dOp& op);
 
+// The backward kernels of nn.conv2d (conv_backward.cu); the RuntimeOp of a convolution without
+// a fused epilogue packs and sizes their launches.
+std::string conv2d_backward_source();
+
 }  // namespace kg::ops

@@ -23,21 +23,16 @@ struct KgGemmArgs {
   kg_index batch_a, batch_b, batch_c;  // strides between batch entries (blockIdx.z)
 };
 
+// Adds this thread's 4×4 share of the 64×64 tile at (m0, n0) of sum over k of A(m, k) B(k, n)
+// to acc, with a and b already offset to the batch entry. Every thread of the block calls it
+// (it synchronises the block).
 template <class T>
-__device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p) {
+__device__ __forceinline__ void kg_gemm_accumulate(const KgGemmArgs<T>& p, const T* a, const T* b, kg_index m0,
+                                                   kg_index n0, T (&acc)[4][4]) {
   __shared__ T as[KG_GEMM_BK][KG_GEMM_BM];
   __shared__ T bs[KG_GEMM_BK][KG_GEMM_BN];
-  const T* a = p.a + (kg_index)blockIdx.z * p.batch_a;
-  const T* b = p.b + (kg_index)blockIdx.z * p.batch_b;
-  T* c = p.c + (kg_index)blockIdx.z * p.batch_c;
-  const kg_index m0 = (kg_index)blockIdx.y * KG_GEMM_BM, n0 = (kg_index)blockIdx.x * KG_GEMM_BN;
   const int tid = threadIdx.x;
   const int tm = (tid / 16) * 4, tn = (tid % 16) * 4;
-  T acc[4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = T(0);
   for (kg_index k0 = 0; k0 < p.k; k0 += KG_GEMM_BK) {
     // 64×16 elements of each operand, 4 per thread.
 #pragma unroll
@@ -64,6 +59,24 @@ __device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p) {
     }
     __syncthreads();
   }
+}
+
+// Zeroes a thread's accumulators.
+template <class T>
+__device__ __forceinline__ void kg_gemm_zero(T (&acc)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = T(0);
+}
+
+// Writes this thread's 4×4 share of the tile at (m0, n0): C(m, n) = acc + bias[n] (overwriting),
+// within the m × n bounds.
+template <class T>
+__device__ __forceinline__ void kg_gemm_store(const KgGemmArgs<T>& p, T* c, kg_index m0, kg_index n0,
+                                              const T (&acc)[4][4]) {
+  const int tid = threadIdx.x;
+  const int tm = (tid / 16) * 4, tn = (tid % 16) * 4;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const kg_index gm = m0 + tm + i;
@@ -75,4 +88,31 @@ __device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p) {
       c[gm * p.scm + gn] = acc[i][j] + (p.bias ? p.bias[gn] : T(0));
     }
   }
+}
+
+// The block's tile: blockIdx.x picks the n tile, blockIdx.y the m tile, blockIdx.z the batch entry.
+template <class T>
+__device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p) {
+  const T* a = p.a + (kg_index)blockIdx.z * p.batch_a;
+  const T* b = p.b + (kg_index)blockIdx.z * p.batch_b;
+  T* c = p.c + (kg_index)blockIdx.z * p.batch_c;
+  const kg_index m0 = (kg_index)blockIdx.y * KG_GEMM_BM, n0 = (kg_index)blockIdx.x * KG_GEMM_BN;
+  T acc[4][4];
+  kg_gemm_zero(acc);
+  kg_gemm_accumulate(p, a, b, m0, n0, acc);
+  kg_gemm_store(p, c, m0, n0, acc);
+}
+
+// Every tile of C, whatever the grid: the block takes tiles (x, y) and batch entries z a grid
+// apart (so any m and n fit the grid's y limit).
+template <class T>
+__device__ __forceinline__ void kg_gemm_grid(const KgGemmArgs<T>& p, kg_index batches) {
+  for (kg_index z = blockIdx.z; z < batches; z += gridDim.z)
+    for (kg_index m0 = (kg_index)blockIdx.y * KG_GEMM_BM; m0 < p.m; m0 += (kg_index)gridDim.y * KG_GEMM_BM)
+      for (kg_index n0 = (kg_index)blockIdx.x * KG_GEMM_BN; n0 < p.n; n0 += (kg_index)gridDim.x * KG_GEMM_BN) {
+        T acc[4][4];
+        kg_gemm_zero(acc);
+        kg_gemm_accumulate(p, p.a + z * p.batch_a, p.b + z * p.batch_b, m0, n0, acc);
+        kg_gemm_store(p, p.c + z * p.batch_c, m0, n0, acc);
+      }
 }

@@ -1,4 +1,6 @@
-// nn.linear: y = x Wᵀ + b over the last dim.
+// nn.linear: y = x Wᵀ + b over the last dim, and its backward: dx = dy W, dW = dyᵀ x and
+// db = the column sums of dy, with x and dy seen as [rows, features].
+#include <algorithm>
 #include <cmath>
 
 #include "kg/ops.hpp"
@@ -9,10 +11,19 @@
 namespace kg::ops {
 namespace {
 
-// The GPU half: one launch of the tiled GEMM with the bias in its epilogue.
+// The backward launches (linear_backward.cu), in this order; an unwanted gradient's launch is
+// one idle block.
+enum LinearBackwardLaunch { kGradInput, kGradWeight, kGradBias };
+constexpr std::int64_t kGemmTile = 64;          // KG_GEMM_BM, KG_GEMM_BN
+constexpr std::int64_t kMaxGridYZ = 65535;      // the kernels loop over further tiles
+constexpr std::int64_t kMaxBiasBlocks = 65535LL * 32;
+
+// The GPU half: one launch of the tiled GEMM with the bias in its epilogue; the backward takes
+// two GEMM launches and a column reduction.
 class LinearRuntime final : public RuntimeOp {
  public:
-  LinearRuntime(std::int64_t in, std::int64_t out, bool bias) : in_(in), out_(out), bias_(bias) {}
+  LinearRuntime(std::int64_t in, std::int64_t out, bool bias, DType dtype)
+      : in_(in), out_(out), bias_(bias), dtype_(dtype) {}
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -35,10 +46,61 @@ class LinearRuntime final : public RuntimeOp {
     return {static_cast<unsigned>((out_ + 63) / 64), static_cast<unsigned>(std::max<std::int64_t>((rows(shape) + 63) / 64, 1)), 1};
   }
 
+  bool has_backward() const override { return true; }
+  int n_backward_launches(const BackwardTensors&) const override { return bias_ ? 3 : 2; }
+  std::string backward_entry_point(int launch) const override {
+    const char* what = launch == kGradInput ? "input" : launch == kGradWeight ? "weight" : "bias";
+    return entry_for(util::cat("kg_linear_backward_", what), dtype_);
+  }
+  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+    const std::int64_t r = rows(t.grad_output.shape);
+    switch (launch) {
+      case kGradInput:
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.params.at(0).ptr);
+        v.pointer(t.grad_inputs.at(0).ptr);
+        v.i64(r);
+        v.i64(in_);
+        v.i64(out_);
+        break;
+      case kGradWeight:
+        v.pointer(t.inputs.at(0).ptr);
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.grad_params.at(0).ptr);
+        v.i64(r);
+        v.i64(in_);
+        v.i64(out_);
+        break;
+      default:
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.grad_params.at(1).ptr);
+        v.i64(r);
+        v.i64(out_);
+        break;
+    }
+  }
+  Dim3 backward_block(int) const override { return {256, 1, 1}; }
+  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
+    const DeviceTensor& g = launch == kGradInput ? t.grad_inputs.at(0) : t.grad_params.at(launch == kGradWeight ? 0 : 1);
+    if (g.ptr == 0) return {1, 1, 1};
+    auto tiles = [](std::int64_t n, std::int64_t cap) {
+      return static_cast<unsigned>(std::clamp<std::int64_t>((n + kGemmTile - 1) / kGemmTile, 1, cap));
+    };
+    switch (launch) {
+      case kGradInput:  // [rows, in]
+        return {tiles(in_, kMaxBiasBlocks), tiles(rows(t.grad_output.shape), kMaxGridYZ), 1};
+      case kGradWeight:  // [out, in]
+        return {tiles(in_, kMaxBiasBlocks), tiles(out_, kMaxGridYZ), 1};
+      default:  // a block per column
+        return {static_cast<unsigned>(std::clamp<std::int64_t>(out_, 1, kMaxBiasBlocks)), 1, 1};
+    }
+  }
+
  private:
   std::int64_t rows(const std::vector<std::int64_t>& shape) const { return out_ ? numel_of(shape) / out_ : 0; }
   std::int64_t in_, out_;
   bool bias_;
+  DType dtype_;  // of the backward entries
 };
 
 class LinearOp final : public CustomOp {
@@ -77,7 +139,40 @@ class LinearOp final : public CustomOp {
 
   std::optional<Lowered> lower() const override {
     return Lowered{"nn.linear", kernel_file("linear.cu"), entry_for("kg_linear", dtype_),
-                   std::make_shared<LinearRuntime>(in_, out_, bias_)};
+                   std::make_shared<LinearRuntime>(in_, out_, bias_, dtype_)};
+  }
+  std::string lower_backward_source() const override { return kernel_file("linear_backward.cu"); }
+
+  // The input is read for the weight's gradient; the output is never read.
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {true, false}; }
+
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    const Tensor& dyt = ctx.grad_output;
+    const std::int64_t rows = dyt.numel() / out_;
+    dispatch_float(dyt.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dy = dyt.data<T>();
+      if (ctx.wants_input_grad(0)) {  // dx [rows, in] = dy [rows, out] · W [out, in]
+        T* dx = ctx.grad_inputs[0].data<T>();
+        gemm(false, false, rows, in_, out_, T(1), dy, out_, ctx.params[0].data<T>(), in_, T(0), dx, in_);
+      }
+      if (ctx.wants_param_grad(0)) {  // dW [out, in] = dyᵀ [out, rows] · x [rows, in]
+        T* dw = ctx.grad_params[0].data<T>();
+        if (rows == 0)
+          std::fill(dw, dw + out_ * in_, T(0));
+        else
+          gemm(true, false, out_, in_, rows, T(1), dy, out_, ctx.inputs[0].data<T>(), in_, T(0), dw, in_);
+      }
+      if (bias_ && ctx.wants_param_grad(1)) {  // db [out]: the column sums, row by row
+        T* db = ctx.grad_params[1].data<T>();
+        std::fill(db, db + out_, T(0));
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const T* row = dy + r * out_;
+          for (std::int64_t j = 0; j < out_; ++j) db[j] += row[j];
+        }
+      }
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {

@@ -1,5 +1,7 @@
 // nn.matmul: torch.matmul semantics (1-D and 2-D operands, batched operands whose leading dims
-// broadcast), computed with one GEMM per batch entry or one GEMM when B is shared.
+// broadcast), computed with one GEMM per batch entry or one GEMM when B is shared. The backward
+// is dA = dC Bᵀ and dB = Aᵀ dC per output batch entry, summed over the entries that share an
+// operand's matrix (its broadcast dims).
 #include <algorithm>
 
 #include "kg/ops.hpp"
@@ -22,6 +24,149 @@ struct MatmulBatchArgs {
 };
 static_assert(sizeof(MatmulBatchArgs) == 16 + 3 * 8 * kMaxBatchLevels);
 
+// The matrix sizes of C = A B: A as [m, k], B as [k, n] (a 1-D A is one row, a 1-D B one column).
+struct MatmulSizes {
+  std::int64_t m, k, n;
+};
+MatmulSizes matmul_sizes(const std::vector<std::int64_t>& sa, const std::vector<std::int64_t>& sb) {
+  return {sa.size() >= 2 ? sa[sa.size() - 2] : 1, sa.back(), sb.size() >= 2 ? sb.back() : 1};
+}
+
+// The output batch entries as broadcast levels (outermost first), adjacent dims that both
+// operands step through alike merged; strides in elements, 0 where an operand is broadcast.
+struct Levels {
+  std::vector<std::int64_t> size, stride_a, stride_b;
+  std::int64_t batches() const {
+    std::int64_t b = 1;
+    for (std::int64_t s : size) b *= s;
+    return b;
+  }
+};
+Levels broadcast_levels(const std::vector<std::int64_t>& sa, const std::vector<std::int64_t>& sb) {
+  const auto [m, k, n] = matmul_sizes(sa, sb);
+  // Right-aligned batch dims.
+  std::vector<std::int64_t> ba(sa.begin(), sa.end() - std::min<std::ptrdiff_t>(2, std::ssize(sa)));
+  std::vector<std::int64_t> bb(sb.begin(), sb.end() - std::min<std::ptrdiff_t>(2, std::ssize(sb)));
+  const std::size_t r = std::max(ba.size(), bb.size());
+  ba.insert(ba.begin(), r - ba.size(), 1);
+  bb.insert(bb.begin(), r - bb.size(), 1);
+  Levels lv;  // innermost first while building
+  std::int64_t step_a = m * k, step_b = k * n;
+  for (std::size_t i = r; i-- > 0;) {
+    const std::int64_t s = std::max(ba[i], bb[i]);
+    const std::int64_t sta = ba[i] == 1 ? 0 : step_a, stb = bb[i] == 1 ? 0 : step_b;
+    step_a *= ba[i];
+    step_b *= bb[i];
+    if (s == 1) continue;
+    // Merge with the level inside it when both operands step through the pair as one dim.
+    if (!lv.size.empty() && sta == lv.stride_a.back() * lv.size.back() &&
+        stb == lv.stride_b.back() * lv.size.back()) {
+      lv.size.back() *= s;
+      continue;
+    }
+    lv.size.push_back(s);
+    lv.stride_a.push_back(sta);
+    lv.stride_b.push_back(stb);
+  }
+  std::reverse(lv.size.begin(), lv.size.end());
+  std::reverse(lv.stride_a.begin(), lv.stride_a.end());
+  std::reverse(lv.stride_b.begin(), lv.stride_b.end());
+  return lv;
+}
+
+// The levels for the GPU kernel, which takes at most kMaxBatchLevels.
+void check_gpu_levels(const Levels& lv, const std::vector<std::int64_t>& sa, const std::vector<std::int64_t>& sb) {
+  if (lv.size.size() > kMaxBatchLevels)
+    throw Error(util::cat("nn.matmul: operands ", sizes_to_string(sa), " and ", sizes_to_string(sb), " need ",
+                          lv.size.size(), " broadcast batch levels; the GPU kernel handles ", kMaxBatchLevels));
+}
+
+MatmulBatchArgs batch_levels(const std::vector<std::int64_t>& sa, const std::vector<std::int64_t>& sb) {
+  const Levels lv = broadcast_levels(sa, sb);
+  check_gpu_levels(lv, sa, sb);
+  MatmulBatchArgs batch;
+  batch.levels = std::ssize(lv.size);
+  for (std::size_t l = 0; l < lv.size.size(); ++l) {
+    batch.size[l] = lv.size[l];
+    batch.stride_a[l] = lv.stride_a[l];
+    batch.stride_b[l] = lv.stride_b[l];
+    batch.batches *= lv.size[l];
+  }
+  return batch;
+}
+
+// A gradient's view of the levels: its own operand's matrices (`entries`, over the levels where
+// that operand is not broadcast) and, for each, the output batch entries that use it (`reps`,
+// over the other levels).
+struct GradLevels {
+  std::vector<std::int64_t> size, stride_own, stride_other;
+  std::int64_t entries = 1, reps = 1;
+};
+GradLevels grad_levels(const Levels& lv, bool grad_a) {
+  GradLevels g;
+  g.size = lv.size;
+  g.stride_own = grad_a ? lv.stride_a : lv.stride_b;
+  g.stride_other = grad_a ? lv.stride_b : lv.stride_a;
+  for (std::size_t l = 0; l < g.size.size(); ++l) (g.stride_own[l] != 0 ? g.entries : g.reps) *= g.size[l];
+  return g;
+}
+
+// Output batch entry z and the offsets of the own and the other operand's matrices for (own
+// matrix e, use r): the levels where the own stride is non-zero take their coordinates from e,
+// the others from r (as KgMatmulGradBatch in matmul_backward.cu).
+struct GradEntry {
+  std::int64_t z = 0, own = 0, other = 0;
+};
+GradEntry grad_entry(const GradLevels& g, std::int64_t e, std::int64_t r) {
+  GradEntry out;
+  std::int64_t zmul = 1;
+  for (std::size_t l = g.size.size(); l-- > 0;) {
+    std::int64_t c;
+    if (g.stride_own[l] != 0) {
+      c = e % g.size[l];
+      e /= g.size[l];
+    } else {
+      c = r % g.size[l];
+      r /= g.size[l];
+    }
+    out.z += c * zmul;
+    zmul *= g.size[l];
+    out.own += c * g.stride_own[l];
+    out.other += c * g.stride_other[l];
+  }
+  return out;
+}
+
+// KgMatmulGradBatch in matmul_backward.cu, same layout.
+struct MatmulGradBatchArgs {
+  std::int64_t entries = 1, reps = 1, levels = 0;
+  std::int64_t size[kMaxBatchLevels] = {};
+  std::int64_t stride_own[kMaxBatchLevels] = {};
+  std::int64_t stride_other[kMaxBatchLevels] = {};
+};
+static_assert(sizeof(MatmulGradBatchArgs) == 24 + 3 * 8 * kMaxBatchLevels);
+
+MatmulGradBatchArgs grad_batch_args(const GradLevels& g) {
+  MatmulGradBatchArgs a;
+  a.entries = g.entries;
+  a.reps = g.reps;
+  a.levels = std::ssize(g.size);
+  for (std::size_t l = 0; l < g.size.size(); ++l) {
+    a.size[l] = g.size[l];
+    a.stride_own[l] = g.stride_own[l];
+    a.stride_other[l] = g.stride_other[l];
+  }
+  return a;
+}
+
+// True when B has no batch dims and A's matrices follow each other (A is never broadcast): the
+// product is then one GEMM of batches * m rows, and so are both gradients.
+bool single_gemm(const Levels& lv) {
+  for (std::size_t l = 0; l < lv.size.size(); ++l)
+    if (lv.stride_b[l] != 0 || lv.stride_a[l] == 0) return false;
+  return true;
+}
+
 // The GPU half: the tiled GEMM once per output batch entry, the operands' entries found through
 // the broadcast levels. When B has no batch dims and A has some, A's matrices follow each other
 // and the whole product is one GEMM of batches * m rows.
@@ -31,7 +176,8 @@ class MatmulRuntime final : public RuntimeOp {
   static constexpr std::int64_t kTile = 64;  // KG_GEMM_BM, KG_GEMM_BN
   static constexpr std::int64_t kMaxGridYZ = 65535;
 
-  MatmulRuntime(std::size_t rank_a, std::size_t rank_b) : rank_a_(rank_a), rank_b_(rank_b) {}
+  MatmulRuntime(std::size_t rank_a, std::size_t rank_b, DType dtype)
+      : rank_a_(rank_a), rank_b_(rank_b), dtype_(dtype) {}
   int n_activation_inputs() const override { return 2; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -49,41 +195,7 @@ class MatmulRuntime final : public RuntimeOp {
     if (merged()) {
       rows = m * batch_count(out_shape);
     } else {
-      // Right-aligned batch dims; strides in elements, 0 along broadcast dims.
-      std::vector<std::int64_t> ba(sa.begin(), sa.end() - std::min<std::ptrdiff_t>(2, std::ssize(sa)));
-      std::vector<std::int64_t> bb(sb.begin(), sb.end() - std::min<std::ptrdiff_t>(2, std::ssize(sb)));
-      const std::size_t r = std::max(ba.size(), bb.size());
-      ba.insert(ba.begin(), r - ba.size(), 1);
-      bb.insert(bb.begin(), r - bb.size(), 1);
-      std::vector<std::int64_t> size, st_a, st_b;  // innermost first while building
-      std::int64_t step_a = m * k, step_b = k * n;
-      for (std::size_t i = r; i-- > 0;) {
-        const std::int64_t s = std::max(ba[i], bb[i]);
-        const std::int64_t sta = ba[i] == 1 ? 0 : step_a, stb = bb[i] == 1 ? 0 : step_b;
-        step_a *= ba[i];
-        step_b *= bb[i];
-        if (s == 1) continue;
-        // Merge with the level inside it when both operands step through the pair as one dim.
-        if (!size.empty() && sta == st_a.back() * size.back() && stb == st_b.back() * size.back()) {
-          size.back() *= s;
-          continue;
-        }
-        size.push_back(s);
-        st_a.push_back(sta);
-        st_b.push_back(stb);
-      }
-      if (size.size() > kMaxBatchLevels)
-        throw Error(util::cat("nn.matmul: operands ", sizes_to_string(sa), " and ", sizes_to_string(sb),
-                              " need ", size.size(), " broadcast batch levels; the GPU kernel handles ",
-                              kMaxBatchLevels));
-      batch.levels = static_cast<std::int64_t>(size.size());
-      for (std::size_t l = 0; l < size.size(); ++l) {
-        const std::size_t at = size.size() - 1 - l;  // outermost first
-        batch.size[l] = size[at];
-        batch.stride_a[l] = st_a[at];
-        batch.stride_b[l] = st_b[at];
-        batch.batches *= size[at];
-      }
+      batch = batch_levels(sa, sb);
     }
     v.pointer(inputs[0].ptr);
     v.pointer(inputs[1].ptr);
@@ -114,7 +226,52 @@ class MatmulRuntime final : public RuntimeOp {
             static_cast<unsigned>(std::clamp<std::int64_t>(batches, 1, kMaxGridYZ))};
   }
 
+  // ---- backward (matmul_backward.cu): launch 0 writes dA, launch 1 dB ----
+  bool has_backward() const override { return true; }
+  int n_backward_launches(const BackwardTensors&) const override { return 2; }
+  std::string backward_entry_point(int launch) const override {
+    return entry_for(launch == 0 ? "kg_matmul_backward_a" : "kg_matmul_backward_b", dtype_);
+  }
+  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+    const GradLaunch g = grad_launch(launch, t);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.inputs.at(launch == 0 ? 1 : 0).ptr);  // the other operand
+    v.pointer(t.grad_inputs.at(static_cast<std::size_t>(launch)).ptr);
+    v.i64(g.m);
+    v.i64(g.n);
+    v.i64(g.k);
+    v.bytes(&g.batch, sizeof g.batch);
+  }
+  Dim3 backward_block(int) const override { return {kThreads, 1, 1}; }
+  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
+    if (t.grad_inputs.at(static_cast<std::size_t>(launch)).ptr == 0) return {1, 1, 1};
+    const GradLaunch g = grad_launch(launch, t);
+    // The gradient's matrices: [m, k] for dA, [k, n] for dB.
+    const std::int64_t rows = launch == 0 ? g.m : g.k, cols = launch == 0 ? g.k : g.n;
+    auto tiles = [](std::int64_t v, std::int64_t cap) {
+      return static_cast<unsigned>(std::clamp<std::int64_t>((v + kTile - 1) / kTile, 1, cap));
+    };
+    return {tiles(cols, kMaxGridX), tiles(rows, kMaxGridYZ),
+            static_cast<unsigned>(std::clamp<std::int64_t>(g.batch.entries, 1, kMaxGridYZ))};
+  }
+
  private:
+  static constexpr std::int64_t kMaxGridX = 65535LL * 32;  // the kernels loop over further tiles
+  // The sizes and batch walk of a backward launch. When the product is one GEMM, so is each
+  // gradient: m covers every batch entry's rows and there are no levels.
+  struct GradLaunch {
+    std::int64_t m, n, k;
+    MatmulGradBatchArgs batch;
+  };
+  GradLaunch grad_launch(int launch, const BackwardTensors& t) const {
+    const auto &sa = t.inputs.at(0).shape, &sb = t.inputs.at(1).shape;
+    const auto [m, k, n] = matmul_sizes(sa, sb);
+    const Levels lv = broadcast_levels(sa, sb);
+    check_gpu_levels(lv, sa, sb);
+    if (single_gemm(lv)) return {m * lv.batches(), n, k, MatmulGradBatchArgs{}};
+    return {m, n, k, grad_batch_args(grad_levels(lv, launch == 0))};
+  }
+
   bool merged() const { return rank_a_ >= 3 && rank_b_ <= 2; }
   // Output batch entries: the output dims before the matrix dims.
   std::int64_t batch_count(const std::vector<std::int64_t>& out_shape) const {
@@ -124,6 +281,7 @@ class MatmulRuntime final : public RuntimeOp {
     return b;
   }
   std::size_t rank_a_, rank_b_;
+  DType dtype_;  // of the backward entries
 };
 
 class MatmulOp final : public CustomOp {
@@ -161,7 +319,61 @@ class MatmulOp final : public CustomOp {
 
   std::optional<Lowered> lower() const override {
     return Lowered{"nn.matmul", kernel_file("matmul.cu"), entry_for("kg_matmul", dtype_),
-                   std::make_shared<MatmulRuntime>(rank_a_, rank_b_)};
+                   std::make_shared<MatmulRuntime>(rank_a_, rank_b_, dtype_)};
+  }
+  std::string lower_backward_source() const override { return kernel_file("matmul_backward.cu"); }
+
+  // dA = dC Bᵀ and dB = Aᵀ dC per output batch entry, each gradient matrix summed over the
+  // entries that share it, in order; a gradient's matrices are spread over the threads.
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {true, false}; }
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    const Tensor &a = ctx.inputs[0], &b = ctx.inputs[1];
+    const auto [m, k, n] = matmul_sizes(a.shape(), b.shape());
+    const Levels lv = broadcast_levels(a.shape(), b.shape());
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dc = ctx.grad_output.data<T>();
+      for (std::size_t which = 0; which < 2; ++which) {
+        if (!ctx.wants_input_grad(which)) continue;
+        const bool grad_a = which == 0;
+        Tensor& gt = ctx.grad_inputs[which];
+        T* g = gt.data<T>();
+        const T* other = (grad_a ? b : a).template data<T>();
+        const GradLevels gl = grad_levels(lv, grad_a);
+        // The reduction each gradient element takes: n for dA, m per use for dB.
+        if ((grad_a ? n : m) == 0 || gl.reps == 0 || gl.entries == 0) {
+          std::fill(g, g + gt.numel(), T(0));
+          continue;
+        }
+        if (single_gemm(lv)) {
+          const std::int64_t rows = m * lv.batches();
+          if (grad_a)  // dA [rows, k] = dC [rows, n] · Bᵀ
+            gemm(false, true, rows, k, n, T(1), dc, n, other, n, T(0), g, k);
+          else  // dB [k, n] = Aᵀ [k, rows] · dC [rows, n]
+            gemm(true, false, k, n, rows, T(1), other, k, dc, n, T(0), g, n);
+          continue;
+        }
+        auto one = [&](std::int64_t e) {
+          for (std::int64_t r = 0; r < gl.reps; ++r) {
+            const GradEntry at = grad_entry(gl, e, r);
+            const T beta = r == 0 ? T(0) : T(1);
+            if (grad_a)
+              gemm(false, true, m, k, n, T(1), dc + at.z * m * n, n, other + at.other, n, beta, g + at.own, k);
+            else
+              gemm(true, false, k, n, m, T(1), other + at.other, k, dc + at.z * m * n, n, beta, g + at.own, n);
+          }
+        };
+        if (m * n * k >= 64 * 64 * 64) {
+          for (std::int64_t e = 0; e < gl.entries; ++e) one(e);  // the BLAS threads each product
+        } else {
+          ctx.parallel_for(gl.entries, std::max<std::int64_t>(1, 65536 / std::max<std::int64_t>(m * n * k * gl.reps, 1)),
+                           [&](std::int64_t e0, std::int64_t e1) {
+                             for (std::int64_t e = e0; e < e1; ++e) one(e);
+                           });
+        }
+      }
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {

@@ -1,12 +1,16 @@
 // Pooling and resampling on [N, C, H, W]: nn.max_pool2d, nn.avg_pool2d, nn.global_avg_pool,
 // nn.upsample_nearest2d. Output sizes follow PyTorch (ops::window_out), including ceil_mode.
 // Every op runs over the N*C planes in parallel; on the GPU (pool.cu) one thread per output
-// element, one warp per plane for the global average.
+// element, one warp per plane for the global average. The backward passes scatter each output
+// gradient over its window on the CPU and gather it per input element on the GPU
+// (pool_backward.cu).
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -134,13 +138,14 @@ struct PoolGpuShape {
 };
 static_assert(sizeof(PoolGpuShape) == 13 * 8, "must match KgPoolShape in pool.cu");
 
-// One launch over [N, C, H, W] → [N, C, H', W'] of the pool.cu entry for `kind`.
+// One launch over [N, C, H, W] → [N, C, H', W'] of the pool.cu entry for `kind`; the backward
+// is one launch of pool_backward.cu's entry "<stem>_backward", a thread per input element.
 class PoolRuntime final : public RuntimeOp {
  public:
   enum class Kind { Max, Avg, Global, Upsample };
   // `w` is the window (for Upsample: the scale factors as the kernel).
-  PoolRuntime(Kind kind, Window w, bool count_include_pad)
-      : kind_(kind), w_(w), count_include_pad_(count_include_pad) {}
+  PoolRuntime(Kind kind, Window w, bool count_include_pad, std::string stem, DType dtype)
+      : kind_(kind), w_(w), count_include_pad_(count_include_pad), stem_(std::move(stem)), dtype_(dtype) {}
 
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
@@ -158,9 +163,7 @@ class PoolRuntime final : public RuntimeOp {
       v.i64(in[2] * in[3]);
       return;
     }
-    const PoolGpuShape s{in[0] * in[1], in[2],         in[3],        shape[2],    shape[3],
-                         w_.kernel.h,   w_.kernel.w,   w_.stride.h,  w_.stride.w, w_.padding.h,
-                         w_.padding.w,  w_.dilation.h, w_.dilation.w};
+    const PoolGpuShape s = gpu_shape(in, shape);
     v.bytes(&s, sizeof s);
     if (kind_ == Kind::Avg) v.i32(count_include_pad_ ? 1 : 0);
   }
@@ -170,17 +173,50 @@ class PoolRuntime final : public RuntimeOp {
     return grid_1d(numel_of(shape), kPoolThreads);
   }
 
+  bool has_backward() const override { return true; }
+  std::string backward_entry_point(int) const override { return entry_for(stem_ + "_backward", dtype_); }
+  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+    const auto& in = t.inputs.at(0).shape;
+    if (kind_ == Kind::Max) v.pointer(t.inputs[0].ptr);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.at(0).ptr);
+    if (kind_ == Kind::Global) {
+      v.i64(in[0] * in[1]);
+      v.i64(in[2] * in[3]);
+      return;
+    }
+    const PoolGpuShape s = gpu_shape(in, t.grad_output.shape);
+    v.bytes(&s, sizeof s);
+    if (kind_ == Kind::Avg) v.i32(count_include_pad_ ? 1 : 0);
+  }
+  Dim3 backward_block(int) const override { return {kPoolThreads, 1, 1}; }
+  Dim3 backward_grid(int, const BackwardTensors& t) const override {
+    if (t.grad_inputs.at(0).ptr == 0) return {1, 1, 1};  // not wanted: the kernel returns at once
+    return grid_1d(numel_of(t.inputs.at(0).shape), kPoolThreads);
+  }
+
  private:
+  PoolGpuShape gpu_shape(const std::vector<std::int64_t>& in, const std::vector<std::int64_t>& out) const {
+    return PoolGpuShape{in[0] * in[1], in[2],        in[3],        out[2],        out[3],
+                        w_.kernel.h,   w_.kernel.w,  w_.stride.h,  w_.stride.w,   w_.padding.h,
+                        w_.padding.w,  w_.dilation.h, w_.dilation.w};
+  }
+
   Kind kind_;
   Window w_;
   bool count_include_pad_;
+  std::string stem_;  // of the forward entry; the backward's adds "_backward"
+  DType dtype_;
 };
 
 Lowered pool_lowering(const std::string& op_name, const char* stem, DType dtype, PoolRuntime::Kind kind,
                       Window w, bool count_include_pad = false) {
   return Lowered{op_name, kernel_file("pool.cu"), entry_for(stem, dtype),
-                 std::make_shared<PoolRuntime>(kind, w, count_include_pad)};
+                 std::make_shared<PoolRuntime>(kind, w, count_include_pad, stem, dtype)};
 }
+
+// The backward kernels of the whole family.
+std::string pool_backward_source() { return kernel_file("pool_backward.cu"); }
 
 // ---- nn.max_pool2d ----
 
@@ -252,6 +288,55 @@ class MaxPool2dOp final : public CustomOp {
     });
   }
 
+ // The gradient of each window goes to the tap the forward picked: the first largest, or the
+  // last NaN (PyTorch's rule). Reads the input again to find it.
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {true, false}; }
+  std::string lower_backward_source() const override { return pool_backward_source(); }
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    const Tensor& x = ctx.inputs[0];
+    const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.grad_output.dim(2), wo = ctx.grad_output.dim(3);
+    const std::int64_t kh = w_.kernel.h, kw = w_.kernel.w, sh = w_.stride.h, sw = w_.stride.w;
+    const std::int64_t ph = w_.padding.h, pw = w_.padding.w, dh = w_.dilation.h, dw = w_.dilation.w;
+    dispatch_float(x.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* xp = x.data<T>();
+      const T* dyp = ctx.grad_output.data<T>();
+      T* dxp = ctx.grad_inputs[0].data<T>();
+      ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(h * w), [&](std::int64_t b, std::int64_t e) {
+        for (std::int64_t pl = b; pl < e; ++pl) {
+          const T* src = xp + pl * h * w;
+          const T* dy = dyp + pl * ho * wo;
+          T* dx = dxp + pl * h * w;
+          std::fill(dx, dx + h * w, T(0));
+          for (std::int64_t oy = 0; oy < ho; ++oy) {
+            const std::int64_t y0 = oy * sh - ph;
+            for (std::int64_t ox = 0; ox < wo; ++ox) {
+              const std::int64_t x0 = ox * sw - pw;
+              std::int64_t pick = -1;
+              T m = T(0);
+              for (std::int64_t ky = 0; ky < kh; ++ky) {
+                const std::int64_t iy = y0 + ky * dh;
+                if (iy < 0 || iy >= h) continue;
+                for (std::int64_t kx = 0; kx < kw; ++kx) {
+                  const std::int64_t ix = x0 + kx * dw;
+                  if (ix < 0 || ix >= w) continue;
+                  const T v = src[iy * w + ix];
+                  if (pick < 0 || v > m || v != v) {
+                    m = v;
+                    pick = iy * w + ix;
+                  }
+                }
+              }
+              if (pick >= 0) dx[pick] += dy[oy * wo + ox];
+            }
+          }
+        }
+      });
+    });
+  }
+
  private:
   Window w_;
   DType dtype_;  // the input's, for the kernel entry
@@ -314,6 +399,50 @@ class AvgPool2dOp final : public CustomOp {
     });
   }
 
+ // Each window's gradient spread evenly over the taps inside the input, over the forward's
+  // divisor. Needs no saved tensor.
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {false, false}; }
+  std::string lower_backward_source() const override { return pool_backward_source(); }
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    const Tensor& x = ctx.inputs[0];
+    const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.grad_output.dim(2), wo = ctx.grad_output.dim(3);
+    const std::int64_t kh = w_.kernel.h, kw = w_.kernel.w, sh = w_.stride.h, sw = w_.stride.w;
+    const std::int64_t ph = w_.padding.h, pw = w_.padding.w;
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dyp = ctx.grad_output.data<T>();
+      T* dxp = ctx.grad_inputs[0].data<T>();
+      ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(h * w), [&](std::int64_t b, std::int64_t e) {
+        for (std::int64_t pl = b; pl < e; ++pl) {
+          const T* dy = dyp + pl * ho * wo;
+          T* dx = dxp + pl * h * w;
+          std::fill(dx, dx + h * w, T(0));
+          for (std::int64_t oy = 0; oy < ho; ++oy) {
+            std::int64_t y0 = oy * sh - ph, y1 = std::min(y0 + kh, h + ph);
+            const std::int64_t pad_rows = y1 - y0;
+            y0 = std::max<std::int64_t>(y0, 0);
+            y1 = std::min(y1, h);
+            for (std::int64_t ox = 0; ox < wo; ++ox) {
+              std::int64_t x0 = ox * sw - pw, x1 = std::min(x0 + kw, w + pw);
+              const std::int64_t pad_cols = x1 - x0;
+              x0 = std::max<std::int64_t>(x0, 0);
+              x1 = std::min(x1, w);
+              const std::int64_t count = count_include_pad_ ? pad_rows * pad_cols
+                                                            : std::max<std::int64_t>(y1 - y0, 0) *
+                                                                  std::max<std::int64_t>(x1 - x0, 0);
+              if (count <= 0) continue;
+              const T g = dy[oy * wo + ox] / static_cast<T>(count);
+              for (std::int64_t iy = y0; iy < y1; ++iy)
+                for (std::int64_t ix = x0; ix < x1; ++ix) dx[iy * w + ix] += g;
+            }
+          }
+        }
+      });
+    });
+  }
+
  private:
   Window w_;
   bool count_include_pad_;
@@ -360,6 +489,24 @@ class GlobalAvgPoolOp final : public CustomOp {
           for (int k = 0; k < 8; ++k) s += part[k];
           yp[pl] = s / static_cast<T>(hw);
         }
+      });
+    });
+  }
+
+ // dx = dy / (H * W) over each plane. Needs no saved tensor.
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {false, false}; }
+  std::string lower_backward_source() const override { return pool_backward_source(); }
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    const Tensor& x = ctx.inputs[0];
+    const std::int64_t hw = x.dim(2) * x.dim(3);
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dy = ctx.grad_output.data<T>();
+      T* dx = ctx.grad_inputs[0].data<T>();
+      ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(hw), [&](std::int64_t b, std::int64_t e) {
+        for (std::int64_t pl = b; pl < e; ++pl) std::fill(dx + pl * hw, dx + (pl + 1) * hw, dy[pl] / static_cast<T>(hw));
       });
     });
   }
@@ -411,6 +558,37 @@ class UpsampleNearest2dOp final : public CustomOp {
             for (std::int64_t ix = 0; ix < w; ++ix)
               for (std::int64_t k = 0; k < sw; ++k) first[ix * sw + k] = row[ix];
             for (std::int64_t r = 1; r < sh; ++r) std::copy(first, first + wo, first + r * wo);
+          }
+        }
+      });
+    });
+  }
+
+ // dx = the sum of dy over the block each input element was copied to. Needs no saved tensor.
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {false, false}; }
+  std::string lower_backward_source() const override { return pool_backward_source(); }
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    const Tensor& x = ctx.inputs[0];
+    const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.grad_output.dim(2), wo = ctx.grad_output.dim(3);
+    const std::int64_t sh = scale_.h, sw = scale_.w;
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dyp = ctx.grad_output.data<T>();
+      T* dxp = ctx.grad_inputs[0].data<T>();
+      ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(ho * wo), [&](std::int64_t b, std::int64_t e) {
+        for (std::int64_t pl = b; pl < e; ++pl) {
+          const T* dy = dyp + pl * ho * wo;
+          T* dx = dxp + pl * h * w;
+          for (std::int64_t iy = 0; iy < h; ++iy) {
+            T* row = dx + iy * w;
+            std::fill(row, row + w, T(0));
+            for (std::int64_t r = 0; r < sh; ++r) {
+              const T* src = dy + (iy * sh + r) * wo;
+              for (std::int64_t ix = 0; ix < w; ++ix)
+                for (std::int64_t k = 0; k < sw; ++k) row[ix] += src[ix * sw + k];
+            }
           }
         }
       });

@@ -1,0 +1,135 @@
+// The backward of nn.conv2d on the GPU, for [N, C, H, W] inputs, [O, C/groups, kh, kw] weights
+// and any stride, padding, dilation and groups (ops/conv_gpu.cpp launches them):
+//
+// - input: one thread per input element, summing dy * w over the output pixels and channels of
+//   its group whose window covers it (a gather: no atomics, every element written once);
+// - weight: one block per weight element, its threads summing dy * x over the batch's output
+//   pixels, then a block reduction (a fixed order: the result does not vary between runs);
+// - bias: one block per output channel, the sum of dy over the batch's pixels.
+//
+// Every loop is a grid-stride loop with 64-bit indices, so one launch covers any size. A kernel
+// whose gradient is not wanted (a null pointer) returns at once.
+#include "reduce.cuh"
+
+#define KG_CONV_BWD_THREADS 256
+
+// The concrete geometry, passed by value (host: ConvGradShape in ops/conv_gpu.cpp, same layout).
+struct KgConvGradShape {
+  long long n, c, h, w;      // input
+  long long o, ho, wo;       // output channels and size
+  long long kh, kw;          // kernel
+  long long sh, sw, ph, pw;  // stride, padding
+  long long dh, dw;          // dilation
+  long long groups;
+};
+
+// dx[img, c, iy, ix] = sum over the group's output channels o and the taps (ky, kx) that put
+// (iy, ix) under output pixel (oy, ox) of dy[img, o, oy, ox] * w[o, c % cg, ky, kx].
+template <class T>
+__device__ __forceinline__ void kg_conv2d_backward_input(const T* __restrict__ dy, const T* __restrict__ w,
+                                                         T* __restrict__ dx, const KgConvGradShape& s) {
+  if (!dx) return;  // not wanted
+  const long long cg = s.c / s.groups, og = s.o / s.groups, khw = s.kh * s.kw;
+  const long long total = s.n * s.c * s.h * s.w, hwo = s.ho * s.wo;
+  for (long long i = kg_thread_index(); i < total; i += kg_grid_stride()) {
+    const long long ix = i % s.w, iy = i / s.w % s.h, c = i / (s.w * s.h) % s.c, img = i / (s.w * s.h * s.c);
+    const long long g = c / cg, cl = c - g * cg;
+    const T* dyg = dy + (img * s.o + g * og) * hwo;
+    const T* wg = w + (g * og * cg + cl) * khw;
+    T acc = T(0);
+    for (long long ky = 0; ky < s.kh; ++ky) {
+      const long long ty = iy + s.ph - ky * s.dh;
+      if (ty < 0 || ty % s.sh != 0) continue;
+      const long long oy = ty / s.sh;
+      if (oy >= s.ho) continue;
+      for (long long kx = 0; kx < s.kw; ++kx) {
+        const long long tx = ix + s.pw - kx * s.dw;
+        if (tx < 0 || tx % s.sw != 0) continue;
+        const long long ox = tx / s.sw;
+        if (ox >= s.wo) continue;
+        const T* d = dyg + oy * s.wo + ox;
+        const T* wt = wg + ky * s.kw + kx;
+        for (long long om = 0; om < og; ++om) acc += d[om * hwo] * wt[om * cg * khw];
+      }
+    }
+    dx[i] = acc;
+  }
+}
+
+// dw[o, cl, ky, kx] = sum over images and output pixels of dy[img, o, oy, ox] * x[img, g * cg +
+// cl, oy * sh - ph + ky * dh, ox * sw - pw + kx * dw] (0 in the padding). One block per weight
+// element, in a grid-stride loop over the blocks.
+template <class T>
+__device__ __forceinline__ void kg_conv2d_backward_weight(const T* __restrict__ x, const T* __restrict__ dy,
+                                                          T* __restrict__ dw, const KgConvGradShape& s) {
+  __shared__ T red[32];
+  if (!dw) return;  // not wanted
+  const long long cg = s.c / s.groups, og = s.o / s.groups, khw = s.kh * s.kw;
+  const long long kdim = cg * khw, hwo = s.ho * s.wo, npix = s.n * hwo, hwi = s.h * s.w;
+  for (long long b = blockIdx.x; b < s.o * kdim; b += gridDim.x) {
+    const long long o = b / kdim, r = b - o * kdim;
+    const long long cl = r / khw, ky = r / s.kw % s.kh, kx = r % s.kw;
+    const long long c = o / og * cg + cl;
+    const long long dy0 = ky * s.dh - s.ph, dx0 = kx * s.dw - s.pw;  // input position of pixel (0, 0)
+    T acc = T(0);
+    for (long long t = threadIdx.x; t < npix; t += blockDim.x) {
+      const long long img = t / hwo, pix = t - img * hwo, oy = pix / s.wo, ox = pix - oy * s.wo;
+      const long long iy = oy * s.sh + dy0, ix = ox * s.sw + dx0;
+      if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
+      acc += dy[(img * s.o + o) * hwo + pix] * x[(img * s.c + c) * hwi + iy * s.w + ix];
+    }
+    acc = kg_block_sum(acc, red);
+    if (threadIdx.x == 0) dw[b] = acc;
+  }
+}
+
+// db[o] = sum over images and output pixels of dy[img, o, oy, ox]. One block per channel.
+template <class T>
+__device__ __forceinline__ void kg_conv2d_backward_bias(const T* __restrict__ dy, T* __restrict__ db,
+                                                        const KgConvGradShape& s) {
+  __shared__ T red[32];
+  if (!db) return;  // not wanted
+  const long long hwo = s.ho * s.wo, npix = s.n * hwo;
+  for (long long o = blockIdx.x; o < s.o; o += gridDim.x) {
+    T acc = T(0);
+    for (long long t = threadIdx.x; t < npix; t += blockDim.x) {
+      const long long img = t / hwo, pix = t - img * hwo;
+      acc += dy[(img * s.o + o) * hwo + pix];
+    }
+    acc = kg_block_sum(acc, red);
+    if (threadIdx.x == 0) db[o] = acc;
+  }
+}
+
+// ---- entries ----
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_input_f32(const float* __restrict__ dy, const float* __restrict__ w,
+                                 float* __restrict__ dx, KgConvGradShape s) {
+  kg_conv2d_backward_input<float>(dy, w, dx, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_input_f64(const double* __restrict__ dy, const double* __restrict__ w,
+                                 double* __restrict__ dx, KgConvGradShape s) {
+  kg_conv2d_backward_input<double>(dy, w, dx, s);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_weight_f32(const float* __restrict__ x, const float* __restrict__ dy,
+                                  float* __restrict__ dw, KgConvGradShape s) {
+  kg_conv2d_backward_weight<float>(x, dy, dw, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_weight_f64(const double* __restrict__ x, const double* __restrict__ dy,
+                                  double* __restrict__ dw, KgConvGradShape s) {
+  kg_conv2d_backward_weight<double>(x, dy, dw, s);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_bias_f32(const float* __restrict__ dy, float* __restrict__ db, KgConvGradShape s) {
+  kg_conv2d_backward_bias<float>(dy, db, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_bias_f64(const double* __restrict__ dy, double* __restrict__ db, KgConvGradShape s) {
+  kg_conv2d_backward_bias<double>(dy, db, s);
+}

@@ -1,0 +1,174 @@
+// The backward of the pooling family on the GPU, for [N, C, H, W] tensors seen as N*C planes:
+// one thread per input element (grid-stride), which gathers the output gradients of the
+// windows that cover it, so every element of dx is written once, with no atomics and in a
+// fixed order. The window arithmetic is that of the forward kernels in pool.cu.
+//
+// - max_pool2d: a window's gradient goes to the tap its forward picked (the first largest, or
+//   the last NaN, as PyTorch); the thread recomputes the pick of each window covering it.
+// - avg_pool2d: each covering window adds dy / its divisor (count_include_pad or not).
+// - global_avg_pool: dy of the plane / (H * W).
+// - upsample_nearest2d: the sum of dy over the scale_h × scale_w block the element was copied to.
+#include "kg_device.cuh"
+
+#define KG_POOL_BWD_THREADS 256
+
+// The concrete geometry (host: PoolGpuShape in ops/pool.cpp; the layout of pool.cu's
+// KgPoolShape). Upsampling reads its scale factors from kh and kw.
+struct KgPoolGradShape {
+  long long planes;  // N * C
+  long long h, w, ho, wo;
+  long long kh, kw, sh, sw, ph, pw, dh, dw;
+};
+
+// Runs body(i, plane, iy, ix) for every input element i of the planes; nothing when dx is null
+// (not wanted).
+template <class T, class Body>
+__device__ __forceinline__ void kg_pool_grad_for_each(T* dx, const KgPoolGradShape& s, const Body& body) {
+  if (!dx) return;
+  const long long hw = s.h * s.w, total = s.planes * hw;
+  for (long long i = kg_thread_index(); i < total; i += kg_grid_stride()) {
+    const long long pl = i / hw, pix = i - pl * hw, iy = pix / s.w, ix = pix - iy * s.w;
+    body(i, pl, iy, ix);
+  }
+}
+
+// Calls fn(o, t) for each window o in [0, n) (first tap at o * stride - pad, taps dil apart)
+// whose tap t lands on `pos`, in increasing t.
+template <class Fn>
+__device__ __forceinline__ void kg_pool_windows(long long pos, long long n, long long k, long long stride,
+                                                long long pad, long long dil, const Fn& fn) {
+  for (long long t = 0; t < k; ++t) {
+    const long long q = pos + pad - t * dil;
+    if (q < 0 || q % stride != 0) continue;
+    const long long o = q / stride;
+    if (o < n) fn(o, t);
+  }
+}
+
+// ---- nn.max_pool2d ----
+
+template <class T>
+__device__ __forceinline__ void kg_max_pool2d_backward(const T* __restrict__ x, const T* __restrict__ dy,
+                                                       T* __restrict__ dx, const KgPoolGradShape& s) {
+  kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
+    const T* src = x + pl * s.h * s.w;
+    const long long self = iy * s.w + ix;
+    T acc = T(0);
+    kg_pool_windows(iy, s.ho, s.kh, s.sh, s.ph, s.dh, [&](long long oy, long long) {
+      kg_pool_windows(ix, s.wo, s.kw, s.sw, s.pw, s.dw, [&](long long ox, long long) {
+        // The forward's pick in window (oy, ox): the first strictly larger value, or a NaN.
+        const long long y0 = oy * s.sh - s.ph, x0 = ox * s.sw - s.pw;
+        long long pick = -1;
+        T m = T(0);
+        for (long long ky = 0; ky < s.kh; ++ky) {
+          const long long yy = y0 + ky * s.dh;
+          if (yy < 0 || yy >= s.h) continue;
+          for (long long kx = 0; kx < s.kw; ++kx) {
+            const long long xx = x0 + kx * s.dw;
+            if (xx < 0 || xx >= s.w) continue;
+            const T v = src[yy * s.w + xx];
+            if (pick < 0 || v > m || v != v) {
+              m = v;
+              pick = yy * s.w + xx;
+            }
+          }
+        }
+        if (pick == self) acc += dy[(pl * s.ho + oy) * s.wo + ox];
+      });
+    });
+    dx[i] = acc;
+  });
+}
+
+// ---- nn.avg_pool2d ----
+
+template <class T>
+__device__ __forceinline__ void kg_avg_pool2d_backward(const T* __restrict__ dy, T* __restrict__ dx,
+                                                       const KgPoolGradShape& s, int count_include_pad) {
+  kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
+    T acc = T(0);
+    kg_pool_windows(iy, s.ho, s.kh, s.sh, s.ph, 1, [&](long long oy, long long) {
+      long long y0 = oy * s.sh - s.ph, y1 = min(y0 + s.kh, s.h + s.ph);
+      const long long rows = y1 - y0;
+      y0 = max(y0, 0LL);
+      y1 = min(y1, s.h);
+      kg_pool_windows(ix, s.wo, s.kw, s.sw, s.pw, 1, [&](long long ox, long long) {
+        long long x0 = ox * s.sw - s.pw, x1 = min(x0 + s.kw, s.w + s.pw);
+        const long long cols = x1 - x0;
+        x0 = max(x0, 0LL);
+        x1 = min(x1, s.w);
+        const long long count = count_include_pad ? rows * cols : (y1 - y0) * (x1 - x0);
+        acc += dy[(pl * s.ho + oy) * s.wo + ox] / (T)count;
+      });
+    });
+    dx[i] = acc;
+  });
+}
+
+// ---- nn.upsample_nearest2d ----
+
+template <class T>
+__device__ __forceinline__ void kg_upsample_nearest2d_backward(const T* __restrict__ dy, T* __restrict__ dx,
+                                                               const KgPoolGradShape& s) {
+  kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
+    const T* src = dy + (pl * s.ho + iy * s.kh) * s.wo + ix * s.kw;
+    T acc = T(0);
+    for (long long a = 0; a < s.kh; ++a)
+      for (long long b = 0; b < s.kw; ++b) acc += src[a * s.wo + b];
+    dx[i] = acc;
+  });
+}
+
+// ---- nn.global_avg_pool ----
+
+template <class T>
+__device__ __forceinline__ void kg_global_avg_pool_backward(const T* __restrict__ dy, T* __restrict__ dx,
+                                                            long long planes, long long hw) {
+  if (!dx) return;
+  for (long long i = kg_thread_index(); i < planes * hw; i += kg_grid_stride()) dx[i] = dy[i / hw] / (T)hw;
+}
+
+// ---- entries ----
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_max_pool2d_backward_f32(const float* __restrict__ x, const float* __restrict__ dy, float* __restrict__ dx,
+                               KgPoolGradShape s) {
+  kg_max_pool2d_backward<float>(x, dy, dx, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_max_pool2d_backward_f64(const double* __restrict__ x, const double* __restrict__ dy,
+                               double* __restrict__ dx, KgPoolGradShape s) {
+  kg_max_pool2d_backward<double>(x, dy, dx, s);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_avg_pool2d_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, KgPoolGradShape s,
+                               int count_include_pad) {
+  kg_avg_pool2d_backward<float>(dy, dx, s, count_include_pad);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_avg_pool2d_backward_f64(const double* __restrict__ dy, double* __restrict__ dx, KgPoolGradShape s,
+                               int count_include_pad) {
+  kg_avg_pool2d_backward<double>(dy, dx, s, count_include_pad);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_upsample_nearest2d_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, KgPoolGradShape s) {
+  kg_upsample_nearest2d_backward<float>(dy, dx, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_upsample_nearest2d_backward_f64(const double* __restrict__ dy, double* __restrict__ dx,
+                                       KgPoolGradShape s) {
+  kg_upsample_nearest2d_backward<double>(dy, dx, s);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_global_avg_pool_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, long long planes,
+                                    long long hw) {
+  kg_global_avg_pool_backward<float>(dy, dx, planes, hw);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+    kg_global_avg_pool_backward_f64(const double* __restrict__ dy, double* __restrict__ dx, long long planes,
+                                    long long hw) {
+  kg_global_avg_pool_backward<double>(dy, dx, planes, hw);
+}
