@@ -19,8 +19,11 @@ build: deps configure
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 
+# Trains LeNet-5 with LeCun's scaled tanh (a custom op) on Fashion-MNIST, on the GPU when there is
+# one; logs, plot and checkpoints go to runs/<model>-<time>/. Extra flags: make demo DEMO_ARGS="--epochs 2".
+DEMO_ARGS ?=
 demo: build
-	$(BUILD)/examples/lenet5
+	$(BUILD)/kgraph train --device auto $(DEMO_ARGS)
 
 bench: build
 	@scripts/install-deps --python

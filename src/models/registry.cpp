@@ -17,6 +17,7 @@ const std::vector<Entry>& zoo() {
   static const std::vector<Entry> entries{
       {"lenet5", {1, 28, 28}, [](const SymTensor& x) { return lenet5(x); }},
       {"resnet18", {3, 224, 224}, [](const SymTensor& x) { return resnet18(x); }},
+      {"lenet5-tanh", {1, 28, 28}, [](const SymTensor& x) { return lenet5_tanh(x); }},
   };
   return entries;
 }
@@ -34,6 +35,8 @@ std::vector<std::string> names() {
   for (const Entry& e : zoo()) out.emplace_back(e.name);
   return out;
 }
+
+SymTensor record(const std::string& name, const SymTensor& x) { return find(name).build(x); }
 
 Model build(const std::string& name, LoweringMode mode) {
   const Entry& e = find(name);

@@ -6,6 +6,7 @@
 
 #include "commands.hpp"
 #include "kg/error.hpp"
+#include "train.hpp"
 
 #ifndef KG_VERSION
 #define KG_VERSION "0.1.0"
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {
       "  kgraph inspect lenet5 --batch 4\n"
       "  kgraph run lenet5 --random --batch 2\n"
       "  kgraph compile lenet5 --arch 90\n"
+      "  kgraph train --epochs 2\n"
       "Run 'kgraph <command> --help' for a command's options.");
 
   CLI::App* models = app.add_subcommand("models", "List the models of the zoo");
@@ -126,6 +128,9 @@ int main(int argc, char** argv) {
           ->option_text("N");
   compile->add_flag("--all", ca.all, "Every built-in kernel file instead of a model");
 
+  kgraph::TrainArgs ta;
+  CLI::App* train = kgraph::add_train_command(app, ta);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -139,7 +144,7 @@ int main(int argc, char** argv) {
     for (const CLI::App* sub : app.get_subcommands()) where += " " + sub->get_name();
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
       return fail(std::string("unknown command '") + argv[1] +
-                      "' (expected models, inspect, run or compile; see 'kgraph --help')",
+                      "' (expected models, inspect, run, compile or train; see 'kgraph --help')",
                   2);
     return fail(one_line(e.what()) + " (see '" + where + " --help')", 2);
   }
@@ -153,6 +158,7 @@ int main(int argc, char** argv) {
     if (*inspect) kgraph::inspect(ia, std::cout);
     if (*run) kgraph::run(ra, std::cout);
     if (*compile) kgraph::compile(ca, std::cout);
+    if (*train) kgraph::train(ta, std::cout);
     std::cout.flush();
     if (!std::cout) return fail("cannot write to standard output", 1);
   } catch (const kg::Error& e) {

@@ -1,0 +1,217 @@
+// The IDX file format (MNIST's), read and written through zlib's gz* functions, which also read
+// uncompressed files as they are.
+#include <sys/stat.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <memory>
+
+#include "kg/data.hpp"
+#include "util/str.hpp"
+
+namespace kg::data {
+namespace {
+
+// Largest payload accepted (64 GiB): anything above is taken for a corrupt header.
+constexpr std::uint64_t kMaxPayload = std::uint64_t{1} << 36;
+// Deflate cannot compress by more than about 1032:1.
+constexpr std::uint64_t kMaxDeflateRatio = 1100;
+
+struct IdxType {
+  std::uint8_t code;
+  DType dtype;
+};
+constexpr IdxType kTypes[] = {{0x08, DType::U8},  {0x09, DType::I8},  {0x0B, DType::I16},
+                              {0x0C, DType::I32}, {0x0D, DType::F32}, {0x0E, DType::F64}};
+
+std::string hex_byte(unsigned v) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "0x%02X", v & 0xFFu);
+  return buf;
+}
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw Error(util::cat("IDX file '", path, "': ", what));
+}
+
+struct GzCloser {
+  void operator()(gzFile f) const {
+    if (f) gzclose(f);
+  }
+};
+using GzPtr = std::unique_ptr<gzFile_s, GzCloser>;
+
+bool is_gzip(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  unsigned char m[2] = {0, 0};
+  f.read(reinterpret_cast<char*>(m), 2);
+  return f.gcount() == 2 && m[0] == 0x1F && m[1] == 0x8B;
+}
+
+// zlib's message without the file name it starts with.
+std::string zlib_message(const char* msg, const std::string& path, const char* fallback) {
+  std::string m = msg && *msg ? msg : fallback;
+  if (m.rfind(path + ": ", 0) == 0) m.erase(0, path.size() + 2);
+  return m;
+}
+
+// Reads up to n bytes; the number read. Stream errors are kg::Errors naming the file.
+std::uint64_t read_some(gzFile f, const std::string& path, bool gzip, void* dst, std::uint64_t n) {
+  auto* out = static_cast<unsigned char*>(dst);
+  std::uint64_t got = 0;
+  while (got < n) {
+    const auto chunk = static_cast<unsigned>(std::min<std::uint64_t>(n - got, 1u << 30));
+    const int r = gzread(f, out + got, chunk);
+    int errnum = Z_OK;
+    const char* msg = gzerror(f, &errnum);
+    if (r < 0 || (errnum != Z_OK && errnum != Z_STREAM_END)) {
+      if (gzip && errnum == Z_BUF_ERROR)
+        fail(path, util::cat("truncated gzip stream (zlib: ",
+                             zlib_message(msg, path, "unexpected end of file"), ")"));
+      if (gzip)
+        fail(path, util::cat("corrupt gzip stream (zlib: ", zlib_message(msg, path, "unknown error"), ")"));
+      fail(path, util::cat("read error: ", zlib_message(msg, path, "unknown error")));
+    }
+    if (r == 0) break;
+    got += static_cast<std::uint64_t>(r);
+  }
+  return got;
+}
+
+void swap_bytes(unsigned char* p, std::uint64_t count, std::size_t width) {
+  if (width == 1 || std::endian::native == std::endian::big) return;
+  for (std::uint64_t i = 0; i < count; ++i) std::reverse(p + i * width, p + (i + 1) * width);
+}
+
+}  // namespace
+
+Tensor read_idx(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) fail(path, "cannot open it (no such file)");
+  if (S_ISDIR(st.st_mode)) fail(path, "is a folder, not a file");
+  const auto file_bytes = static_cast<std::uint64_t>(st.st_size);
+  const bool gzip = is_gzip(path);
+  GzPtr f(gzopen(path.c_str(), "rb"));
+  if (!f) fail(path, "cannot open it for reading");
+  gzbuffer(f.get(), 1 << 17);
+
+  unsigned char head[4];
+  const std::uint64_t got_head = read_some(f.get(), path, gzip, head, 4);
+  if (got_head < 4)
+    fail(path,
+         util::cat("too short for an IDX header: ", got_head, " bytes where the header needs at least 4"));
+  if (head[0] != 0 || head[1] != 0)
+    fail(path, util::cat("bad magic ", hex_byte(head[0]), " ", hex_byte(head[1]), " ", hex_byte(head[2]), " ",
+                         hex_byte(head[3]),
+                         ": an IDX file starts with two zero bytes, a type byte and the "
+                         "number of dims"));
+  const IdxType* type = nullptr;
+  for (const IdxType& t : kTypes)
+    if (t.code == head[2]) type = &t;
+  if (!type)
+    fail(path, util::cat("unknown element type ", hex_byte(head[2]),
+                         " (known: 0x08 u8, 0x09 i8, 0x0B i16, 0x0C i32, 0x0D f32, 0x0E f64)"));
+  const unsigned ndims = head[3];
+  if (ndims == 0) fail(path, "has 0 dims; an IDX tensor has at least one");
+
+  std::vector<unsigned char> dim_bytes(4u * ndims);
+  const std::uint64_t got_dims = read_some(f.get(), path, gzip, dim_bytes.data(), dim_bytes.size());
+  if (got_dims < dim_bytes.size())
+    fail(path, util::cat("the header ends inside the dims: ", ndims, " dims need ", dim_bytes.size(),
+                         " bytes after the magic, the file has ", got_dims));
+  std::vector<std::int64_t> shape(ndims);
+  const std::size_t width = dtype_size(type->dtype);
+  std::uint64_t numel = 1;
+  bool overflow = false;
+  for (unsigned d = 0; d < ndims; ++d) {
+    const unsigned char* b = &dim_bytes[4u * d];
+    const std::uint64_t v =
+        (std::uint64_t{b[0]} << 24) | (std::uint64_t{b[1]} << 16) | (std::uint64_t{b[2]} << 8) | b[3];
+    shape[d] = static_cast<std::int64_t>(v);
+    if (v != 0 && numel > std::numeric_limits<std::uint64_t>::max() / v / width) overflow = true;
+    numel *= v;
+  }
+  const std::uint64_t header = 4 + 4ull * ndims;
+  const std::uint64_t need = overflow ? std::numeric_limits<std::uint64_t>::max() : numel * width;
+  const std::string dims_text = util::cat(sizes_to_string(shape), " of ", dtype_name(type->dtype));
+  if (overflow || need > kMaxPayload)
+    fail(path, util::cat("absurd dims ", dims_text, ": ",
+                         overflow ? std::string("more than 2^64") : util::cat(need),
+                         " bytes of payload (the limit is ", kMaxPayload, ")"));
+  if (!gzip && need > file_bytes - header)
+    fail(path,
+         util::cat("payload shorter than the dims say: dims ", dims_text, " need ", need,
+                   " bytes, the file has ", file_bytes - header, " after the ", header, "-byte header"));
+  if (gzip && need > file_bytes * kMaxDeflateRatio + (1u << 20))
+    fail(path, util::cat("absurd dims ", dims_text, ": ", need, " bytes of payload cannot come from ",
+                         file_bytes, " bytes of gzip data"));
+
+  Tensor t = Tensor::empty(type->dtype, shape);
+  auto* data = static_cast<unsigned char*>(t.raw());
+  const std::uint64_t got = read_some(f.get(), path, gzip, data, need);
+  if (got < need)
+    fail(path, util::cat("payload shorter than the dims say: dims ", dims_text, " need ", need,
+                         " bytes, the ", gzip ? "decompressed data has " : "file has ", got, " after the ",
+                         header, "-byte header"));
+  // Anything after the payload means the dims do not describe the file.
+  std::uint64_t extra = 0;
+  unsigned char sink[1 << 12];
+  for (;;) {
+    const std::uint64_t r = read_some(f.get(), path, gzip, sink, sizeof sink);
+    if (r == 0) break;
+    extra += r;
+  }
+  if (extra > 0)
+    fail(path, util::cat("payload longer than the dims say: dims ", dims_text, " need ", need, " bytes, the ",
+                         gzip ? "decompressed data has " : "file has ", need + extra, " after the ", header,
+                         "-byte header (", extra, " extra)"));
+  swap_bytes(data, numel, width);
+  return t;
+}
+
+void write_idx(const std::string& path, const Tensor& t, bool gzip) {
+  const IdxType* type = nullptr;
+  for (const IdxType& k : kTypes)
+    if (k.dtype == t.dtype()) type = &k;
+  if (!type)
+    throw Error(util::cat("write_idx '", path, "': IDX has no element type for ", dtype_name(t.dtype()),
+                          " (u8, i8, i16, i32, f32, f64)"));
+  if (t.rank() == 0 || t.rank() > 255)
+    throw Error(util::cat("write_idx '", path, "': IDX takes 1 to 255 dims, the tensor has ", t.rank()));
+  std::vector<unsigned char> bytes{0, 0, type->code, static_cast<unsigned char>(t.rank())};
+  for (std::int64_t d : t.shape()) {
+    if (d < 0 || d > 0xFFFFFFFFll)
+      throw Error(util::cat("write_idx '", path, "': dim ", d, " does not fit IDX's 32-bit dims"));
+    const auto v = static_cast<std::uint32_t>(d);
+    for (int s = 24; s >= 0; s -= 8) bytes.push_back(static_cast<unsigned char>((v >> s) & 0xFFu));
+  }
+  const std::size_t head = bytes.size();
+  bytes.resize(head + t.nbytes());
+  if (t.nbytes()) std::memcpy(bytes.data() + head, t.raw(), t.nbytes());
+  swap_bytes(bytes.data() + head, static_cast<std::uint64_t>(t.numel()), dtype_size(t.dtype()));
+
+  if (!gzip) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    if (!f) throw Error(util::cat("write_idx: cannot open '", path, "' for writing"));
+    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    f.close();
+    if (!f) throw Error(util::cat("write_idx: error writing '", path, "'"));
+    return;
+  }
+  gzFile f = gzopen(path.c_str(), "wb");
+  if (!f) throw Error(util::cat("write_idx: cannot open '", path, "' for writing"));
+  std::size_t done = 0;
+  bool ok = true;
+  while (ok && done < bytes.size()) {
+    const auto chunk = static_cast<unsigned>(std::min<std::size_t>(bytes.size() - done, 1u << 30));
+    ok = gzwrite(f, bytes.data() + done, chunk) == static_cast<int>(chunk);
+    done += chunk;
+  }
+  if (gzclose(f) != Z_OK || !ok) throw Error(util::cat("write_idx: error writing '", path, "'"));
+}
+
+}  // namespace kg::data

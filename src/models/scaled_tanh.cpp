@@ -1,0 +1,194 @@
+// lenet.scaled_tanh: y = A·tanh(S·x). Everything here uses the public API only, the way a user
+// adds an op: the kernel sources are raw strings, generated for the op's dtype.
+#include "models/scaled_tanh.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include "kg/error.hpp"
+#include "kg/graph.hpp"
+#include "kg/models.hpp"
+#include "kg/runtime_op.hpp"
+
+namespace kg::models {
+namespace {
+
+constexpr unsigned kThreads = 256;
+// Grid-stride loops: more blocks than this only add scheduling work.
+constexpr std::int64_t kMaxBlocks = 4096;
+
+// One thread per element in a grid-stride loop. `scalar_t` (float or double) and `scalar_tanh`
+// (tanhf or tanh) are defined in front of it.
+const char* const kForwardSource = R"(
+extern "C" __global__ void __launch_bounds__(256)
+lenet_scaled_tanh_forward(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, long long n,
+                          scalar_t a, scalar_t s) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = a * scalar_tanh(s * x[i]);
+}
+)";
+
+// dx = dy · A·S·(1 - (y/A)²), from the saved output. dx is null when no input gradient is
+// wanted; the kernel then does nothing.
+const char* const kBackwardSource = R"(
+extern "C" __global__ void __launch_bounds__(256)
+lenet_scaled_tanh_backward(const scalar_t* __restrict__ y, const scalar_t* __restrict__ dy,
+                           scalar_t* __restrict__ dx, long long n, scalar_t a, scalar_t s) {
+  if (dx == 0) return;
+  const scalar_t as = a * s;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const scalar_t t = y[i] / a;
+    dx[i] = dy[i] * as * ((scalar_t)1 - t * t);
+  }
+}
+)";
+
+std::string with_scalar(DType dtype, const char* body) {
+  return std::string(dtype == DType::F64 ? "typedef double scalar_t;\n#define scalar_tanh tanh\n"
+                                         : "typedef float scalar_t;\n#define scalar_tanh tanhf\n") +
+         body;
+}
+
+Dim3 blocks_for(std::int64_t n) {
+  const std::int64_t b = std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks);
+  return {static_cast<unsigned>(b), 1, 1};
+}
+
+class ScaledTanhRuntime final : public RuntimeOp {
+ public:
+  ScaledTanhRuntime(DType dtype, double a, double s) : dtype_(dtype), a_(a), s_(s) {}
+
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    v.pointer(inputs.at(0).ptr);
+    v.pointer(output.ptr);
+    v.i64(numel_of(shape));
+    scalars(v);
+  }
+  Dim3 block() const override { return {kThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return blocks_for(numel_of(shape)); }
+
+  bool has_backward() const override { return true; }
+  int n_backward_launches(const BackwardTensors&) const override { return 1; }
+  std::string backward_entry_point(int) const override { return "lenet_scaled_tanh_backward"; }
+  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.output.ptr);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.empty() ? DevicePtr{0} : t.grad_inputs[0].ptr);
+    v.i64(numel_of(t.grad_output.shape));
+    scalars(v);
+  }
+  Dim3 backward_block(int) const override { return {kThreads, 1, 1}; }
+  Dim3 backward_grid(int, const BackwardTensors& t) const override {
+    return blocks_for(numel_of(t.grad_output.shape));
+  }
+
+ private:
+  void scalars(ArgVisitor& v) const {
+    if (dtype_ == DType::F64) {
+      v.f64(a_);
+      v.f64(s_);
+    } else {
+      v.f32(static_cast<float>(a_));
+      v.f32(static_cast<float>(s_));
+    }
+  }
+  DType dtype_;
+  double a_, s_;
+};
+
+template <class T>
+void forward_cpu(CpuContext& ctx, T a, T s) {
+  const T* x = ctx.inputs[0].data<T>();
+  T* y = ctx.output.data<T>();
+  ctx.parallel_for(ctx.output.numel(), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t i = b; i < e; ++i) y[i] = a * std::tanh(s * x[i]);
+  });
+}
+
+template <class T>
+void backward_cpu(CpuBackwardContext& ctx, T a, T s) {
+  const T* y = ctx.output.data<T>();
+  const T* dy = ctx.grad_output.data<T>();
+  T* dx = ctx.grad_inputs[0].data<T>();
+  const T as = a * s;
+  ctx.parallel_for(ctx.grad_output.numel(), 1 << 14, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t i = b; i < e; ++i) {
+      const T t = y[i] / a;
+      dx[i] = dy[i] * as * (T(1) - t * t);
+    }
+  });
+}
+
+}  // namespace
+
+ScaledTanh::ScaledTanh(DType dtype, double amplitude, double slope)
+    : dtype_(dtype), a_(amplitude), s_(slope) {
+  if (dtype != DType::F32 && dtype != DType::F64)
+    throw Error(std::string("lenet.scaled_tanh: supports f32 and f64, not ") +
+                std::string(dtype_name(dtype)));
+  if (!std::isfinite(amplitude) || amplitude == 0.0 || !std::isfinite(slope))
+    throw Error("lenet.scaled_tanh: the amplitude must be finite and non-zero and the slope finite, got A=" +
+                std::to_string(amplitude) + " S=" + std::to_string(slope));
+}
+
+std::string ScaledTanh::attributes() const {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "A=%g S=%g", a_, s_);
+  return buf;
+}
+
+Shape ScaledTanh::infer_output_shape(const std::vector<Shape>& in) const {
+  if (in.size() != 1) throw Error("takes one input, got " + std::to_string(in.size()));
+  return in[0];
+}
+
+DType ScaledTanh::infer_output_dtype(const std::vector<DType>& in) const {
+  if (in.size() != 1) throw Error("takes one input, got " + std::to_string(in.size()));
+  if (in[0] != dtype_)
+    throw Error("was made for " + std::string(dtype_name(dtype_)) + " inputs but the input is " +
+                std::string(dtype_name(in[0])) + " (kg::models::scaled_tanh takes the input's dtype)");
+  return in[0];
+}
+
+std::optional<Lowered> ScaledTanh::lower() const {
+  return Lowered{name(), with_scalar(dtype_, kForwardSource), "lenet_scaled_tanh_forward",
+                 std::make_shared<ScaledTanhRuntime>(dtype_, a_, s_)};
+}
+
+std::string ScaledTanh::lower_backward_source() const { return with_scalar(dtype_, kBackwardSource); }
+
+void ScaledTanh::cpu_forward(CpuContext& ctx) const {
+  if (dtype_ == DType::F64)
+    forward_cpu<double>(ctx, a_, s_);
+  else
+    forward_cpu<float>(ctx, static_cast<float>(a_), static_cast<float>(s_));
+}
+
+void ScaledTanh::cpu_backward(CpuBackwardContext& ctx) const {
+  if (!ctx.wants_input_grad(0)) return;
+  if (dtype_ == DType::F64)
+    backward_cpu<double>(ctx, a_, s_);
+  else
+    backward_cpu<float>(ctx, static_cast<float>(a_), static_cast<float>(s_));
+}
+
+CustomData scaled_tanh_op(DType dtype, double amplitude, double slope) {
+  return CustomData::make<ScaledTanh>(dtype, amplitude, slope);
+}
+
+SymTensor scaled_tanh(const SymTensor& x, const std::string& name) {
+  return x.record_custom(scaled_tanh_op(x.dtype()), {}, std::nullopt, name);
+}
+
+}  // namespace kg::models

@@ -1,0 +1,594 @@
+// kgraph train: a zoo model trained on Fashion-MNIST. Each epoch shuffles the training set with a
+// seed derived from (seed, epoch), runs zero_grad / forward / backward / step per batch, then
+// evaluates on the test set and writes the logs, the plot and a checkpoint.
+#include "train.hpp"
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "kg/data.hpp"
+#include "kg/io.hpp"
+#include "kg/kg.hpp"
+#include "kg/models.hpp"
+#include "util/str.hpp"
+
+namespace kgraph {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kDefaultModel = "lenet5-tanh";
+constexpr const char* kDefaultOptimizer = "adamw";
+constexpr double kDefaultLr = 2e-3;
+constexpr double kDefaultAdamWDecay = 0.01;
+constexpr std::int64_t kDefaultBatch = 128;
+constexpr const char* kLogHeader = "epoch,step,loss,test_accuracy";
+constexpr const char* kEpochsHeader = "epoch,step,train_loss,test_loss,test_accuracy,seconds";
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+// Round-trip text of a double, for checkpoint metadata.
+std::string exact(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+// "1:05" or "1:02:03".
+std::string clock_text(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<long long>(seconds + 0.5);
+  char buf[32];
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", s / 3600, s / 60 % 60, s % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%lld:%02lld", s / 60, s % 60);
+  return buf;
+}
+
+// The settings that define a run, resolved from the flags and (when resuming) the checkpoint.
+struct Settings {
+  std::string model, optimizer;
+  double lr = kDefaultLr, weight_decay = 0, momentum = 0;
+  std::int64_t batch = kDefaultBatch;
+  std::uint64_t seed = 0;
+  std::optional<std::int64_t> limit_train;
+};
+
+std::string meta_value(const std::map<std::string, std::string>& meta, const std::string& key,
+                       const std::string& path) {
+  auto it = meta.find(key);
+  if (it == meta.end())
+    throw kg::Error(kg::util::cat("checkpoint '", path, "' has no '", key,
+                                  "' in its metadata; it was not written by kgraph train"));
+  return it->second;
+}
+
+template <class T>
+T parse_meta(const std::string& text, const std::string& key, const std::string& path) {
+  std::istringstream is(text);
+  T v{};
+  is >> v;
+  if (!is || !is.eof())
+    throw kg::Error(
+        kg::util::cat("checkpoint '", path, "': metadata '", key, "' is '", text, "', not a number"));
+  return v;
+}
+
+// A run-defining flag given again on resume must agree with the checkpoint.
+template <class T>
+void agree(const char* flag, const std::optional<T>& given, const T& saved, const std::string& path) {
+  if (given && *given != saved)
+    throw kg::Error(kg::util::cat(flag, " ", *given, " disagrees with checkpoint '", path,
+                                  "', which was trained with ", saved,
+                                  "; a resumed run keeps the settings it started with"));
+}
+
+Settings resolve(const TrainArgs& a, const std::map<std::string, std::string>* meta) {
+  Settings s;
+  if (meta) {
+    const std::string& path = a.resume;
+    s.model = meta_value(*meta, "model", path);
+    if (a.model && *a.model != s.model)
+      throw kg::Error(
+          kg::util::cat("checkpoint '", path, "' is of model '", s.model, "', not '", *a.model, "'"));
+    s.optimizer = meta_value(*meta, "optimizer", path);
+    agree<std::string>("--optimizer", a.optimizer, s.optimizer, path);
+    s.batch = parse_meta<std::int64_t>(meta_value(*meta, "batch_size", path), "batch_size", path);
+    agree("--batch-size", a.batch_size, s.batch, path);
+    s.seed = parse_meta<std::uint64_t>(meta_value(*meta, "seed", path), "seed", path);
+    agree("--seed", a.seed, s.seed, path);
+    const std::string lt = meta_value(*meta, "limit_train", path);
+    if (lt != "all") s.limit_train = parse_meta<std::int64_t>(lt, "limit_train", path);
+    if (a.limit_train && a.limit_train != s.limit_train)
+      throw kg::Error(
+          kg::util::cat("--limit-train ", *a.limit_train, " disagrees with checkpoint '", path,
+                        "', which was trained with ",
+                        s.limit_train ? kg::util::cat("--limit-train ", *s.limit_train) : "all images",
+                        "; a resumed run keeps the settings it started with"));
+    // The step sizes may change on resume; by default they are the checkpoint's.
+    s.lr = a.lr.value_or(parse_meta<double>(meta_value(*meta, "lr", path), "lr", path));
+    s.weight_decay = a.weight_decay.value_or(
+        parse_meta<double>(meta_value(*meta, "weight_decay", path), "weight_decay", path));
+    s.momentum =
+        a.momentum.value_or(parse_meta<double>(meta_value(*meta, "momentum", path), "momentum", path));
+  } else {
+    s.model = a.model.value_or(kDefaultModel);
+    s.optimizer = a.optimizer.value_or(kDefaultOptimizer);
+    s.batch = a.batch_size.value_or(kDefaultBatch);
+    s.seed = a.seed.value_or(0);
+    s.limit_train = a.limit_train;
+    s.lr = a.lr.value_or(kDefaultLr);
+    s.weight_decay = a.weight_decay.value_or(s.optimizer == "adamw" ? kDefaultAdamWDecay : 0.0);
+    s.momentum = a.momentum.value_or(0.0);
+  }
+  if (s.optimizer != "adamw" && s.optimizer != "sgd")
+    throw kg::Error(kg::util::cat("unknown optimizer '", s.optimizer, "' (expected adamw or sgd)"));
+  if (s.optimizer == "adamw" && a.momentum)
+    throw kg::Error("--momentum applies to --optimizer sgd only; AdamW has no momentum setting");
+  return s;
+}
+
+kg::OptimizerOptions optimizer_options(const Settings& s) {
+  return s.optimizer == "sgd" ? kg::OptimizerOptions::sgd(s.lr, s.momentum, s.weight_decay)
+                              : kg::OptimizerOptions::adamw(s.lr, s.weight_decay);
+}
+
+// The training graph: image and label inputs, outputs "logits" and "loss".
+kg::Model build_training_model(const std::string& name) {
+  const std::vector<std::int64_t> sample = kg::models::input_shape(name, 1);  // throws for unknown names
+  std::vector<kg::Dim> dims{kg::Dim::named("batch")};
+  for (std::size_t d = 1; d < sample.size(); ++d) dims.emplace_back(sample[d]);
+  auto [image, graph] = kg::SymTensor::input(kg::DType::F32, kg::Shape(std::move(dims)), "image");
+  kg::SymTensor label = graph->input(kg::DType::I64, kg::Shape({kg::Dim::named("batch")}), "label");
+  kg::SymTensor logits = kg::models::record(name, image);
+  kg::SymTensor loss = kg::cross_entropy(logits, label, "loss");
+  return kg::Model(graph, {{"logits", logits}, {"loss", loss}}, kg::LoweringMode::Training);
+}
+
+std::string timestamp() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", &tm);
+  return buf;
+}
+
+// A CSV file of the run: on resume, rows of epochs after the checkpoint's are dropped.
+class CsvLog {
+ public:
+  CsvLog(const fs::path& path, const std::string& header, std::int64_t keep_through_epoch) : path_(path) {
+    std::vector<std::string> kept;
+    if (keep_through_epoch > 0) {
+      std::ifstream in(path);
+      std::string line;
+      bool first = true;
+      while (std::getline(in, line)) {
+        if (first) {
+          first = false;
+          continue;
+        }
+        const long long epoch = std::atoll(line.c_str());
+        if (epoch >= 1 && epoch <= keep_through_epoch) kept.push_back(line);
+      }
+    }
+    f_.open(path, std::ios::trunc);
+    if (!f_) throw kg::Error(kg::util::cat("cannot write '", path.string(), "'"));
+    f_ << header << "\n";
+    for (const auto& l : kept) f_ << l << "\n";
+    f_.flush();
+  }
+  void row(const std::string& line) {
+    f_ << line << "\n";
+    f_.flush();
+    if (!f_) throw kg::Error(kg::util::cat("error writing '", path_.string(), "'"));
+  }
+
+ private:
+  fs::path path_;
+  std::ofstream f_;
+};
+
+bool have_gnuplot() { return std::system("command -v gnuplot >/dev/null 2>&1") == 0; }
+
+// Training and test loss (top) and test accuracy (bottom) per epoch, from epochs.csv.
+bool write_plot(const fs::path& dir, std::int64_t epochs, const std::string& title, std::string* problem) {
+  const fs::path script = dir / "plot.gp";
+  {
+    std::ofstream g(script, std::ios::trunc);
+    g << "# Made by kgraph train; run `gnuplot plot.gp` in this folder to redraw.\n"
+      << "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) { set terminal pngcairo size 900,720 } "
+         "else { set terminal png size 900,720 }\n"
+      << "set output 'plot.png'\n"
+      << "set datafile separator ','\n"
+      << "set key autotitle columnhead\n"
+      << "set xrange [0.5:" << epochs << ".5]\n"
+      << "set xtics 1\n"
+      << "set grid\n"
+      << "set lmargin 10\n"
+      << "set multiplot layout 2,1 title '" << title << "'\n"
+      << "set ylabel 'loss'\n"
+      << "plot 'epochs.csv' using 1:3 with linespoints lw 2 title 'training loss', \\\n"
+      << "     'epochs.csv' using 1:4 with linespoints lw 2 title 'test loss'\n"
+      << "set xlabel 'epoch'\n"
+      << "set ylabel 'test accuracy (%)'\n"
+      << "set key bottom right\n"
+      << "plot 'epochs.csv' using 1:5 with linespoints lw 2 title 'test accuracy'\n"
+      << "unset multiplot\n";
+    if (!g) {
+      *problem = "cannot write " + script.string();
+      return false;
+    }
+  }
+  const std::string cmd = kg::util::cat("cd '", dir.string(), "' && gnuplot plot.gp > gnuplot.log 2>&1");
+  if (std::system(cmd.c_str()) != 0) {
+    *problem = kg::util::cat("gnuplot failed (see ", (dir / "gnuplot.log").string(), ")");
+    return false;
+  }
+  return true;
+}
+
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+};
+
+// Mean cross-entropy and accuracy over the real rows of every (padded) test batch, in inference
+// mode, from the logits.
+EvalResult evaluate(kg::LoadedModel& m, const kg::data::ImageDataset& test, std::int64_t batch,
+                    std::size_t logits_index) {
+  m.set_training(false);
+  double loss_sum = 0;
+  std::int64_t correct = 0, count = 0;
+  const std::int64_t n = test.num_batches(batch, /*drop_last=*/false);
+  for (std::int64_t k = 0; k < n; ++k) {
+    const kg::data::Batch b = test.batch(k, batch);
+    const std::vector<kg::Tensor> outs = m.forward({b.images, b.labels});
+    const kg::Tensor& logits = outs.at(logits_index);
+    const std::int64_t classes = logits.dim(1);
+    for (std::int64_t r = 0; r < b.real; ++r) {
+      double best = -INFINITY, mx = -INFINITY;
+      std::int64_t arg = -1;
+      for (std::int64_t c = 0; c < classes; ++c) {
+        const double v = logits.item(r * classes + c);
+        if (v > best || arg < 0) {
+          best = v;
+          arg = c;
+        }
+        mx = std::max(mx, v);
+      }
+      double sum = 0;
+      for (std::int64_t c = 0; c < classes; ++c) sum += std::exp(logits.item(r * classes + c) - mx);
+      const std::int64_t label = b.labels.data<std::int64_t>()[r];
+      loss_sum += mx + std::log(sum) - logits.item(r * classes + label);
+      correct += arg == label;
+      ++count;
+    }
+  }
+  m.set_training(true);
+  return {count ? loss_sum / static_cast<double>(count) : NAN,
+          count ? 100.0 * static_cast<double>(correct) / static_cast<double>(count) : NAN};
+}
+
+// The progress line: redrawn in place on a terminal, printed a few times per epoch otherwise.
+class Progress {
+ public:
+  Progress(std::ostream& out, bool tty) : out_(out), tty_(tty) {}
+  // An error that ends the run is printed on a clean line.
+  ~Progress() { clear(); }
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+  void update(std::int64_t epoch, std::int64_t epochs, std::int64_t k, std::int64_t n, double images_per_s,
+              double mean_loss, double eta_s) {
+    const std::int64_t every = std::max<std::int64_t>(1, n / 4);
+    if (!tty_ && k % every != 0 && k != n) return;
+    const std::string line =
+        kg::util::cat("epoch ", epoch, "/", epochs, "  batch ", k, "/", n, "  ", fixed(images_per_s, 0),
+                      " images/s  loss ", fixed(mean_loss, 4), "  ETA ", clock_text(eta_s));
+    if (tty_) {
+      // At most ten redraws a second (a GPU runs hundreds of batches a second).
+      const auto now = Clock::now();
+      if (drawn_ && k != n && now - last_ < std::chrono::milliseconds(100)) return;
+      last_ = now;
+      out_ << "\r" << line << "\033[K" << std::flush;
+      drawn_ = true;
+    } else {
+      out_ << line << "\n" << std::flush;
+    }
+  }
+  // Clears a drawn line before other output.
+  void clear() {
+    if (tty_ && drawn_) out_ << "\r\033[K" << std::flush;
+    drawn_ = false;
+  }
+
+ private:
+  std::ostream& out_;
+  bool tty_;
+  bool drawn_ = false;
+  Clock::time_point last_{};
+};
+
+// Positive whole numbers ("0", "-3" and "two" are usage errors).
+const CLI::Validator kPositiveInt(
+    [](std::string& value) -> std::string {
+      std::size_t used = 0;
+      long long v = 0;
+      try {
+        v = std::stoll(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != value.size() || value.empty() || v < 1)
+        return "expects a whole number >= 1, got '" + value + "'";
+      return {};
+    },
+    "N>=1");
+
+const CLI::Validator kFiniteNonNegative(
+    [](std::string& value) -> std::string {
+      std::size_t used = 0;
+      double v = -1;
+      try {
+        v = std::stod(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != value.size() || value.empty() || !std::isfinite(v) || v < 0)
+        return "expects a finite number >= 0, got '" + value + "'";
+      return {};
+    },
+    "X>=0");
+
+}  // namespace
+
+CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
+  CLI::App* t = app.add_subcommand("train", "Train a zoo model on Fashion-MNIST (logs, plot, checkpoints)");
+  // A flag given twice takes its last value (scripts append overrides).
+  t->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  t->add_option_function<std::string>(
+      "MODEL", [&a](const std::string& v) { a.model = v; },
+      "Model name (default lenet5-tanh; see 'kgraph models')");
+  t->add_option("--device", a.device, "auto (the default: the GPU when there is one), cpu, cuda or cuda:N")
+      ->option_text("DEVICE");
+  t->add_option("--data", a.data_dir,
+                "Folder of the Fashion-MNIST IDX files (default: $KG_FASHION_MNIST_DIR, else the "
+                "dataset-fashion-mnist package's)")
+      ->option_text("DIR");
+  t->add_option_function<std::string>(
+       "--optimizer", [&a](const std::string& v) { a.optimizer = v; }, "adamw (the default) or sgd")
+      ->check(CLI::IsMember({"adamw", "sgd"}))
+      ->option_text("NAME");
+  t->add_option_function<double>(
+       "--lr", [&a](const double& v) { a.lr = v; }, "Learning rate (default 0.002)")
+      ->check(kFiniteNonNegative)
+      ->check(CLI::PositiveNumber)
+      ->option_text("LR");
+  t->add_option_function<double>(
+       "--weight-decay", [&a](const double& v) { a.weight_decay = v; },
+       "Weight decay (default 0.01 for adamw, decoupled; 0 for sgd)")
+      ->check(kFiniteNonNegative)
+      ->option_text("WD");
+  t->add_option_function<double>(
+       "--momentum", [&a](const double& v) { a.momentum = v; }, "SGD momentum (default 0)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->option_text("M");
+  t->add_option("--epochs", a.epochs, "Epochs in all, counting those of a resumed checkpoint (default 8)")
+      ->check(kPositiveInt)
+      ->option_text("N");
+  t->add_option_function<std::int64_t>(
+       "--batch-size", [&a](const std::int64_t& v) { a.batch_size = v; }, "Batch size (default 128)")
+      ->check(kPositiveInt)
+      ->option_text("N");
+  t->add_option_function<std::uint64_t>(
+       "--seed", [&a](const std::uint64_t& v) { a.seed = v; },
+       "Seed of the shuffling and the parameter initialisation (default 0)")
+      ->option_text("S");
+  t->add_option("--threads", a.threads, "CPU worker threads (default 0: one per core)")
+      ->check(CLI::NonNegativeNumber)
+      ->option_text("N");
+  t->add_option(
+       "--out", a.out_dir,
+       "Folder for log.csv, epochs.csv, plot.png and checkpoints (default runs/<model>-<time>, or the "
+       "checkpoint's folder with --resume)")
+      ->option_text("DIR");
+  t->add_option("--resume", a.resume,
+                "Continue from a checkpoint of this command, at the epoch after its own")
+      ->option_text("CKPT");
+  t->add_option_function<std::int64_t>(
+       "--limit-train", [&a](const std::int64_t& v) { a.limit_train = v; },
+       "Train on the first N training images only")
+      ->check(kPositiveInt)
+      ->option_text("N");
+  t->add_option_function<std::int64_t>(
+       "--limit-test", [&a](const std::int64_t& v) { a.limit_test = v; },
+       "Evaluate on the first N test images only")
+      ->check(kPositiveInt)
+      ->option_text("N");
+  return t;
+}
+
+void train(const TrainArgs& args, std::ostream& out) {
+  // ---- settings, from the flags and the checkpoint ----
+  std::map<std::string, std::string> meta;
+  std::int64_t done_epochs = 0, global_step = 0;
+  if (!args.resume.empty()) {
+    if (!fs::is_regular_file(args.resume))
+      throw kg::Error(kg::util::cat("checkpoint '", args.resume, "' does not exist"));
+    kg::read_safetensors(args.resume, &meta);
+    done_epochs = parse_meta<std::int64_t>(meta_value(meta, "epoch", args.resume), "epoch", args.resume);
+    global_step = parse_meta<std::int64_t>(meta_value(meta, "step", args.resume), "step", args.resume);
+  }
+  const Settings s = resolve(args, args.resume.empty() ? nullptr : &meta);
+  const kg::Device device = kg::Device::parse(args.device);
+  kg::Model model = build_training_model(s.model);
+
+  // ---- data ----
+  kg::data::FashionMnistFiles files;
+  try {
+    files = kg::data::find_fashion_mnist(args.data_dir);
+  } catch (const kg::Error& e) {
+    if (!args.data_dir.empty()) throw;
+    throw kg::Error(kg::util::cat(e.what(), "; or pass --data DIR"));
+  }
+  const std::string& data_dir = files.dir;
+  kg::data::ImageDataset train_set = kg::data::ImageDataset::load(files.train_images, files.train_labels);
+  kg::data::ImageDataset test_set = kg::data::ImageDataset::load(files.test_images, files.test_labels);
+  if (s.limit_train) train_set.truncate(*s.limit_train);
+  if (args.limit_test) test_set.truncate(*args.limit_test);
+  const std::vector<std::int64_t> in_shape = kg::models::input_shape(s.model, s.batch);
+  if (train_set.height() != in_shape[2] || train_set.width() != in_shape[3] ||
+      test_set.height() != in_shape[2] || test_set.width() != in_shape[3])
+    throw kg::Error(kg::util::cat("the images in '", data_dir, "' are ", train_set.height(), "x",
+                                  train_set.width(), " (test ", test_set.height(), "x", test_set.width(),
+                                  ") but ", s.model, " takes ", in_shape[2], "x", in_shape[3]));
+  const std::int64_t steps = train_set.num_batches(s.batch, /*drop_last=*/true);
+  if (steps == 0)
+    throw kg::Error(kg::util::cat("the training set has ", train_set.size(),
+                                  " images, fewer than one batch of ", s.batch,
+                                  " (use a smaller --batch-size)"));
+
+  // ---- the model ----
+  kg::LoadOptions lo;
+  lo.seed = s.seed;
+  lo.threads = args.threads;
+  lo.loss = "loss";
+  std::optional<kg::LoadedModel> loaded;
+  try {
+    loaded.emplace(model.load(device, {in_shape, {s.batch}}, lo));
+  } catch (const kg::Error& e) {
+    throw kg::Error(
+        kg::util::cat("cannot load ", s.model, " for training on ", device.to_string(), ": ", e.what()));
+  }
+  kg::LoadedModel& m = *loaded;
+  const std::vector<std::string> names = m.output_names();
+  const auto index_of = [&](const std::string& n) {
+    return static_cast<std::size_t>(std::find(names.begin(), names.end(), n) - names.begin());
+  };
+  const std::size_t logits_i = index_of("logits"), loss_i = index_of("loss");
+  const std::int64_t classes = m.output_shapes().at(logits_i).at(1);
+  for (const auto* set : {&train_set, &test_set})
+    if (set->num_classes() > classes)
+      throw kg::Error(kg::util::cat("the labels in '", data_dir, "' go up to ", set->num_classes() - 1,
+                                    " but ", s.model, " has ", classes, " classes"));
+  m.set_optimizer(optimizer_options(s));
+  m.set_training(true);
+  if (!args.resume.empty()) m.load_checkpoint(args.resume);
+
+  // ---- output folder ----
+  fs::path dir = args.out_dir;
+  if (dir.empty())
+    dir = args.resume.empty() ? fs::path("runs") / kg::util::cat(s.model, "-", timestamp())
+                              : fs::absolute(args.resume).parent_path();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (!fs::is_directory(dir))
+    throw kg::Error(kg::util::cat("cannot create the output folder '", dir.string(), "'"));
+  CsvLog log(dir / "log.csv", kLogHeader, done_epochs);
+  CsvLog epochs_log(dir / "epochs.csv", kEpochsHeader, done_epochs);
+  const bool gnuplot = have_gnuplot();
+
+  const std::string opt_text =
+      s.optimizer == "sgd"
+          ? kg::util::cat("sgd lr ", s.lr, " momentum ", s.momentum, " weight decay ", s.weight_decay)
+          : kg::util::cat("adamw lr ", s.lr, " weight decay ", s.weight_decay);
+  out << "training " << s.model << " on " << m.device().to_string() << ": " << train_set.size()
+      << " training and " << test_set.size() << " test images from " << data_dir << "\n";
+  out << "batch " << s.batch << " (" << steps << " steps per epoch), " << opt_text << ", seed " << s.seed
+      << ", writing to " << dir.string() << "\n";
+  if (!args.resume.empty()) out << "resuming from " << args.resume << " after epoch " << done_epochs << "\n";
+  if (!gnuplot) out << "note: gnuplot not found, so no plot is drawn (install gnuplot-nox)\n";
+  out << std::flush;
+
+  const bool tty = &out == &std::cout && ::isatty(STDOUT_FILENO);
+  Progress progress(out, tty);
+  EvalResult last{};
+  if (done_epochs >= args.epochs) {
+    out << "the checkpoint is at epoch " << done_epochs << ", which --epochs " << args.epochs
+        << " does not go beyond; evaluating it\n";
+    last = evaluate(m, test_set, s.batch, logits_i);
+    out << "epoch " << done_epochs << ": test loss " << fixed(last.loss, 4) << ", test accuracy "
+        << fixed(last.accuracy, 2) << "%\n";
+  }
+
+  for (std::int64_t epoch = done_epochs + 1; epoch <= args.epochs; ++epoch) {
+    const auto t0 = Clock::now();
+    train_set.shuffle(kg::data::epoch_seed(s.seed, epoch));
+    double loss_sum = 0;
+    for (std::int64_t k = 0; k < steps; ++k) {
+      const kg::data::Batch b = train_set.batch(k, s.batch);
+      m.zero_grad();
+      const std::vector<kg::Tensor> outs = m.forward({b.images, b.labels});
+      m.backward();
+      m.step();
+      const double loss = outs.at(loss_i).item(0);
+      loss_sum += loss;
+      ++global_step;
+      const bool last_step = k + 1 == steps;
+      if (!last_step) log.row(kg::util::cat(epoch, ",", global_step, ",", fixed(loss, 6), ","));
+      const double elapsed = seconds_since(t0);
+      const double per_batch = elapsed / static_cast<double>(k + 1);
+      progress.update(epoch, args.epochs, k + 1, steps, static_cast<double>((k + 1) * s.batch) / elapsed,
+                      loss_sum / static_cast<double>(k + 1), per_batch * static_cast<double>(steps - k - 1));
+      if (last_step) {
+        progress.clear();
+        last = evaluate(m, test_set, s.batch, logits_i);
+        log.row(kg::util::cat(epoch, ",", global_step, ",", fixed(loss, 6), ",", fixed(last.accuracy, 4)));
+      }
+    }
+    const double train_loss = loss_sum / static_cast<double>(steps);
+    const double secs = seconds_since(t0);
+    epochs_log.row(kg::util::cat(epoch, ",", global_step, ",", fixed(train_loss, 6), ",", fixed(last.loss, 6),
+                                 ",", fixed(last.accuracy, 4), ",", fixed(secs, 3)));
+    out << "epoch " << epoch << ": train loss " << fixed(train_loss, 4) << ", test loss "
+        << fixed(last.loss, 4) << ", test accuracy " << fixed(last.accuracy, 2) << "%, time "
+        << fixed(secs, 1) << " s\n"
+        << std::flush;
+
+    const fs::path ckpt = dir / kg::util::cat("checkpoint-epoch", epoch, ".safetensors");
+    m.save_checkpoint(ckpt.string(), {{"epoch", std::to_string(epoch)},
+                                      {"step", std::to_string(global_step)},
+                                      {"seed", std::to_string(s.seed)},
+                                      {"model", s.model},
+                                      {"optimizer", s.optimizer},
+                                      {"lr", exact(s.lr)},
+                                      {"weight_decay", exact(s.weight_decay)},
+                                      {"momentum", exact(s.momentum)},
+                                      {"batch_size", std::to_string(s.batch)},
+                                      {"limit_train", s.limit_train ? std::to_string(*s.limit_train) : "all"},
+                                      {"train_loss", fixed(train_loss, 6)},
+                                      {"test_loss", fixed(last.loss, 6)},
+                                      {"test_accuracy", fixed(last.accuracy, 4)}});
+    if (gnuplot) {
+      std::string problem;
+      if (!write_plot(dir, args.epochs, kg::util::cat(s.model, " on Fashion-MNIST"), &problem))
+        out << "note: no plot: " << problem << "\n";
+    }
+  }
+  if (gnuplot && fs::exists(dir / "plot.png")) out << "plot: " << (dir / "plot.png").string() << "\n";
+  out << "final test accuracy: " << fixed(last.accuracy, 2) << "%\n";
+}
+
+}  // namespace kgraph
