@@ -1,7 +1,9 @@
 // The elementwise op family: activations (one op class driven by the UnaryFn table), dropout,
 // and arithmetic with numpy broadcasting (one class for tensor ⊙ tensor, one for tensor ⊙ scalar).
-// On the GPU (elementwise.cu) every op has its own entry, named in the tables; two RuntimeOps
-// launch them all: one for y = f(x), one for broadcasting tensor ⊙ tensor.
+// On the GPU (elementwise.cu) every op has its own entry, named in the tables; RuntimeOps launch
+// them: one for y = f(x), one for dropout, one for broadcasting tensor ⊙ tensor. Each op's
+// backward has its own entry too (elementwise_backward.cu, "<stem>_backward"), launched by the
+// same RuntimeOps.
 #include "ops/elementwise.hpp"
 
 #include <algorithm>
@@ -54,10 +56,20 @@ Dim3 elementwise_grid(const std::vector<std::int64_t>& out, DType dtype) {
   return grid_1d((numel_of(out) + per_thread - 1) / per_thread, kGpuThreads);
 }
 
+// The backward launch of a map: entry(s, dy, dx, n, param), where s is the tensor the derivative
+// reads (the forward's input or output; null when it reads neither).
+struct MapBackward {
+  enum class Saved { None, Input, Output };
+  std::string entry;
+  Saved saved = Saved::None;
+  double param = 0.0;
+};
+
 // y = f(x) over numel(y) elements: kernel(x, y, n) or, with a scalar, kernel(x, y, n, scalar).
 class MapRuntime final : public RuntimeOp {
  public:
-  MapRuntime(DType dtype, std::optional<double> scalar) : dtype_(dtype), scalar_(scalar) {}
+  MapRuntime(DType dtype, std::optional<double> scalar, std::optional<MapBackward> backward = std::nullopt)
+      : dtype_(dtype), scalar_(scalar), backward_(std::move(backward)) {}
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -74,15 +86,37 @@ class MapRuntime final : public RuntimeOp {
   Dim3 block() const override { return {kGpuThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
 
+  bool has_backward() const override { return backward_.has_value(); }
+  std::string backward_entry_point(int) const override {
+    return backward_ ? backward_->entry : std::string();
+  }
+  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+    using S = MapBackward::Saved;
+    v.pointer(backward_->saved == S::Input    ? t.inputs.at(0).ptr
+              : backward_->saved == S::Output ? t.output.ptr
+                                              : DevicePtr{0});
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.at(0).ptr);
+    v.i64(numel_of(t.grad_output.shape));
+    v.f64(backward_->param);
+  }
+  Dim3 backward_block(int) const override { return {kGpuThreads, 1, 1}; }
+  Dim3 backward_grid(int, const BackwardTensors& t) const override {
+    return elementwise_grid(t.grad_output.shape, dtype_);
+  }
+
  private:
   DType dtype_;
   std::optional<double> scalar_;
+  std::optional<MapBackward> backward_;
 };
 
-// The kernel source of one op: elementwise.cu without its own entries, followed by the op's
-// entry, which passes its parameters to an entry body of that file.
-std::string entry_source(const std::string& entry, const std::string& params, const std::string& call) {
-  return util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"),
+// The kernel source of one op: elementwise.cu (elementwise_backward.cu for a backward) without
+// its own entries, followed by the op's entry, which passes its parameters to an entry body of
+// elementwise.cuh.
+std::string entry_source(const std::string& entry, const std::string& params, const std::string& call,
+                         const char* file = "elementwise.cu") {
+  return util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file(file),
                    "\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n    ", entry, "(",
                    params, ") {\n  ", call, ";\n}\n");
 }
@@ -92,7 +126,8 @@ const char* c_type(DType t) { return t == DType::F64 ? "double" : "float"; }
 // The lowering of y = f(x): entry(x, y, n) calling body(x, y, n), or with a scalar argument
 // `scalar_name` appended to both.
 Lowered map_lowering(const std::string& op_name, const std::string& entry, DType dtype,
-                     const std::string& body, const char* scalar_name, std::optional<double> scalar) {
+                     const std::string& body, const char* scalar_name, std::optional<double> scalar,
+                     std::optional<MapBackward> backward = std::nullopt) {
   const char* t = c_type(dtype);
   std::string params = util::cat("const ", t, "* __restrict__ x, ", t, "* __restrict__ y, long long n");
   std::string args = "x, y, n";
@@ -101,13 +136,54 @@ Lowered map_lowering(const std::string& op_name, const std::string& entry, DType
     args += util::cat(", ", scalar_name);
   }
   return Lowered{op_name, entry_source(entry, params, util::cat(body, "(", args, ")")), entry,
-                 std::make_shared<MapRuntime>(dtype, scalar)};
+                 std::make_shared<MapRuntime>(dtype, scalar, std::move(backward))};
 }
 
-// y = a ⊙ b with broadcasting: kernel(a, b, y, n, KgBroadcast).
+// The backward source of a map: entry(s, dy, dx, n, param) calling body(s, dy, dx, n, param).
+std::string map_backward_source(const std::string& entry, DType dtype, const std::string& body) {
+  const char* t = c_type(dtype);
+  return entry_source(entry,
+                      util::cat("const ", t, "* __restrict__ s, const ", t, "* __restrict__ dy, ", t,
+                                "* __restrict__ dx, long long n, double param"),
+                      util::cat(body, "(s, dy, dx, n, param)"), "elementwise_backward.cu");
+}
+
+// Laid out as KgReduce in elementwise.cuh: how the backward kernel sums the output's
+// contributions into one operand's gradient (see there).
+struct GpuReduce {
+  FastDiv kept_size[kGpuBroadcastMaxDims];
+  FastDiv red_size[kGpuBroadcastMaxDims];
+  std::int64_t kept_so[kGpuBroadcastMaxDims] = {}, kept_sa[kGpuBroadcastMaxDims] = {},
+               kept_sb[kGpuBroadcastMaxDims] = {};
+  std::int64_t red_so[kGpuBroadcastMaxDims] = {}, red_sa[kGpuBroadcastMaxDims] = {},
+               red_sb[kGpuBroadcastMaxDims] = {};
+  std::int64_t m = 0, r = 0;
+  std::int32_t kept_rank = 0, red_rank = 0;
+  std::int32_t width = 1, splits = 1;
+  std::int64_t chunk = 0;
+};
+static_assert(sizeof(GpuReduce) == 16 * 2 * kGpuBroadcastMaxDims + 8 * 6 * kGpuBroadcastMaxDims + 40,
+              "must match KgReduce in elementwise.cuh");
+
+// The reduction into the gradient of operand `which` (0: a, 1: b) of out = broadcast(a, b).
+GpuReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                     const std::vector<std::int64_t>& out, const char* op_name);
+
+// Blocks of a reduction's phase 0 (one per `width` elements of the gradient and split) or
+// phase 1 (a thread per element).
+Dim3 reduce_grid(const GpuReduce& p, int phase) {
+  if (phase == 1) return grid_1d(p.m, kGpuThreads);
+  const std::int64_t tiles = (p.m + p.width - 1) / p.width;
+  return {static_cast<unsigned>(std::clamp<std::int64_t>(tiles * p.splits, 1, 65535LL * 32)), 1, 1};
+}
+
+// y = a ⊙ b with broadcasting: kernel(a, b, y, n, KgBroadcast). Backward: for each wanted operand
+// i, kernel(dy, a, b, g, scratch, KgReduce, i, phase) with phase 0, then phase 1 when its
+// reduction is split (the partial sums in scratch).
 class BroadcastRuntime final : public RuntimeOp {
  public:
-  BroadcastRuntime(DType dtype, const char* op_name) : dtype_(dtype), op_name_(op_name) {}
+  BroadcastRuntime(DType dtype, const char* op_name, std::string backward_entry)
+      : dtype_(dtype), op_name_(op_name), backward_entry_(std::move(backward_entry)) {}
   int n_activation_inputs() const override { return 2; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -126,9 +202,59 @@ class BroadcastRuntime final : public RuntimeOp {
   Dim3 block() const override { return {kGpuThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
 
+  bool has_backward() const override { return true; }
+  int n_backward_launches(const BackwardTensors& t) const override {
+    return static_cast<int>(launches(t).size());
+  }
+  std::string backward_entry_point(int) const override { return backward_entry_; }
+  std::size_t backward_scratch_bytes(const BackwardTensors& t) const override {
+    std::size_t bytes = 0;
+    for (int which = 0; which < 2; ++which) {
+      const GpuReduce p = plan(which, t);
+      if (p.splits > 1)
+        bytes = std::max(bytes, static_cast<std::size_t>(p.splits * p.m) * dtype_size(dtype_));
+    }
+    return bytes;
+  }
+  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+    const auto [which, phase] = launches(t).at(static_cast<std::size_t>(launch));
+    const GpuReduce p = plan(which, t);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.inputs.at(0).ptr);
+    v.pointer(t.inputs.at(1).ptr);
+    v.pointer(t.grad_inputs.at(static_cast<std::size_t>(which)).ptr);
+    v.pointer(p.splits > 1 ? t.scratch : DevicePtr{0});
+    v.bytes(&p, sizeof p);
+    v.i32(which);
+    v.i32(phase);
+  }
+  Dim3 backward_block(int) const override { return {kGpuThreads, 1, 1}; }
+  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
+    const auto [which, phase] = launches(t).at(static_cast<std::size_t>(launch));
+    return reduce_grid(plan(which, t), phase);
+  }
+
  private:
+  GpuReduce plan(int which, const BackwardTensors& t) const {
+    return gpu_reduce(which, t.inputs.at(0).shape, t.inputs.at(1).shape, t.grad_output.shape, op_name_);
+  }
+  // (operand, phase) of each launch: the wanted operands (operand 0 when neither is), phase 1
+  // after phase 0 where the reduction is split.
+  std::vector<std::pair<int, int>> launches(const BackwardTensors& t) const {
+    std::vector<std::pair<int, int>> l;
+    for (int which = 0; which < 2; ++which) {
+      if (t.grad_inputs.size() > static_cast<std::size_t>(which) &&
+          t.grad_inputs[static_cast<std::size_t>(which)].ptr == 0)
+        continue;
+      l.emplace_back(which, 0);
+      if (plan(which, t).splits > 1) l.emplace_back(which, 1);
+    }
+    if (l.empty()) l.emplace_back(0, 0);
+    return l;
+  }
   DType dtype_;
   const char* op_name_;
+  std::string backward_entry_;
 };
 
 // ---- unary activations ----
@@ -159,8 +285,35 @@ class UnaryOp final : public CustomOp {
 
   std::optional<Lowered> lower() const override {
     const UnaryEntry& e = unary_entry(spec_.fn);
+    MapBackward bwd{backward_entry(), uses_output() ? MapBackward::Saved::Output : MapBackward::Saved::Input,
+                    spec_.param};
     return map_lowering(name(), entry_for(e.kernel, dtype_), dtype_,
-                        util::cat("kg_unary_entry<", e.device_fn, ">"), "param", spec_.param);
+                        util::cat("kg_unary_entry<", e.device_fn, ">"), "param", spec_.param, std::move(bwd));
+  }
+  std::string lower_backward_source() const override {
+    return map_backward_source(backward_entry(), dtype_,
+                               util::cat("kg_unary_backward_entry<", unary_entry(spec_.fn).device_fn, ">"));
+  }
+
+  bool has_cpu_backward() const override { return true; }
+  // Relu, sigmoid and tanh differentiate through their output; the others through the input.
+  BackwardSaves backward_saves() const override { return {!uses_output(), uses_output()}; }
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    const Tensor& saved = uses_output() ? ctx.output : ctx.inputs[0];
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* sp = saved.data<T>();
+      const T* dy = ctx.grad_output.data<T>();
+      T* dx = ctx.grad_inputs[0].data<T>();
+      const T param = static_cast<T>(spec_.param);
+      visit_unary(spec_.fn, [&](auto f) {
+        constexpr UnaryFn F = decltype(f)::value;
+        ctx.parallel_for(ctx.grad_output.numel(), kGrain, [&](std::int64_t b, std::int64_t e) {
+          for (std::int64_t i = b; i < e; ++i) dx[i] = unary_grad<F, T>(sp[i], dy[i], param);
+        });
+      });
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -177,6 +330,10 @@ class UnaryOp final : public CustomOp {
   const UnarySpec& spec() const { return spec_; }
 
  private:
+  bool uses_output() const { return unary_grad_uses_output(spec_.fn); }
+  std::string backward_entry() const {
+    return entry_for(std::string(unary_entry(spec_.fn).kernel) + "_backward", dtype_);
+  }
   UnarySpec spec_;
   DType dtype_;  // the input's, for the kernel entry
 };
@@ -194,6 +351,7 @@ inline std::uint64_t mix(std::uint64_t seed, std::uint64_t i) {
 
 // y = x * (mask / (1 - p)) over [b, e), as PyTorch computes it (a dropped infinity gives NaN).
 // Element i is kept when the top 32 bits of its random word are >= threshold = p * 2^32.
+// The backward is the same function of dy: dx = dy * (mask / (1 - p)).
 template <class T>
 void dropout_range(const T* x, T* y, std::int64_t b, std::int64_t e, std::uint64_t seed,
                    std::uint64_t threshold, T scale) {
@@ -202,6 +360,51 @@ void dropout_range(const T* x, T* y, std::int64_t b, std::int64_t e, std::uint64
     y[i] = x[i] * (keep ? scale : T(0));
   }
 }
+
+// nn.dropout on the GPU. Forward: the inference copy, kernel(x, y, n). Backward:
+// kg_dropout_backward(dy, dx, n, seed, threshold, scale, training), the forward's mask drawn again
+// from BackwardTensors::seed when `training`.
+class DropoutRuntime final : public RuntimeOp {
+ public:
+  DropoutRuntime(double p, DType dtype, bool training) : p_(p), dtype_(dtype), training_(training) {}
+  int n_activation_inputs() const override { return 1; }
+  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                      const std::vector<std::int64_t>&) const override {
+    return {};
+  }
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+                 ArgVisitor& v) const override {
+    v.pointer(inputs[0].ptr);
+    v.pointer(output.ptr);
+    v.i64(numel_of(shape));
+  }
+  Dim3 block() const override { return {kGpuThreads, 1, 1}; }
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
+  // The forward kernel is the inference copy.
+  bool supports_train_mode() const override { return p_ == 0.0; }
+
+  bool has_backward() const override { return true; }
+  std::string backward_entry_point(int) const override { return entry_for("kg_dropout_backward", dtype_); }
+  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.at(0).ptr);
+    v.i64(numel_of(t.grad_output.shape));
+    v.i64(static_cast<std::int64_t>(t.seed));  // the kernel takes the bits back as unsigned
+    v.i64(static_cast<std::int64_t>(std::ldexp(p_, 32)));
+    v.f64(1.0 / (1.0 - p_));
+    v.i32(training_ && p_ > 0.0 ? 1 : 0);
+  }
+  Dim3 backward_block(int) const override { return {kGpuThreads, 1, 1}; }
+  Dim3 backward_grid(int, const BackwardTensors& t) const override {
+    return elementwise_grid(t.grad_output.shape, dtype_);
+  }
+
+ private:
+  double p_;
+  DType dtype_;
+  bool training_;
+};
 
 class DropoutOp final : public CustomOp {
  public:
@@ -215,11 +418,48 @@ class DropoutOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  // The GPU kernel is inference dropout, a copy: lower() has no mode, and the CUDA backend runs
-  // inference only. Training on the GPU will need a masking kernel seeded per run.
+  // The GPU forward is inference dropout, a copy (lower() has no mode, so its RuntimeOp says it
+  // does not support train mode). elementwise.cuh has the training forward too
+  // (kg_dropout_train_entry, the CPU's mask) for when lowering gets a mode. BackwardTensors has
+  // no mode either: the backward kernel is built for training, drawing that same mask.
   std::optional<Lowered> lower() const override {
-    return map_lowering(name(), entry_for("kg_dropout", dtype_), dtype_, "kg_dropout_entry", nullptr,
-                        std::nullopt);
+    Lowered l = map_lowering(name(), entry_for("kg_dropout", dtype_), dtype_, "kg_dropout_entry", nullptr,
+                             std::nullopt);
+    l.runtime_op = dropout_runtime(p_, dtype_, true);
+    return l;
+  }
+  std::string lower_backward_source() const override {
+    const char* t = c_type(dtype_);
+    return entry_source(entry_for("kg_dropout_backward", dtype_),
+                        util::cat("const ", t, "* __restrict__ dy, ", t,
+                                  "* __restrict__ dx, long long n, long long seed, long long threshold, "
+                                  "double scale, int training"),
+                        "kg_dropout_backward_entry(dy, dx, n, seed, threshold, scale, training)",
+                        "elementwise_backward.cu");
+  }
+
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {false, false}; }
+  // dx = dy * (mask / (1 - p)) with the forward's mask (drawn again from the same seed) in
+  // training; dx = dy in inference.
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    const bool active = ctx.training && p_ > 0.0;
+    const std::uint64_t seed = ctx.seed;
+    const auto threshold = static_cast<std::uint64_t>(std::ldexp(p_, 32));
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dy = ctx.grad_output.data<T>();
+      T* dx = ctx.grad_inputs[0].data<T>();
+      const T scale = static_cast<T>(1.0 / (1.0 - p_));
+      ctx.parallel_for(ctx.grad_output.numel(), kGrain, [&](std::int64_t b, std::int64_t e) {
+        if (!active) {
+          std::memcpy(dx + b, dy + b, static_cast<std::size_t>(e - b) * sizeof(T));
+          return;
+        }
+        dropout_range(dy, dx, b, e, seed, threshold, scale);
+      });
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -292,6 +532,79 @@ BroadcastPlan plan_broadcast(const std::vector<std::int64_t>& a, const std::vect
   return p;
 }
 
+GpuReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                     const std::vector<std::int64_t>& out, const char* op_name) {
+  GpuReduce g;
+  const std::vector<std::int64_t>& target = which == 0 ? a : b;
+  g.m = numel_of(target);
+  const std::int64_t n = numel_of(out);
+  auto pow2 = [](std::int64_t v, std::int64_t cap) {
+    std::int64_t w = 1;
+    while (w < v && w < cap) w *= 2;
+    return w;
+  };
+  if (n == 0 || g.m == 0) {  // a gradient of zeros (or nothing to write)
+    g.width = static_cast<std::int32_t>(kGpuThreads);
+    return g;
+  }
+  g.r = n / g.m;
+  // The output's dims, outermost first, merged where every stride continues and the target
+  // keeps (or reduces) both.
+  struct Run {
+    std::int64_t size, so, sa, sb;
+    bool reduced;
+  };
+  const std::size_t rank = out.size(), lead = rank - target.size();
+  const std::vector<std::int64_t> sa = aligned_strides(a, rank), sb = aligned_strides(b, rank);
+  std::vector<std::int64_t> so(rank, 1);
+  for (std::size_t d = rank; d-- > 1;) so[d - 1] = so[d] * out[d];
+  std::vector<Run> runs;
+  for (std::size_t d = 0; d < rank; ++d) {
+    if (out[d] == 1) continue;
+    const bool reduced = d < lead || target[d - lead] == 1;
+    if (!runs.empty()) {
+      Run& p = runs.back();
+      if (p.reduced == reduced && p.so == so[d] * out[d] && p.sa == sa[d] * out[d] &&
+          p.sb == sb[d] * out[d]) {
+        p.size *= out[d];
+        p.so = so[d];
+        p.sa = sa[d];
+        p.sb = sb[d];
+        continue;
+      }
+    }
+    runs.push_back({out[d], so[d], sa[d], sb[d], reduced});
+  }
+  for (std::size_t i = runs.size(); i-- > 0;) {  // innermost first
+    const Run& r = runs[i];
+    std::int32_t& k = r.reduced ? g.red_rank : g.kept_rank;
+    if (k >= kGpuBroadcastMaxDims)
+      throw Error(util::cat(op_name, " backward: the gradient of ", sizes_to_string(target), " from ",
+                            sizes_to_string(out), " needs more than ", kGpuBroadcastMaxDims, " ",
+                            r.reduced ? "reduced" : "kept", " dims after merging; the GPU kernel handles ",
+                            kGpuBroadcastMaxDims));
+    const auto u = static_cast<std::size_t>(k++);
+    (r.reduced ? g.red_size : g.kept_size)[u] = fast_div(r.size);
+    (r.reduced ? g.red_so : g.kept_so)[u] = r.so;
+    (r.reduced ? g.red_sa : g.kept_sa)[u] = r.sa;
+    (r.reduced ? g.red_sb : g.kept_sb)[u] = r.sb;
+  }
+  // Enough groups of threads to split each sum; adjacent elements side by side when the target
+  // keeps the innermost dim (coalesced reads).
+  std::int64_t width = static_cast<std::int64_t>(kGpuThreads) / pow2(g.r, kGpuThreads);
+  if (g.r > 1 && !runs.empty() && !runs.back().reduced) width = std::max(width, pow2(runs.back().size, 32));
+  g.width = static_cast<std::int32_t>(width);
+  // Split long reductions over several blocks when the target's tiles alone are too few for the
+  // GPU (about 2048 blocks), keeping at least 64 elements per thread and split.
+  const std::int64_t tiles = (g.m + width - 1) / width,
+                     groups = static_cast<std::int64_t>(kGpuThreads) / width;
+  const std::int64_t splits =
+      std::clamp<std::int64_t>(std::min((2048 + tiles - 1) / tiles, g.r / (groups * 64)), 1, 4096);
+  g.chunk = (g.r + splits - 1) / splits;
+  g.splits = static_cast<std::int32_t>((g.r + g.chunk - 1) / g.chunk);
+  return g;
+}
+
 // y[k] = a[k*sa] ⊙ b[k*sb] for k < n, where the inner strides are 1 or 0 (broadcast). The three
 // cases are separate loops so each vectorises.
 template <BinaryFn F, class T>
@@ -339,6 +652,92 @@ void binary_range(const BroadcastPlan& p, const T* a, const T* b, T* y, std::int
   }
 }
 
+// dst = src (contiguous, of shape `out`) summed over the dims where `target` is broadcast, as
+// `target`'s elements in order; negated when `negate`. The output's dims are merged into runs
+// that `target` keeps or reduces. Each task owns a block of target elements and sums in a fixed
+// order (in double), so the result does not depend on the threads.
+template <class T>
+void sum_to_shape(const CpuContext& ctx, const T* src, const std::vector<std::int64_t>& out,
+                  const std::vector<std::int64_t>& target, T* dst, bool negate) {
+  const std::int64_t m = numel_of(target);
+  if (m == 0) return;
+  if (numel_of(out) == 0) {  // nothing reaches the target: its gradient is zero
+    std::fill(dst, dst + m, T(0));
+    return;
+  }
+  struct Run {
+    std::int64_t size, stride;  // stride: src elements per step
+    bool reduced;
+  };
+  std::vector<Run> runs;
+  const std::size_t lead = out.size() - target.size();
+  std::int64_t stride = numel_of(out);
+  for (std::size_t d = 0; d < out.size(); ++d) {
+    stride /= out[d];
+    if (out[d] == 1) continue;
+    const bool reduced = d < lead || target[d - lead] == 1;
+    if (!runs.empty() && runs.back().reduced == reduced) {
+      runs.back().size *= out[d];
+      runs.back().stride = stride;
+    } else {
+      runs.push_back({out[d], stride, reduced});
+    }
+  }
+  if (runs.empty()) runs.push_back({1, 1, false});
+  // The innermost run: columns summed side by side (kept) or one contiguous sum (reduced).
+  const Run inner = runs.back();
+  runs.pop_back();
+  std::vector<Run> kept, red;
+  for (const Run& r : runs) (r.reduced ? red : kept).push_back(r);
+  const std::int64_t cols = inner.reduced ? 1 : inner.size, len = inner.reduced ? inner.size : 1;
+  constexpr std::int64_t kCols = 512;
+  const std::int64_t chunks = (cols + kCols - 1) / kCols, outer = m / cols;
+  const std::int64_t per_target = numel_of(out) / m;
+  ctx.parallel_for(
+      outer * chunks,
+      std::max<std::int64_t>(1, kGrain / std::max<std::int64_t>(1, per_target * std::min(cols, kCols))),
+      [&](std::int64_t t0, std::int64_t t1) {
+        std::vector<double> acc(static_cast<std::size_t>(std::min(cols, kCols)));
+        std::vector<std::int64_t> idx(red.size());
+        for (std::int64_t t = t0; t < t1; ++t) {
+          const std::int64_t o = t / chunks, c0 = (t % chunks) * kCols;
+          const std::int64_t w = std::min(kCols, cols - c0);
+          std::int64_t base = 0;
+          for (std::int64_t rem = o, k = std::ssize(kept) - 1; k >= 0; --k) {
+            const Run& r = kept[static_cast<std::size_t>(k)];
+            base += (rem % r.size) * r.stride;
+            rem /= r.size;
+          }
+          std::fill(acc.begin(), acc.begin() + w, 0.0);
+          std::fill(idx.begin(), idx.end(), 0);
+          std::int64_t off = 0;
+          while (true) {
+            const T* p = src + base + off + c0;
+            if (inner.reduced) {
+              double s = 0;
+              for (std::int64_t j = 0; j < len; ++j) s += static_cast<double>(p[j]);
+              acc[0] += s;
+            } else {
+              for (std::int64_t j = 0; j < w; ++j) acc[static_cast<std::size_t>(j)] += p[j];
+            }
+            std::size_t k = red.size();
+            while (k-- > 0) {  // odometer over the outer reduced runs
+              off += red[k].stride;
+              if (++idx[k] < red[k].size) break;
+              off -= red[k].stride * red[k].size;
+              idx[k] = 0;
+            }
+            if (k == static_cast<std::size_t>(-1)) break;
+          }
+          T* d = dst + o * cols + c0;
+          for (std::int64_t j = 0; j < w; ++j) {
+            const double v = acc[static_cast<std::size_t>(j)];
+            d[j] = static_cast<T>(negate ? -v : v);
+          }
+        }
+      });
+}
+
 class BinaryOp final : public CustomOp {
  public:
   BinaryOp(BinaryFn fn, DType dtype) : fn_(fn), dtype_(dtype) {}
@@ -357,7 +756,82 @@ class BinaryOp final : public CustomOp {
                                          "* __restrict__ y, long long n, KgBroadcast bc");
     const std::string call = util::cat("kg_binary_entry<", e.device_fn, ">(a, b, y, n, bc)");
     return Lowered{e.op_name, entry_source(entry, params, call), entry,
-                   std::make_shared<BroadcastRuntime>(dtype_, e.op_name)};
+                   std::make_shared<BroadcastRuntime>(dtype_, e.op_name, backward_entry())};
+  }
+  std::string lower_backward_source() const override {
+    const char* t = c_type(dtype_);
+    const std::string params = util::cat(
+        "const ", t, "* __restrict__ dy, const ", t, "* __restrict__ a, const ", t, "* __restrict__ b, ", t,
+        "* __restrict__ g, ", t, "* __restrict__ partial, KgReduce p, int which, int phase");
+    return entry_source(backward_entry(), params,
+                        util::cat("kg_binary_backward_entry<", binary_entry(fn_).device_fn,
+                                  ">(dy, a, b, g, partial, p, which, phase)"),
+                        "elementwise_backward.cu");
+  }
+
+  bool has_cpu_backward() const override { return true; }
+  // add and sub need only shapes; mul and div read both operands.
+  BackwardSaves backward_saves() const override {
+    const bool reads = fn_ == BinaryFn::Mul || fn_ == BinaryFn::Div;
+    return {reads, false};
+  }
+  // The gradient of each wanted operand: the contributions dy ∂y/∂operand over the output
+  // (computed with the forward's broadcasting loops), summed over the operand's broadcast dims.
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    const auto& out = ctx.grad_output.shape();
+    const std::int64_t n = numel_of(out);
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dy = ctx.grad_output.data<T>();
+      // y[i] = u[i] ⊙ v[broadcast] over the output, u being output-shaped.
+      auto apply = [&](auto f, const T* u, const Tensor& v, T* y) {
+        constexpr BinaryFn F = decltype(f)::value;
+        const BroadcastPlan plan = plan_broadcast(out, v.shape(), out);
+        const T* vp = v.data<T>();
+        ctx.parallel_for(
+            n, kGrain, [&](std::int64_t lo, std::int64_t hi) { binary_range<F, T>(plan, u, vp, y, lo, hi); });
+      };
+      using Mul = std::integral_constant<BinaryFn, BinaryFn::Mul>;
+      using Div = std::integral_constant<BinaryFn, BinaryFn::Div>;
+      std::vector<T> tmp;
+      for (std::size_t which = 0; which < 2; ++which) {
+        if (!ctx.wants_input_grad(which)) continue;
+        const auto& target = ctx.grad_inputs[which].shape();
+        T* g = ctx.grad_inputs[which].data<T>();
+        const bool reduce = numel_of(target) != n;
+        const bool negate = (fn_ == BinaryFn::Sub && which == 1) || (fn_ == BinaryFn::Div && which == 1);
+        const T* contrib = dy;  // add, sub: dy itself
+        if (fn_ == BinaryFn::Mul || fn_ == BinaryFn::Div) {
+          T* c = g;
+          if (reduce) {
+            tmp.resize(static_cast<std::size_t>(n));
+            c = tmp.data();
+          }
+          const Tensor& a = ctx.inputs[0];
+          const Tensor& b = ctx.inputs[1];
+          if (fn_ == BinaryFn::Mul) {
+            apply(Mul{}, dy, which == 0 ? b : a, c);  // dy * other
+          } else if (which == 0) {
+            apply(Div{}, dy, b, c);  // dy / b
+          } else {
+            apply(Mul{}, dy, a, c);  // -((dy * a) / b) / b, negated below
+            apply(Div{}, c, b, c);
+            apply(Div{}, c, b, c);
+          }
+          contrib = c;
+        }
+        if (reduce) {
+          sum_to_shape<T>(ctx, contrib, out, target, g, negate);
+        } else {
+          ctx.parallel_for(n, kGrain, [&](std::int64_t lo, std::int64_t hi) {
+            if (negate)
+              for (std::int64_t i = lo; i < hi; ++i) g[i] = -contrib[i];
+            else if (contrib != g)
+              std::memcpy(g + lo, contrib + lo, static_cast<std::size_t>(hi - lo) * sizeof(T));
+          });
+        }
+      }
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -381,6 +855,9 @@ class BinaryOp final : public CustomOp {
   }
 
  private:
+  std::string backward_entry() const {
+    return entry_for(std::string(binary_entry(fn_).kernel) + "_backward", dtype_);
+  }
   BinaryFn fn_;
   DType dtype_;  // of both inputs
 };
@@ -404,9 +881,49 @@ class ScalarOp final : public CustomOp {
   std::optional<Lowered> lower() const override {
     const BinaryEntry& e = binary_entry(fn_);
     const bool rev = reversed_ && e.rscalar_kernel;  // add and mul commute
+    MapBackward bwd{backward_entry(), reads_input() ? MapBackward::Saved::Input : MapBackward::Saved::None,
+                    scalar_};
     return map_lowering(name(), entry_for(rev ? e.rscalar_kernel : e.scalar_kernel, dtype_), dtype_,
                         util::cat("kg_scalar_entry<", e.device_fn, ", ", rev ? "true" : "false", ">"), "s",
-                        scalar_);
+                        scalar_, std::move(bwd));
+  }
+  std::string lower_backward_source() const override {
+    const BinaryEntry& e = binary_entry(fn_);
+    return map_backward_source(
+        backward_entry(), dtype_,
+        util::cat("kg_scalar_backward_entry<", e.device_fn, ", ", reversed() ? "true" : "false", ">"));
+  }
+
+  bool has_cpu_backward() const override { return true; }
+  // Only s / x reads x; the others need the shape alone.
+  BackwardSaves backward_saves() const override { return {reads_input(), false}; }
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* dy = ctx.grad_output.data<T>();
+      const T* xp = reads_input() ? ctx.inputs[0].data<T>() : nullptr;
+      T* dx = ctx.grad_inputs[0].data<T>();
+      const T s = static_cast<T>(scalar_);
+      const bool neg = fn_ == BinaryFn::Sub && reversed();
+      ctx.parallel_for(ctx.grad_output.numel(), kGrain, [&](std::int64_t lo, std::int64_t hi) {
+        switch (fn_) {
+          case BinaryFn::Add:
+          case BinaryFn::Sub:
+            for (std::int64_t i = lo; i < hi; ++i) dx[i] = neg ? -dy[i] : dy[i];
+            break;
+          case BinaryFn::Mul:
+            for (std::int64_t i = lo; i < hi; ++i) dx[i] = dy[i] * s;
+            break;
+          case BinaryFn::Div:
+            if (reversed())
+              for (std::int64_t i = lo; i < hi; ++i) dx[i] = -(dy[i] * ((s / xp[i]) / xp[i]));
+            else
+              for (std::int64_t i = lo; i < hi; ++i) dx[i] = dy[i] / s;
+            break;
+        }
+      });
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -429,6 +946,13 @@ class ScalarOp final : public CustomOp {
   }
 
  private:
+  // True for s - x and s / x (add and mul commute: their reversed forms are the plain ones).
+  bool reversed() const { return reversed_ && binary_entry(fn_).rscalar_kernel != nullptr; }
+  bool reads_input() const { return fn_ == BinaryFn::Div && reversed(); }
+  std::string backward_entry() const {
+    const BinaryEntry& e = binary_entry(fn_);
+    return entry_for(std::string(reversed() ? e.rscalar_kernel : e.scalar_kernel) + "_backward", dtype_);
+  }
   BinaryFn fn_;
   double scalar_;
   bool reversed_;
@@ -448,6 +972,10 @@ SymTensor record_scalar(const SymTensor& x, double s, BinaryFn fn, bool reversed
 }
 
 }  // namespace
+
+std::shared_ptr<RuntimeOp> dropout_runtime(double p, DType dtype, bool training) {
+  return std::make_shared<DropoutRuntime>(p, dtype, training);
+}
 
 std::optional<UnarySpec> unary_spec(const CustomOp& op) {
   if (const auto* u = dynamic_cast<const UnaryOp*>(&op)) return u->spec();

@@ -8,11 +8,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "kg/custom_op.hpp"
+#include "kg/runtime_op.hpp"
 #include "ops/fast_div.hpp"
 
 namespace kg::ops {
@@ -125,7 +127,7 @@ struct UnaryEntry {
   UnaryFn fn;
   const char* op_name;    // the CustomOp name, "nn.relu"
   const char* kernel;     // the GPU entry's stem, "kg_relu" (+ "_f32" / "_f64")
-  const char* device_fn;  // the formula in elementwise.cu, "KG_RELU"
+  const char* device_fn;  // the formula in elementwise.cuh, "KG_RELU"
 };
 
 // One row per unary op, in UnaryFn order.
@@ -164,6 +166,44 @@ inline T unary_fn(T x, [[maybe_unused]] T param) {
   } else {
     static_assert(F == UnaryFn::Tanh);
     return tanh_t(x);
+  }
+}
+
+// What the derivative of a unary op reads: its output (Relu, Sigmoid, Tanh) or its input.
+constexpr bool unary_grad_uses_output(UnaryFn f) {
+  return f == UnaryFn::Relu || f == UnaryFn::Sigmoid || f == UnaryFn::Tanh;
+}
+
+// dx = dy * f'(.) in the precision T, PyTorch's formulas. `s` is the op's output when
+// unary_grad_uses_output(F), else its input; `param` is LeakyRelu's negative slope.
+template <UnaryFn F, class T>
+inline T unary_grad(T s, T dy, [[maybe_unused]] T param) {
+  if constexpr (F == UnaryFn::Relu) {
+    return s <= T(0) ? T(0) : dy;  // s = y; NaN passes the gradient, as threshold_backward
+  } else if constexpr (F == UnaryFn::LeakyRelu) {
+    return s > T(0) ? dy : dy * param;
+  } else if constexpr (F == UnaryFn::Silu) {
+    const T sig = T(1) / (T(1) + exp_t(-s));
+    return dy * (sig * (T(1) + s * (T(1) - sig)));
+  } else if constexpr (F == UnaryFn::GeluErf) {
+    // Φ(x) + x φ(x), Φ written with erfc as in the forward.
+    constexpr T inv_sqrt2 = T(0.70710678118654752440084436210484903928);
+    constexpr T inv_sqrt_2pi = T(0.39894228040143267793994605993438186848);
+    const T cdf = T(0.5) * erfc_t(-s * inv_sqrt2);
+    const T pdf = inv_sqrt_2pi * exp_t(T(-0.5) * s * s);
+    return dy * (cdf + s * pdf);
+  } else if constexpr (F == UnaryFn::GeluTanh) {
+    constexpr T beta = T(0.79788456080286535587989211986876373695);  // √(2/π)
+    constexpr T kappa = T(0.044715);
+    const T x2 = s * s;
+    const T t = tanh_t(beta * (s + kappa * x2 * s));
+    const T left = T(0.5) * s, right = T(1) + t;
+    return dy * (T(0.5) * right + left * (T(1) - t * t) * (beta * (T(1) + T(3) * kappa * x2)));
+  } else if constexpr (F == UnaryFn::Sigmoid) {
+    return dy * ((T(1) - s) * s);
+  } else {
+    static_assert(F == UnaryFn::Tanh);
+    return dy * (T(1) - s * s);
   }
 }
 
@@ -206,6 +246,12 @@ std::optional<UnarySpec> unary_spec(const CustomOp& op);
 template <class T>
 void apply_unary(const UnarySpec& spec, const T* x, T* y, std::int64_t n);
 
+// The GPU half (RuntimeOp) of nn.dropout with probability p. Its forward launch is the inference
+// copy; `training` selects what its backward launch computes: the forward's mask drawn again
+// from BackwardTensors::seed, or the identity. BackwardTensors carries no mode, so the op's
+// lower() builds it for training.
+std::shared_ptr<RuntimeOp> dropout_runtime(double p, DType dtype, bool training);
+
 // ---- binary ops ----
 
 enum class BinaryFn : std::uint8_t { Add, Sub, Mul, Div };
@@ -216,7 +262,7 @@ struct BinaryEntry {
   const char* scalar_op_name;   // tensor ⊙ scalar, "nn.add_scalar"
   const char* rscalar_op_name;  // scalar ⊙ tensor where the order matters, "nn.rsub_scalar"; else null
   // The GPU entries' stems, in the same roles (+ "_f32" / "_f64"), and the formula in
-  // elementwise.cu ("KG_ADD").
+  // elementwise.cuh ("KG_ADD").
   const char* kernel;
   const char* scalar_kernel;
   const char* rscalar_kernel;
@@ -268,7 +314,7 @@ decltype(auto) visit_binary(BinaryFn f, Fn&& fn) {
 // ---- the GPU's view of a broadcast ----
 
 // How a binary op's GPU kernel walks its operands, for concrete shapes: the host half of
-// KgBroadcast in elementwise.cu (same layout and mode order, passed by value). The dims are
+// KgBroadcast in elementwise.cuh (same layout and mode order, passed by value). The dims are
 // merged as far as possible first, so that the common patterns take a fast path:
 //   Same:     a[i] ⊙ b[i]
 //   ScalarB:  a[i] ⊙ b[0]                  (ScalarA mirrored)
@@ -287,7 +333,7 @@ struct GpuBroadcast {
   std::int32_t rank = 0;
   GpuBroadcastMode mode = GpuBroadcastMode::Same;
 };
-static_assert(sizeof(GpuBroadcast) == 264, "must match KgBroadcast in elementwise.cu");
+static_assert(sizeof(GpuBroadcast) == 264, "must match KgBroadcast in elementwise.cuh");
 
 // The walk for output = broadcast(a, b) with these concrete shapes. Throws kg::Error (naming
 // `op_name` and the shapes) when the general case needs more than kGpuBroadcastMaxDims dims.

@@ -15,11 +15,14 @@ namespace {
 constexpr unsigned kNormThreads = 256;  // KG_NORM_THREADS in norm.cu
 
 // nn.batch_norm2d on the GPU, inference mode: launch 0 folds the running statistics into a
-// per-channel scale and shift (in scratch), launch 1 applies them elementwise.
+// per-channel scale and shift (in scratch), launch 1 applies them elementwise. Backward
+// (norm_backward.cu): launch 0 sums per channel and writes dw, db and the coefficients of dx (in
+// scratch), launch 1 (when dx is wanted) applies them; `training_` picks batch or running
+// statistics.
 class BatchNorm2dRuntime final : public RuntimeOp {
  public:
-  BatchNorm2dRuntime(std::int64_t channels, double eps, DType dtype)
-      : c_(channels), eps_(eps), dtype_(dtype) {}
+  BatchNorm2dRuntime(std::int64_t channels, double eps, DType dtype, bool training)
+      : c_(channels), eps_(eps), dtype_(dtype), training_(training) {}
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -57,19 +60,65 @@ class BatchNorm2dRuntime final : public RuntimeOp {
   Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
     return launch == 0 ? grid_1d(c_, kNormThreads) : grid(shape);
   }
+  // The forward normalises with the running statistics only.
+  bool supports_train_mode() const override { return false; }
+
+  bool has_backward() const override { return true; }
+  int n_backward_launches(const BackwardTensors& t) const override { return t.grad_inputs.at(0).ptr ? 2 : 1; }
+  std::string backward_entry_point(int) const override {
+    return entry_for("kg_batch_norm2d_backward", dtype_);
+  }
+  std::size_t backward_scratch_bytes(const BackwardTensors&) const override {
+    return static_cast<std::size_t>(4 * c_) * dtype_size(dtype_);
+  }
+  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+    const auto& shape = t.grad_output.shape;
+    v.pointer(t.inputs.at(0).ptr);
+    v.pointer(t.params.at(0).ptr);
+    v.pointer(t.params.at(2).ptr);
+    v.pointer(t.params.at(3).ptr);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.at(0).ptr);
+    v.pointer(t.grad_params.at(0).ptr);
+    v.pointer(t.grad_params.at(1).ptr);
+    v.pointer(t.scratch);
+    v.i64(shape.at(0));
+    v.i64(c_);
+    v.f64(eps_);
+    v.i32(training_ ? 1 : 0);
+    v.i32(launch);
+    const FastDiv hw = fast_div(shape.at(2) * shape.at(3)), c = fast_div(c_);
+    v.bytes(&hw, sizeof hw);
+    v.bytes(&c, sizeof c);
+  }
+  Dim3 backward_block(int) const override { return {kNormThreads, 1, 1}; }
+  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
+    if (launch == 0) return {static_cast<unsigned>(std::clamp<std::int64_t>(c_, 1, 65535LL * 32)), 1, 1};
+    return grid(t.grad_output.shape);
+  }
 
  private:
   std::int64_t c_;
   double eps_;
   DType dtype_;
+  bool training_;
 };
 
 // nn.layer_norm on the GPU: one warp per row up to 1024 elements (8 rows per block), else one
 // block per row.
+// Backward (norm_backward.cu): launch 0 as the forward's rows, writing dx and each row's mean and
+// 1/std (in scratch, affine only); launch 1 (affine, when dw or db is wanted) sums dw and db over
+// the rows in blocks of 32 columns.
 class LayerNormRuntime final : public RuntimeOp {
  public:
-  LayerNormRuntime(std::vector<std::int64_t> normalized_shape, double eps, bool affine)
-      : shape_(std::move(normalized_shape)), inner_(numel_of(shape_)), eps_(eps), affine_(affine) {}
+  static constexpr std::int64_t kCols = 32;  // KG_LN_COLS
+
+  LayerNormRuntime(std::vector<std::int64_t> normalized_shape, double eps, bool affine, DType dtype)
+      : shape_(std::move(normalized_shape)),
+        inner_(numel_of(shape_)),
+        eps_(eps),
+        affine_(affine),
+        dtype_(dtype) {}
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -95,12 +144,48 @@ class LayerNormRuntime final : public RuntimeOp {
     return {static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, 65535LL * 32)), 1, 1};
   }
 
+  bool has_backward() const override { return true; }
+  int n_backward_launches(const BackwardTensors& t) const override {
+    return affine_ && (t.grad_params.at(0).ptr || t.grad_params.at(1).ptr) ? 2 : 1;
+  }
+  std::string backward_entry_point(int launch) const override {
+    return entry_for(launch == 0 ? "kg_layer_norm_backward" : "kg_layer_norm_param_backward", dtype_);
+  }
+  std::size_t backward_scratch_bytes(const BackwardTensors& t) const override {
+    return affine_ ? static_cast<std::size_t>(2 * rows(t.grad_output.shape)) * dtype_size(dtype_) : 0;
+  }
+  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+    const DevicePtr stats = affine_ ? t.scratch : 0;
+    v.pointer(t.inputs.at(0).ptr);
+    if (launch == 0) {
+      v.pointer(affine_ ? t.params.at(0).ptr : 0);
+      v.pointer(t.grad_output.ptr);
+      v.pointer(t.grad_inputs.at(0).ptr);
+      v.pointer(stats);
+    } else {
+      v.pointer(t.grad_output.ptr);
+      v.pointer(stats);
+      v.pointer(t.grad_params.at(0).ptr);
+      v.pointer(t.grad_params.at(1).ptr);
+    }
+    v.i64(rows(t.grad_output.shape));
+    v.i64(inner_);
+    if (launch == 0) v.f64(eps_);
+  }
+  Dim3 backward_block(int) const override { return {kNormThreads, 1, 1}; }
+  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
+    if (launch == 0) return grid(t.grad_output.shape);
+    return {static_cast<unsigned>(std::clamp<std::int64_t>((inner_ + kCols - 1) / kCols, 1, 65535LL * 32)), 1,
+            1};
+  }
+
  private:
   std::int64_t rows(const std::vector<std::int64_t>& shape) const { return numel_of(shape) / inner_; }
   std::vector<std::int64_t> shape_;
   std::int64_t inner_;
   double eps_;
   bool affine_;
+  DType dtype_;
 };
 
 }  // namespace
@@ -145,7 +230,14 @@ std::vector<ParamSpec> BatchNorm2dOp::parameters() const {
 // statistics, running-average updates) is not lowered yet.
 std::optional<Lowered> BatchNorm2dOp::lower() const {
   return Lowered{"nn.batch_norm2d", kernel_file("norm.cu"), entry_for("kg_batch_norm2d", dtype_),
-                 std::make_shared<BatchNorm2dRuntime>(channels_, eps_, dtype_)};
+                 batch_norm2d_runtime(channels_, eps_, dtype_, true)};
+}
+
+std::string BatchNorm2dOp::lower_backward_source() const { return kernel_file("norm_backward.cu"); }
+
+std::shared_ptr<RuntimeOp> batch_norm2d_runtime(std::int64_t channels, double eps, DType dtype,
+                                                bool training) {
+  return std::make_shared<BatchNorm2dRuntime>(channels, eps, dtype, training);
 }
 
 void BatchNorm2dOp::cpu_forward(CpuContext& ctx) const {
@@ -182,6 +274,17 @@ void BatchNorm2dOp::cpu_forward(CpuContext& ctx) const {
                            var[static_cast<std::size_t>(ch)] = v / static_cast<double>(count);
                          }
                        });
+      // The running statistics, as PyTorch updates them (the unbiased variance).
+      Tensor running_mean = ctx.params[2], running_var = ctx.params[3], tracked = ctx.params[4];
+      T* rm = running_mean.data<T>();
+      T* rv = running_var.data<T>();
+      const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
+      for (std::int64_t ch = 0; ch < c; ++ch) {
+        const auto k = static_cast<std::size_t>(ch);
+        rm[ch] = static_cast<T>((1.0 - momentum_) * rm[ch] + momentum_ * mean[k]);
+        rv[ch] = static_cast<T>((1.0 - momentum_) * rv[ch] + momentum_ * var[k] * unbias);
+      }
+      tracked.data<std::int64_t>()[0] += 1;
     } else {
       const T* rm = ctx.params[2].data<T>();
       const T* rv = ctx.params[3].data<T>();
@@ -206,6 +309,75 @@ void BatchNorm2dOp::cpu_forward(CpuContext& ctx) const {
                          const T* src = xp + p * hw;
                          T* dst = y + p * hw;
                          for (std::int64_t j = 0; j < hw; ++j) dst[j] = src[j] * sc + sh;
+                       }
+                     });
+  });
+}
+
+void BatchNorm2dOp::cpu_backward(CpuBackwardContext& ctx) const {
+  const Tensor& x = ctx.inputs[0];
+  const std::int64_t n = x.dim(0), c = x.dim(1), hw = x.dim(2) * x.dim(3), count = n * hw;
+  if (ctx.training && count <= 1)
+    throw Error(util::cat("training mode needs more than 1 value per channel, got input ",
+                          sizes_to_string(x.shape())));
+  const bool want_dx = ctx.wants_input_grad(0), want_dw = ctx.wants_param_grad(0),
+             want_db = ctx.wants_param_grad(1);
+  dispatch_float(x.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data<T>();
+    const T* dy = ctx.grad_output.data<T>();
+    const T* w = ctx.params[0].data<T>();
+    const T* rm = ctx.params[2].data<T>();
+    const T* rv = ctx.params[3].data<T>();
+    T* dx = want_dx ? ctx.grad_inputs[0].data<T>() : nullptr;
+    T* dw = want_dw ? ctx.grad_params[0].data<T>() : nullptr;
+    T* db = want_db ? ctx.grad_params[1].data<T>() : nullptr;
+    // Per channel, sums in double: db = Σ dy, dw = Σ dy x̂; in training
+    // dx = w r (dy - db / M - x̂ dw / M) with r = 1 / sqrt(var + eps), else dx = w r dy.
+    ctx.parallel_for(c, std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(count, 1)),
+                     [&](std::int64_t c0, std::int64_t c1) {
+                       for (std::int64_t ch = c0; ch < c1; ++ch) {
+                         double mean = 0, r = 0;
+                         if (ctx.training) {
+                           double s = 0;
+                           for (std::int64_t i = 0; i < n; ++i) {
+                             const T* p = xp + (i * c + ch) * hw;
+                             for (std::int64_t j = 0; j < hw; ++j) s += p[j];
+                           }
+                           mean = s / static_cast<double>(count);
+                           double v = 0;
+                           for (std::int64_t i = 0; i < n; ++i) {
+                             const T* p = xp + (i * c + ch) * hw;
+                             for (std::int64_t j = 0; j < hw; ++j) v += (p[j] - mean) * (p[j] - mean);
+                           }
+                           r = 1.0 / std::sqrt(v / static_cast<double>(count) + eps_);
+                         } else {
+                           mean = rm[ch];
+                           r = 1.0 / std::sqrt(static_cast<double>(rv[ch]) + eps_);
+                         }
+                         double sdy = 0, sdyx = 0;
+                         for (std::int64_t i = 0; i < n; ++i) {
+                           const T* p = xp + (i * c + ch) * hw;
+                           const T* g = dy + (i * c + ch) * hw;
+                           for (std::int64_t j = 0; j < hw; ++j) {
+                             sdy += g[j];
+                             sdyx += g[j] * (p[j] - mean);
+                           }
+                         }
+                         sdyx *= r;
+                         if (db) db[ch] = static_cast<T>(sdy);
+                         if (dw) dw[ch] = static_cast<T>(sdyx);
+                         if (!dx) continue;
+                         const double a = static_cast<double>(w[ch]) * r;
+                         const double mdy = ctx.training ? sdy / static_cast<double>(count) : 0.0;
+                         const double mdyx = ctx.training ? sdyx / static_cast<double>(count) : 0.0;
+                         for (std::int64_t i = 0; i < n; ++i) {
+                           const T* p = xp + (i * c + ch) * hw;
+                           const T* g = dy + (i * c + ch) * hw;
+                           T* d = dx + (i * c + ch) * hw;
+                           for (std::int64_t j = 0; j < hw; ++j)
+                             d[j] = static_cast<T>(a * (g[j] - mdy - (p[j] - mean) * r * mdyx));
+                         }
                        }
                      });
   });
@@ -267,7 +439,84 @@ class LayerNormOp final : public CustomOp {
 
   std::optional<Lowered> lower() const override {
     return Lowered{"nn.layer_norm", kernel_file("norm.cu"), entry_for("kg_layer_norm", dtype_),
-                   std::make_shared<LayerNormRuntime>(shape_, eps_, affine_)};
+                   std::make_shared<LayerNormRuntime>(shape_, eps_, affine_, dtype_)};
+  }
+  std::string lower_backward_source() const override { return kernel_file("norm_backward.cu"); }
+
+  bool has_cpu_backward() const override { return true; }
+  // Reads the input (the statistics are computed again), not the output.
+  BackwardSaves backward_saves() const override { return {true, false}; }
+  // With x̂ = (x - mean) / sqrt(var + eps) per row and g = dy w (dy without affine):
+  // dx = (g - mean(g) - x̂ mean(g x̂)) / sqrt(var + eps), dw = Σ_rows dy x̂, db = Σ_rows dy.
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    const Tensor& x = ctx.inputs[0];
+    const std::int64_t inner = numel_of(shape_);
+    const std::int64_t rows = x.numel() / inner;
+    const bool want_dx = ctx.wants_input_grad(0);
+    const bool want_dw = affine_ && ctx.wants_param_grad(0), want_db = affine_ && ctx.wants_param_grad(1);
+    dispatch_float(x.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* xp = x.data<T>();
+      const T* dy = ctx.grad_output.data<T>();
+      const T* w = affine_ ? ctx.params[0].data<T>() : nullptr;
+      std::vector<double> mean(static_cast<std::size_t>(rows)), rstd(static_cast<std::size_t>(rows));
+      ctx.parallel_for(rows, std::max<std::int64_t>(1, 16384 / inner), [&](std::int64_t r0, std::int64_t r1) {
+        for (std::int64_t r = r0; r < r1; ++r) {
+          const T* src = xp + r * inner;
+          const T* g0 = dy + r * inner;
+          double s = 0;
+          for (std::int64_t j = 0; j < inner; ++j) s += src[j];
+          const double m = s / static_cast<double>(inner);
+          double v = 0;
+          for (std::int64_t j = 0; j < inner; ++j) v += (src[j] - m) * (src[j] - m);
+          const double iv = 1.0 / std::sqrt(v / static_cast<double>(inner) + eps_);
+          mean[static_cast<std::size_t>(r)] = m;
+          rstd[static_cast<std::size_t>(r)] = iv;
+          if (!want_dx) continue;
+          double sg = 0, sgx = 0;
+          for (std::int64_t j = 0; j < inner; ++j) {
+            const double g = w ? static_cast<double>(g0[j]) * w[j] : static_cast<double>(g0[j]);
+            sg += g;
+            sgx += g * ((src[j] - m) * iv);
+          }
+          const double mg = sg / static_cast<double>(inner), mgx = sgx / static_cast<double>(inner);
+          T* dx = ctx.grad_inputs[0].data<T>() + r * inner;
+          for (std::int64_t j = 0; j < inner; ++j) {
+            const double g = w ? static_cast<double>(g0[j]) * w[j] : static_cast<double>(g0[j]);
+            dx[j] = static_cast<T>(iv * (g - mg - ((src[j] - m) * iv) * mgx));
+          }
+        }
+      });
+      if (!want_dw && !want_db) return;
+      // Per column over the rows: blocks of adjacent columns, each summed in row order.
+      T* dw = want_dw ? ctx.grad_params[0].data<T>() : nullptr;
+      T* db = want_db ? ctx.grad_params[1].data<T>() : nullptr;
+      constexpr std::int64_t kBlock = 256;
+      const std::int64_t blocks = (inner + kBlock - 1) / kBlock;
+      ctx.parallel_for(blocks, std::max<std::int64_t>(1, 16384 / std::max<std::int64_t>(1, rows * kBlock)),
+                       [&](std::int64_t b0, std::int64_t b1) {
+                         std::vector<double> sw(kBlock), sb(kBlock);
+                         for (std::int64_t b = b0; b < b1; ++b) {
+                           const std::int64_t j0 = b * kBlock, n = std::min(kBlock, inner - j0);
+                           std::fill(sw.begin(), sw.end(), 0.0);
+                           std::fill(sb.begin(), sb.end(), 0.0);
+                           for (std::int64_t r = 0; r < rows; ++r) {
+                             const T* src = xp + r * inner + j0;
+                             const T* g = dy + r * inner + j0;
+                             const double m = mean[static_cast<std::size_t>(r)],
+                                          iv = rstd[static_cast<std::size_t>(r)];
+                             for (std::int64_t j = 0; j < n; ++j) {
+                               sb[static_cast<std::size_t>(j)] += g[j];
+                               sw[static_cast<std::size_t>(j)] += g[j] * ((src[j] - m) * iv);
+                             }
+                           }
+                           for (std::int64_t j = 0; j < n; ++j) {
+                             if (dw) dw[j0 + j] = static_cast<T>(sw[static_cast<std::size_t>(j)]);
+                             if (db) db[j0 + j] = static_cast<T>(sb[static_cast<std::size_t>(j)]);
+                           }
+                         }
+                       });
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {

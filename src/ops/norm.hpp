@@ -3,11 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "kg/custom_op.hpp"
+#include "kg/runtime_op.hpp"
 
 namespace kg::ops {
 
@@ -24,9 +26,19 @@ class BatchNorm2dOp final : public CustomOp {
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
   DType infer_output_dtype(const std::vector<DType>& in) const override;
   std::vector<ParamSpec> parameters() const override;
-  // The GPU kernel (src/ops/norm.cu); it normalises with the running statistics.
+  // The GPU kernel (src/ops/norm.cu); it normalises with the running statistics. Its backward
+  // kernels (norm_backward.cu) run with the batch statistics (training).
   std::optional<Lowered> lower() const override;
+  std::string lower_backward_source() const override;
+  // Training mode normalises with the batch statistics and updates the running ones as PyTorch
+  // does: running = (1 - momentum) running + momentum batch (the unbiased variance), and
+  // num_batches_tracked + 1.
   void cpu_forward(CpuContext& ctx) const override;
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {true, false}; }
+  // Training: the full backward through the batch statistics; inference: through the running
+  // ones (constants). Gradients for x, weight and bias; the running statistics get none.
+  void cpu_backward(CpuBackwardContext& ctx) const override;
 
   std::int64_t channels() const { return channels_; }
   double eps() const { return eps_; }
@@ -38,6 +50,12 @@ class BatchNorm2dOp final : public CustomOp {
   double eps_, momentum_;
   DType dtype_;  // of the float parameters: the input's
 };
+
+// The GPU half (RuntimeOp) of nn.batch_norm2d. Its forward uses the running statistics;
+// `training` selects those of its backward: the batch's (recomputed from the saved input) or the
+// running ones. BackwardTensors carries no mode, so the op's lower() builds it for training.
+std::shared_ptr<RuntimeOp> batch_norm2d_runtime(std::int64_t channels, double eps, DType dtype,
+                                                bool training);
 
 // The eps of a batch norm op; throws kg::Error when `op` is not an nn.batch_norm2d.
 double batch_norm_eps(const CustomOp& op);

@@ -236,18 +236,47 @@ class PermuteOp final : public CustomOp {
   }
 
   std::optional<Lowered> lower() const override;
+  std::string lower_backward_source() const override { return kernel_file("shape_ops.cu"); }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
+    permute_copy(ctx, x, perm(x.rank()), ctx.output.raw());
+  }
+
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {false, false}; }  // shapes only
+  // dx = dy permuted back by the inverse permutation.
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    permute_copy(ctx, ctx.grad_output, inverse_perm(ctx.grad_inputs[0].rank()), ctx.grad_inputs[0].raw());
+  }
+
+  // The inverse permutation for rank `rank`, and the op that applies it (the backward's copy).
+  std::vector<std::size_t> inverse_perm(std::size_t rank) const {
+    const std::vector<std::size_t> p = perm(rank);
+    std::vector<std::size_t> q(rank);
+    for (std::size_t i = 0; i < rank; ++i) q[p[i]] = i;
+    return q;
+  }
+  PermuteOp inverse(std::size_t rank) const {
+    std::vector<std::int64_t> dims;
+    for (std::size_t d : inverse_perm(rank)) dims.push_back(static_cast<std::int64_t>(d));
+    return PermuteOp(std::move(dims), dtype_);
+  }
+  DType dtype() const { return dtype_; }
+
+ private:
+  // dst = x permuted by p (output dim i is x's dim p[i]).
+  static void permute_copy(const CpuContext& ctx, const Tensor& x, const std::vector<std::size_t>& p,
+                           void* out) {
     const auto& s = x.shape();
     const std::size_t r = s.size();
     const std::int64_t total = x.numel();
     if (total == 0) return;
     if (r == 0) {
-      std::memcpy(ctx.output.raw(), x.raw(), x.nbytes());
+      std::memcpy(out, x.raw(), x.nbytes());
       return;
     }
-    const std::vector<std::size_t> p = perm(r);
     std::vector<std::int64_t> in_stride(r), out_shape(r), src_stride(r);
     std::int64_t st = 1;
     for (std::size_t i = r; i-- > 0;) {
@@ -262,7 +291,7 @@ class PermuteOp final : public CustomOp {
     dispatch_width(dtype_size(x.dtype()), [&](auto zero) {
       using E = decltype(zero);
       const E* src = static_cast<const E*>(x.raw());
-      E* dst = static_cast<E*>(ctx.output.raw());
+      E* dst = static_cast<E*>(out);
       ctx.parallel_for(rows, std::max<std::int64_t>(1, 16384 / last), [&](std::int64_t r0, std::int64_t r1) {
         for (std::int64_t row = r0; row < r1; ++row) {
           std::int64_t off = 0, rem = row;
@@ -281,7 +310,6 @@ class PermuteOp final : public CustomOp {
     });
   }
 
- private:
   std::vector<std::int64_t> dims_;
   bool transpose_ = false;
   std::int64_t t0_ = 0, t1_ = 0;
@@ -322,6 +350,21 @@ class PermuteRuntime final : public RuntimeOp {
     v.bytes(&args, sizeof args);
   }
   Dim3 block() const override { return {kCopyThreads, 1, 1}; }
+
+  // Backward: the same copy kernel with the inverse permutation, dy -> dx.
+  bool has_backward() const override { return true; }
+  std::string backward_entry_point(int) const override { return width_entry("kg_permute", op_.dtype()); }
+  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+    const PermuteArgs args = inverse(t).plan(t.grad_inputs.at(0).shape);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.at(0).ptr);
+    v.bytes(&args, sizeof args);
+  }
+  Dim3 backward_block(int) const override { return {kCopyThreads, 1, 1}; }
+  Dim3 backward_grid(int, const BackwardTensors& t) const override {
+    return inverse(t).grid(t.grad_inputs.at(0).shape);
+  }
+
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     const PermuteArgs a = plan(shape);
     if (a.tiled_p < 0) return grid_1d((a.total + kUnroll - 1) / kUnroll, kCopyThreads);
@@ -384,6 +427,9 @@ class PermuteRuntime final : public RuntimeOp {
   }
 
  private:
+  PermuteRuntime inverse(const BackwardTensors& t) const {
+    return PermuteRuntime(op_.inverse(t.grad_inputs.at(0).shape.size()));
+  }
   PermuteOp op_;
 };
 
@@ -425,9 +471,12 @@ struct ConcatArgs {
 static_assert(sizeof(ConcatArgs) == 16 + 40 * kConcatMax);
 
 // nn.concat on the GPU: one launch per 16 inputs; within a launch, blockIdx.y picks the input.
+// The backward launches are laid out the same way, kg_concat_backward(dy, args) with args.src
+// naming the input gradients.
 class ConcatRuntime final : public RuntimeOp {
  public:
-  ConcatRuntime(std::int64_t dim, std::size_t n_inputs) : dim_(dim), n_inputs_(n_inputs) {}
+  ConcatRuntime(std::int64_t dim, std::size_t n_inputs, DType dtype)
+      : dim_(dim), n_inputs_(n_inputs), dtype_(dtype) {}
   int n_activation_inputs() const override { return static_cast<int>(n_inputs_); }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -480,9 +529,22 @@ class ConcatRuntime final : public RuntimeOp {
             static_cast<unsigned>(std::max<std::size_t>(count, 1)), 1};
   }
 
+  bool has_backward() const override { return true; }
+  int n_backward_launches(const BackwardTensors&) const override { return n_launches({}); }
+  std::string backward_entry_point(int) const override { return width_entry("kg_concat_backward", dtype_); }
+  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+    // The forward's packing with the gradients in the inputs' places: (dy, args).
+    pack_args_for_launch(launch, t.grad_inputs, {}, t.grad_output, t.grad_output.shape, 0, 0, v);
+  }
+  Dim3 backward_block(int) const override { return {kCopyThreads, 1, 1}; }
+  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
+    return grid_for_launch(launch, t.grad_output.shape);
+  }
+
  private:
   std::int64_t dim_;
   std::size_t n_inputs_;
+  DType dtype_;
 };
 
 class ConcatOp final : public CustomOp {
@@ -542,7 +604,38 @@ class ConcatOp final : public CustomOp {
 
   std::optional<Lowered> lower() const override {
     return Lowered{"nn.concat", kernel_file("shape_ops.cu"), width_entry("kg_concat", dtype_),
-                   std::make_shared<ConcatRuntime>(dim_, n_inputs_)};
+                   std::make_shared<ConcatRuntime>(dim_, n_inputs_, dtype_)};
+  }
+  std::string lower_backward_source() const override { return kernel_file("shape_ops.cu"); }
+
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {false, false}; }  // shapes only
+  // Input k's gradient: its chunk of every row of dy.
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    const auto& s0 = ctx.grad_output.shape();
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, s0.size()));
+    const std::int64_t es = static_cast<std::int64_t>(dtype_size(ctx.grad_output.dtype()));
+    std::int64_t outer = 1, inner = 1;
+    for (std::size_t i = 0; i < s0.size(); ++i) {
+      if (i < d) outer *= s0[i];
+      if (i > d) inner *= s0[i];
+    }
+    const std::int64_t row = s0[d] * inner * es;
+    const auto* dy = static_cast<const std::byte*>(ctx.grad_output.raw());
+    std::int64_t start = 0;
+    for (std::size_t k = 0; k < ctx.grad_inputs.size(); ++k) {
+      const std::int64_t chunk = ctx.grad_inputs[k].shape()[d] * inner * es;
+      if (ctx.wants_input_grad(k) && chunk > 0 && outer > 0) {
+        auto* dst = static_cast<std::byte*>(ctx.grad_inputs[k].raw());
+        parallel_gather(ctx, dst, outer * chunk,
+                        [&](std::int64_t p, const std::byte** src, std::int64_t* avail) {
+                          const std::int64_t o = p / chunk, off = p % chunk;
+                          *src = dy + o * row + start + off;
+                          *avail = chunk - off;
+                        });
+      }
+      start += chunk;
+    }
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -590,10 +683,11 @@ std::int64_t clamp_bound(std::int64_t v, std::int64_t size) {
 }
 
 // nn.slice on the GPU: out[o, j, r] = in[o, begin + j*step, r], gathered element by element.
+// Backward: kg_slice_backward(dy, dx, numel(dx), inner, size, step, begin, len) writes all of dx.
 class SliceRuntime final : public RuntimeOp {
  public:
-  SliceRuntime(std::int64_t dim, std::int64_t start, std::int64_t step)
-      : dim_(dim), start_(start), step_(step) {}
+  SliceRuntime(std::int64_t dim, std::int64_t start, std::int64_t step, DType dtype)
+      : dim_(dim), start_(start), step_(step), dtype_(dtype) {}
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -624,8 +718,30 @@ class SliceRuntime final : public RuntimeOp {
     return grid_1d((numel_of(shape) + kUnroll - 1) / kUnroll, kCopyThreads);
   }
 
+  bool has_backward() const override { return true; }
+  std::string backward_entry_point(int) const override { return width_entry("kg_slice_backward", dtype_); }
+  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+    const auto& in = t.grad_inputs.at(0).shape;
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, in.size()));
+    std::int64_t inner = 1;
+    for (std::size_t i = d + 1; i < in.size(); ++i) inner *= in[i];
+    const std::int64_t size = in[d], len = t.grad_output.shape.at(d);
+    const FastDiv inner_div = fast_div(inner), size_div = fast_div(size), step_div = fast_div(step_);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.at(0).ptr);
+    v.i64(numel_of(in));
+    v.bytes(&inner_div, sizeof inner_div);
+    v.bytes(&size_div, sizeof size_div);
+    v.bytes(&step_div, sizeof step_div);
+    v.i64(clamp_bound(start_, size));
+    v.i64(len);
+  }
+  Dim3 backward_block(int) const override { return {kCopyThreads, 1, 1}; }
+  Dim3 backward_grid(int, const BackwardTensors& t) const override { return grid(t.grad_inputs.at(0).shape); }
+
  private:
   std::int64_t dim_, start_, step_;
+  DType dtype_;
 };
 
 class SliceOp final : public CustomOp {
@@ -659,7 +775,40 @@ class SliceOp final : public CustomOp {
 
   std::optional<Lowered> lower() const override {
     return Lowered{"nn.slice", kernel_file("shape_ops.cu"), width_entry("kg_slice", dtype_),
-                   std::make_shared<SliceRuntime>(dim_, start_, step_)};
+                   std::make_shared<SliceRuntime>(dim_, start_, step_, dtype_)};
+  }
+  std::string lower_backward_source() const override { return kernel_file("shape_ops.cu"); }
+
+  bool has_cpu_backward() const override { return true; }
+  BackwardSaves backward_saves() const override { return {false, false}; }  // shapes only
+  // dx[o, s, r] = dy[o, j, r] where s = begin + j*step, 0 elsewhere: one pass over dx's rows.
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    Tensor& dx = ctx.grad_inputs[0];
+    const auto& s = dx.shape();
+    const auto d = static_cast<std::size_t>(normalize_dim(dim_, s.size()));
+    const std::int64_t es = static_cast<std::int64_t>(dtype_size(dx.dtype()));
+    std::int64_t outer = 1, inner = 1;
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      if (i < d) outer *= s[i];
+      if (i > d) inner *= s[i];
+    }
+    const std::int64_t size = s[d], len = ctx.grad_output.shape()[d], begin = clamp_bound(start_, size);
+    const std::int64_t row = inner * es;
+    if (outer * size * row == 0) return;
+    const auto* dy = static_cast<const std::byte*>(ctx.grad_output.raw());
+    auto* dst = static_cast<std::byte*>(dx.raw());
+    ctx.parallel_for(
+        outer * size, std::max<std::int64_t>(1, 65536 / row), [&](std::int64_t q0, std::int64_t q1) {
+          for (std::int64_t q = q0; q < q1; ++q) {
+            const std::int64_t o = q / size, off = q % size - begin;
+            std::byte* out = dst + q * row;
+            if (off >= 0 && off % step_ == 0 && off / step_ < len)
+              std::memcpy(out, dy + (o * len + off / step_) * row, static_cast<std::size_t>(row));
+            else
+              std::memset(out, 0, static_cast<std::size_t>(row));
+          }
+        });
   }
 
   void cpu_forward(CpuContext& ctx) const override {

@@ -1,5 +1,10 @@
 // nn.permute, nn.concat and nn.slice on the GPU: copies that move elements by their width, so
 // every dtype is served by the entries for 1-, 2-, 4- and 8-byte elements (_u8 ... _u64).
+// This file is also the ops' backward source: permute's gradient is the inverse permutation
+// (kg_permute), concat's scatters the output gradient's chunks back to the inputs
+// (kg_concat_backward) and slice's fills the input gradient, zero outside the slice
+// (kg_slice_backward). Every kernel does nothing when given a null destination (a gradient
+// nobody needs).
 // Index math divides through KgDivider (32-bit multiply-high when the tensor has fewer than 2^31
 // elements, plain 64-bit division otherwise).
 #include "index.cuh"
@@ -94,6 +99,7 @@ __device__ __forceinline__ void kg_permute_tiled(const E* __restrict__ src, E* _
 template <class E>
 __device__ __forceinline__ void kg_permute(const E* __restrict__ src, E* __restrict__ dst,
                                            const KgPermuteArgs& p) {
+  if (!dst) return;
   if (p.tiled_p >= 0 && p.total < (1LL << 31))
     kg_permute_tiled<E, true>(src, dst, p);
   else if (p.tiled_p >= 0)
@@ -201,6 +207,7 @@ template <class E>
 __device__ __forceinline__ void kg_slice_any(const E* __restrict__ src, E* __restrict__ dst, long long total,
                                              const KgDivider& inner, const KgDivider& len,
                                              long long src_outer, long long src_begin, long long src_step) {
+  if (!dst) return;
   if (total < (1LL << 31))
     kg_slice<E, true>(src, dst, total, inner, len, src_outer, src_begin, src_step);
   else
@@ -230,4 +237,109 @@ extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
                  long long total, KgDivider inner, KgDivider len, long long src_outer, long long src_begin,
                  long long src_step) {
   kg_slice_any<unsigned long long>(src, dst, total, inner, len, src_outer, src_begin, src_step);
+}
+
+// ---- backward: nn.concat ----
+// Input k's gradient is columns offset[k] .. offset[k] + chunk[k] of each row of dy ([outer,
+// row]): launches as the forward's, `src[k]` now naming the gradient written (null: skipped).
+
+template <class E, bool Small>
+__device__ __forceinline__ void kg_concat_backward_copy(const E* __restrict__ dy, E* __restrict__ dst,
+                                                        kg_index n, kg_index chunk, const KgDivider& div,
+                                                        kg_index row) {
+  kg_for_each_unrolled<E, Small ? KG_UNROLL : 1>(
+      n,
+      [&](kg_index i) {
+        const kg_index o = kg_div<Small>(div, i);
+        return dy[o * row + (i - o * chunk)];
+      },
+      [&](kg_index i, E v) { dst[i] = v; });
+}
+
+template <class E>
+__device__ __forceinline__ void kg_concat_backward(const E* __restrict__ dy, const KgConcatArgs& p) {
+  const int k = blockIdx.y;
+  E* dst = (E*)p.src[k];
+  if (!dst) return;
+  const kg_index chunk = p.chunk[k], n = p.outer * chunk;
+  const E* src = dy + p.offset[k];
+  if (n < (1LL << 31))
+    kg_concat_backward_copy<E, true>(src, dst, n, chunk, p.chunk_div[k], p.row);
+  else
+    kg_concat_backward_copy<E, false>(src, dst, n, chunk, p.chunk_div[k], p.row);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_backward_u8(const unsigned char* __restrict__ dy, KgConcatArgs p) {
+  kg_concat_backward<unsigned char>(dy, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_backward_u16(const unsigned short* __restrict__ dy, KgConcatArgs p) {
+  kg_concat_backward<unsigned short>(dy, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_backward_u32(const unsigned int* __restrict__ dy, KgConcatArgs p) {
+  kg_concat_backward<unsigned int>(dy, p);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_concat_backward_u64(const unsigned long long* __restrict__ dy, KgConcatArgs p) {
+  kg_concat_backward<unsigned long long>(dy, p);
+}
+
+// ---- backward: nn.slice ----
+// dx is [outer, size, inner]; dx[o, s, r] = dy[o, (s - begin) / step, r] where s - begin is a
+// non-negative multiple of step below len * step, and 0 elsewhere: every element written, each
+// once (a gather, no atomics).
+
+template <class E, bool Small>
+__device__ __forceinline__ void kg_slice_backward_gather(const E* __restrict__ dy, E* __restrict__ dx,
+                                                         kg_index total, const KgDivider& inner,
+                                                         const KgDivider& size, const KgDivider& step,
+                                                         kg_index begin, kg_index len) {
+  kg_for_each_unrolled<E, Small ? KG_UNROLL : 1>(
+      total,
+      [&](kg_index i) {
+        const kg_index q = kg_div<Small>(inner, i), r = i - q * inner.d;
+        const kg_index o = kg_div<Small>(size, q), d = q - o * size.d - begin;
+        if (d < 0) return E(0);
+        const kg_index j = kg_div<Small>(step, d);
+        return (d - j * step.d == 0 && j < len) ? dy[(o * len + j) * inner.d + r] : E(0);
+      },
+      [&](kg_index i, E v) { dx[i] = v; });
+}
+
+template <class E>
+__device__ __forceinline__ void kg_slice_backward(const E* __restrict__ dy, E* __restrict__ dx,
+                                                  long long total, const KgDivider& inner,
+                                                  const KgDivider& size, const KgDivider& step,
+                                                  long long begin, long long len) {
+  if (!dx) return;
+  if (total < (1LL << 31))
+    kg_slice_backward_gather<E, true>(dy, dx, total, inner, size, step, begin, len);
+  else
+    kg_slice_backward_gather<E, false>(dy, dx, total, inner, size, step, begin, len);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_backward_u8(const unsigned char* __restrict__ dy, unsigned char* __restrict__ dx,
+                         long long total, KgDivider inner, KgDivider size, KgDivider step, long long begin,
+                         long long len) {
+  kg_slice_backward<unsigned char>(dy, dx, total, inner, size, step, begin, len);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_backward_u16(const unsigned short* __restrict__ dy, unsigned short* __restrict__ dx,
+                          long long total, KgDivider inner, KgDivider size, KgDivider step, long long begin,
+                          long long len) {
+  kg_slice_backward<unsigned short>(dy, dx, total, inner, size, step, begin, len);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_backward_u32(const unsigned int* __restrict__ dy, unsigned int* __restrict__ dx, long long total,
+                          KgDivider inner, KgDivider size, KgDivider step, long long begin, long long len) {
+  kg_slice_backward<unsigned int>(dy, dx, total, inner, size, step, begin, len);
+}
+extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
+    kg_slice_backward_u64(const unsigned long long* __restrict__ dy, unsigned long long* __restrict__ dx,
+                          long long total, KgDivider inner, KgDivider size, KgDivider step, long long begin,
+                          long long len) {
+  kg_slice_backward<unsigned long long>(dy, dx, total, inner, size, step, begin, len);
 }

@@ -30,13 +30,15 @@ SoftmaxExtents softmax_extents(const std::vector<std::int64_t>& shape, std::int6
   return e;
 }
 
-// The GPU half: see softmax.cu for the three row layouts.
+// The GPU half: see softmax.cu for the three row layouts. The backward (softmax_backward.cu)
+// takes the same layout: kernel(y, dy, dx, outer, n, inner).
 class SoftmaxRuntime final : public RuntimeOp {
  public:
   static constexpr unsigned kThreads = 256;       // KG_SOFTMAX_THREADS
   static constexpr std::int64_t kWarpMax = 1024;  // KG_SOFTMAX_WARP_MAX
 
-  explicit SoftmaxRuntime(std::int64_t dim) : dim_(dim) {}
+  SoftmaxRuntime(std::int64_t dim, std::string backward_entry)
+      : dim_(dim), backward_entry_(std::move(backward_entry)) {}
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
@@ -68,8 +70,23 @@ class SoftmaxRuntime final : public RuntimeOp {
             1, 1};
   }
 
+  bool has_backward() const override { return true; }
+  std::string backward_entry_point(int) const override { return backward_entry_; }
+  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+    const SoftmaxExtents e = softmax_extents(t.grad_output.shape, dim_);
+    v.pointer(t.output.ptr);
+    v.pointer(t.grad_output.ptr);
+    v.pointer(t.grad_inputs.at(0).ptr);
+    v.i64(e.outer);
+    v.i64(e.n);
+    v.i64(e.inner);
+  }
+  Dim3 backward_block(int) const override { return {kThreads, 1, 1}; }
+  Dim3 backward_grid(int, const BackwardTensors& t) const override { return grid(t.grad_output.shape); }
+
  private:
   std::int64_t dim_;
+  std::string backward_entry_;
 };
 
 class SoftmaxOp final : public CustomOp {
@@ -89,7 +106,80 @@ class SoftmaxOp final : public CustomOp {
   std::optional<Lowered> lower() const override {
     return Lowered{name(), kernel_file("softmax.cu"),
                    entry_for(log_ ? "kg_log_softmax" : "kg_softmax", dtype_),
-                   std::make_shared<SoftmaxRuntime>(dim_)};
+                   std::make_shared<SoftmaxRuntime>(
+                       dim_, entry_for(log_ ? "kg_log_softmax_backward" : "kg_softmax_backward", dtype_))};
+  }
+  std::string lower_backward_source() const override { return kernel_file("softmax_backward.cu"); }
+
+  bool has_cpu_backward() const override { return true; }
+  // Both derivatives are functions of the output.
+  BackwardSaves backward_saves() const override { return {false, true}; }
+  // softmax: dx = y (dy - Σ dy y); log_softmax: dx = dy - exp(y) Σ dy; the sums in double.
+  void cpu_backward(CpuBackwardContext& ctx) const override {
+    if (!ctx.wants_input_grad(0)) return;
+    const SoftmaxExtents e = softmax_extents(ctx.grad_output.shape(), dim_);
+    if (e.outer * e.n * e.inner == 0) return;
+    dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
+      using T = decltype(zero);
+      const T* y = ctx.output.data<T>();
+      const T* dy = ctx.grad_output.data<T>();
+      T* dx = ctx.grad_inputs[0].data<T>();
+      const std::int64_t n = e.n, inner = e.inner;
+      // One softmax of n elements `inner` apart, at y + base.
+      auto row = [&](std::int64_t base) {
+        double s = 0;
+        for (std::int64_t i = 0; i < n; ++i) {
+          const std::int64_t k = base + i * inner;
+          s += log_ ? static_cast<double>(dy[k]) : static_cast<double>(dy[k]) * y[k];
+        }
+        const T sum = static_cast<T>(s);
+        if (log_)
+          for (std::int64_t i = 0; i < n; ++i) {
+            const std::int64_t k = base + i * inner;
+            dx[k] = dy[k] - std::exp(y[k]) * sum;
+          }
+        else
+          for (std::int64_t i = 0; i < n; ++i) {
+            const std::int64_t k = base + i * inner;
+            dx[k] = y[k] * (dy[k] - sum);
+          }
+      };
+      if (inner == 1) {
+        ctx.parallel_for(e.outer, std::max<std::int64_t>(1, 8192 / n), [&](std::int64_t r0, std::int64_t r1) {
+          for (std::int64_t r = r0; r < r1; ++r) row(r * n);
+        });
+        return;
+      }
+      // Elements of one softmax are `inner` apart: adjacent columns side by side, so that each pass
+      // over the n rows reads contiguous memory.
+      constexpr std::int64_t kBlock = 256;
+      const std::int64_t blocks = (inner + kBlock - 1) / kBlock;
+      ctx.parallel_for(e.outer * blocks, std::max<std::int64_t>(1, 8192 / (n * std::min(inner, kBlock))),
+                       [&](std::int64_t t0, std::int64_t t1) {
+                         std::array<double, kBlock> sum;
+                         for (std::int64_t t = t0; t < t1; ++t) {
+                           const std::int64_t o = t / blocks, j0 = (t % blocks) * kBlock;
+                           const std::int64_t w = std::min(kBlock, inner - j0);
+                           const std::int64_t base = o * n * inner + j0;
+                           for (std::int64_t j = 0; j < w; ++j) sum[static_cast<std::size_t>(j)] = 0;
+                           for (std::int64_t i = 0; i < n; ++i) {
+                             const T* yr = y + base + i * inner;
+                             const T* dyr = dy + base + i * inner;
+                             for (std::int64_t j = 0; j < w; ++j)
+                               sum[static_cast<std::size_t>(j)] +=
+                                   log_ ? static_cast<double>(dyr[j]) : static_cast<double>(dyr[j]) * yr[j];
+                           }
+                           for (std::int64_t i = 0; i < n; ++i) {
+                             const std::int64_t k = base + i * inner;
+                             for (std::int64_t j = 0; j < w; ++j) {
+                               const T s = static_cast<T>(sum[static_cast<std::size_t>(j)]);
+                               dx[k + j] =
+                                   log_ ? dy[k + j] - std::exp(y[k + j]) * s : y[k + j] * (dy[k + j] - s);
+                             }
+                           }
+                         }
+                       });
+    });
   }
 
   void cpu_forward(CpuContext& ctx) const override {

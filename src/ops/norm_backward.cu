@@ -1,0 +1,279 @@
+// The backward of nn.batch_norm2d and nn.layer_norm on the GPU. Every sum is a block or warp
+// tree in a fixed order (no atomics): the gradients do not depend on the schedule. An entry
+// skips each gradient whose pointer is null.
+#include "index.cuh"
+#include "reduce.cuh"
+
+#define KG_NORM_THREADS 256
+
+__device__ __forceinline__ float kg_sqrt(float v) { return sqrtf(v); }
+__device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
+
+// ---- nn.batch_norm2d ----
+// x and dy are [N, C, H, W]; per channel c, over its M = N*H*W elements:
+//   training (batch statistics): mean, biased var of x; r = 1 / sqrt(var + eps); x̂ = (x - mean) r
+//     db = Σ dy, dw = Σ dy x̂, dx = w r (dy - db / M - x̂ dw / M)
+//   inference (running statistics): mean, var the running ones; db, dw alike, dx = w r dy.
+// Launch 0 takes one block per channel (grid-stride over channels) and sums in double; it writes
+// dw, db and, for launch 1, the coefficients of dx = A dy + B (x - mean) + C as T in `coef`
+// (A, B, mean, C for each channel, channel-major). Launch 1 applies them elementwise.
+
+template <bool Small>
+__device__ __forceinline__ kg_index kg_bn_offset(kg_index i, kg_index ch, kg_index c,
+                                                 const KgDivider& hw_div) {
+  const kg_index plane = kg_div<Small>(hw_div, i);  // batch index
+  return (plane * c + ch) * hw_div.d + (i - plane * hw_div.d);
+}
+
+template <class T, bool Small>
+__device__ __forceinline__ void kg_batch_norm2d_backward_stats(
+    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ rmean, const T* __restrict__ rvar,
+    const T* __restrict__ dy, T* __restrict__ dw, T* __restrict__ db, T* __restrict__ coef, kg_index n,
+    kg_index c, const KgDivider& hw_div, double eps, int training) {
+  __shared__ double smem[32];
+  const kg_index m = n * hw_div.d;
+  for (kg_index ch = blockIdx.x; ch < c; ch += gridDim.x) {
+    double mean, rstd;
+    if (training) {
+      double s = 0;
+      for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS)
+        s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
+      mean = kg_block_sum(s, smem) / (double)m;
+      double v = 0;
+      for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS) {
+        const double d = (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)] - mean;
+        v += d * d;
+      }
+      rstd = 1.0 / sqrt(kg_block_sum(v, smem) / (double)m + eps);
+    } else {
+      mean = (double)rmean[ch];
+      rstd = 1.0 / sqrt((double)rvar[ch] + eps);
+    }
+    double sdy = 0, sdyx = 0;
+    for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS) {
+      const kg_index k = kg_bn_offset<Small>(i, ch, c, hw_div);
+      const double g = (double)dy[k];
+      sdy += g;
+      sdyx += g * ((double)x[k] - mean);
+    }
+    sdy = kg_block_sum(sdy, smem);
+    sdyx = kg_block_sum(sdyx, smem) * rstd;  // Σ dy x̂
+    if (threadIdx.x == 0) {
+      if (db) db[ch] = (T)sdy;
+      if (dw) dw[ch] = (T)sdyx;
+      const double a = (double)w[ch] * rstd;
+      coef[4 * ch] = (T)a;
+      coef[4 * ch + 1] = training ? (T)(-a * rstd * sdyx / (double)m) : T(0);
+      coef[4 * ch + 2] = (T)mean;
+      coef[4 * ch + 3] = training ? (T)(-a * sdy / (double)m) : T(0);
+    }
+  }
+}
+
+template <class T, bool Small>
+__device__ __forceinline__ void kg_batch_norm2d_backward_dx(const T* __restrict__ x, const T* __restrict__ dy,
+                                                            T* __restrict__ dx, const T* __restrict__ coef,
+                                                            kg_index total, kg_index c,
+                                                            const KgDivider& hw_div, const KgDivider& c_div) {
+  kg_for_each_unrolled<T, Small ? KG_UNROLL : 1>(
+      total,
+      [&](kg_index i) {
+        const kg_index plane = kg_div<Small>(hw_div, i);
+        const kg_index ch = plane - kg_div<Small>(c_div, plane) * c;
+        const T* k = coef + 4 * ch;
+        return k[0] * dy[i] + k[1] * (x[i] - k[2]) + k[3];
+      },
+      [&](kg_index i, T v) { dx[i] = v; });
+}
+
+template <class T>
+__device__ __forceinline__ void kg_batch_norm2d_backward(
+    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ rmean, const T* __restrict__ rvar,
+    const T* __restrict__ dy, T* __restrict__ dx, T* __restrict__ dw, T* __restrict__ db, T* coef,
+    long long n, long long c, double eps, int training, int phase, KgDivider hw_div, KgDivider c_div) {
+  const kg_index total = n * c * hw_div.d;
+  const bool small = total < (1LL << 31);
+  if (phase == 0) {
+    if (small)
+      kg_batch_norm2d_backward_stats<T, true>(x, w, rmean, rvar, dy, dw, db, coef, n, c, hw_div, eps,
+                                              training);
+    else
+      kg_batch_norm2d_backward_stats<T, false>(x, w, rmean, rvar, dy, dw, db, coef, n, c, hw_div, eps,
+                                               training);
+    return;
+  }
+  if (!dx) return;
+  if (small)
+    kg_batch_norm2d_backward_dx<T, true>(x, dy, dx, coef, total, c, hw_div, c_div);
+  else
+    kg_batch_norm2d_backward_dx<T, false>(x, dy, dx, coef, total, c, hw_div, c_div);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
+    kg_batch_norm2d_backward_f32(const float* __restrict__ x, const float* __restrict__ w,
+                                 const float* __restrict__ running_mean,
+                                 const float* __restrict__ running_var, const float* __restrict__ dy,
+                                 float* __restrict__ dx, float* __restrict__ dw, float* __restrict__ db,
+                                 float* coef, long long n, long long c, double eps, int training, int phase,
+                                 KgDivider hw_div, KgDivider c_div) {
+  kg_batch_norm2d_backward<float>(x, w, running_mean, running_var, dy, dx, dw, db, coef, n, c, eps, training,
+                                  phase, hw_div, c_div);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
+    kg_batch_norm2d_backward_f64(const double* __restrict__ x, const double* __restrict__ w,
+                                 const double* __restrict__ running_mean,
+                                 const double* __restrict__ running_var, const double* __restrict__ dy,
+                                 double* __restrict__ dx, double* __restrict__ dw, double* __restrict__ db,
+                                 double* coef, long long n, long long c, double eps, int training, int phase,
+                                 KgDivider hw_div, KgDivider c_div) {
+  kg_batch_norm2d_backward<double>(x, w, running_mean, running_var, dy, dx, dw, db, coef, n, c, eps, training,
+                                   phase, hw_div, c_div);
+}
+
+// ---- nn.layer_norm ----
+// Rows of `inner` elements; mean, r = 1 / sqrt(biased var + eps), x̂ = (x - mean) r, g = dy w
+// (dy without affine):
+//   dx = r (g - mean(g) - x̂ mean(g x̂)),  dw = Σ_rows dy x̂,  db = Σ_rows dy.
+// Launch 0 takes rows as the forward does (a warp per row up to KG_LN_WARP_MAX elements, else a
+// block) and writes dx and each row's (mean, r) to `stats` (when not null). Launch 1 (affine
+// only) sums dw and db per column: blocks of 32 adjacent columns whose 8 groups of threads split
+// the rows, their partial sums meeting in shared memory.
+
+#define KG_LN_WARP_MAX 1024
+#define KG_LN_COLS 32
+
+// One row: the sums (mean, var) and (Σ g, Σ g x̂) over lanes j0, j0 + step, ...; `sum` reduces
+// over those lanes (a warp or the block).
+template <class T, class Sum>
+__device__ __forceinline__ void kg_layer_norm_backward_row(const T* __restrict__ x, const T* __restrict__ w,
+                                                           const T* __restrict__ dy, T* __restrict__ dx,
+                                                           T* __restrict__ stats, kg_index r, kg_index inner,
+                                                           double eps, kg_index j0, kg_index step,
+                                                           const Sum& sum) {
+  const T* xr = x + r * inner;
+  const T* dyr = dy + r * inner;
+  const T n = (T)inner;
+  T s = T(0);
+  for (kg_index j = j0; j < inner; j += step) s += xr[j];
+  const T mean = sum(s) / n;
+  T v = T(0);
+  for (kg_index j = j0; j < inner; j += step) {
+    const T d = xr[j] - mean;
+    v += d * d;
+  }
+  const T rstd = T(1) / kg_sqrt(sum(v) / n + (T)eps);
+  if (stats && j0 == 0) {
+    stats[2 * r] = mean;
+    stats[2 * r + 1] = rstd;
+  }
+  if (!dx) return;
+  T sg = T(0), sgx = T(0);
+  for (kg_index j = j0; j < inner; j += step) {
+    const T g = w ? dyr[j] * w[j] : dyr[j];
+    sg += g;
+    sgx += g * ((xr[j] - mean) * rstd);
+  }
+  const T mg = sum(sg) / n, mgx = sum(sgx) / n;
+  T* dxr = dx + r * inner;
+  for (kg_index j = j0; j < inner; j += step) {
+    const T g = w ? dyr[j] * w[j] : dyr[j];
+    dxr[j] = rstd * (g - mg - ((xr[j] - mean) * rstd) * mgx);
+  }
+}
+
+template <class T>
+struct KgWarpSum {
+  __device__ __forceinline__ T operator()(T v) const { return kg_warp_sum(v); }
+};
+
+template <class T>
+struct KgBlockSum {
+  T* smem;
+  __device__ __forceinline__ T operator()(T v) const { return kg_block_sum(v, smem); }
+};
+
+template <class T>
+__device__ __forceinline__ void kg_layer_norm_backward(const T* __restrict__ x, const T* __restrict__ w,
+                                                       const T* __restrict__ dy, T* __restrict__ dx,
+                                                       T* __restrict__ stats, long long rows, long long inner,
+                                                       double eps) {
+  if (inner <= KG_LN_WARP_MAX) {
+    const int lane = threadIdx.x & 31;
+    const kg_index warps = (kg_index)gridDim.x * (KG_NORM_THREADS / 32);
+    for (kg_index r = (kg_index)blockIdx.x * (KG_NORM_THREADS / 32) + (threadIdx.x >> 5); r < rows;
+         r += warps)
+      kg_layer_norm_backward_row<T>(x, w, dy, dx, stats, r, inner, eps, lane, 32, KgWarpSum<T>{});
+    return;
+  }
+  __shared__ T smem[32];
+  for (kg_index r = blockIdx.x; r < rows; r += gridDim.x)
+    kg_layer_norm_backward_row<T>(x, w, dy, dx, stats, r, inner, eps, threadIdx.x, KG_NORM_THREADS,
+                                  KgBlockSum<T>{smem});
+}
+
+template <class T>
+__device__ __forceinline__ void kg_layer_norm_param_backward(const T* __restrict__ x,
+                                                             const T* __restrict__ dy,
+                                                             const T* __restrict__ stats, T* __restrict__ dw,
+                                                             T* __restrict__ db, long long rows,
+                                                             long long inner) {
+  __shared__ T part_w[KG_NORM_THREADS];
+  __shared__ T part_b[KG_NORM_THREADS];
+  const int groups = KG_NORM_THREADS / KG_LN_COLS;
+  const int lane = threadIdx.x % KG_LN_COLS, group = threadIdx.x / KG_LN_COLS;
+  const kg_index tiles = (inner + KG_LN_COLS - 1) / KG_LN_COLS;
+  for (kg_index t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const kg_index j = t * KG_LN_COLS + lane;
+    T sw = T(0), sb = T(0);
+    if (j < inner)
+      for (kg_index r = group; r < rows; r += groups) {
+        const T g = dy[r * inner + j];
+        sb += g;
+        sw += g * ((x[r * inner + j] - stats[2 * r]) * stats[2 * r + 1]);
+      }
+    part_w[threadIdx.x] = sw;
+    part_b[threadIdx.x] = sb;
+    __syncthreads();
+    for (int s = KG_NORM_THREADS / 2; s >= KG_LN_COLS; s >>= 1) {
+      if ((int)threadIdx.x < s) {
+        part_w[threadIdx.x] += part_w[threadIdx.x + s];
+        part_b[threadIdx.x] += part_b[threadIdx.x + s];
+      }
+      __syncthreads();
+    }
+    if (group == 0 && j < inner) {
+      if (dw) dw[j] = part_w[lane];
+      if (db) db[j] = part_b[lane];
+    }
+    __syncthreads();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
+    kg_layer_norm_backward_f32(const float* __restrict__ x, const float* __restrict__ w,
+                               const float* __restrict__ dy, float* __restrict__ dx,
+                               float* __restrict__ stats, long long rows, long long inner, double eps) {
+  kg_layer_norm_backward<float>(x, w, dy, dx, stats, rows, inner, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
+    kg_layer_norm_backward_f64(const double* __restrict__ x, const double* __restrict__ w,
+                               const double* __restrict__ dy, double* __restrict__ dx,
+                               double* __restrict__ stats, long long rows, long long inner, double eps) {
+  kg_layer_norm_backward<double>(x, w, dy, dx, stats, rows, inner, eps);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
+    kg_layer_norm_param_backward_f32(const float* __restrict__ x, const float* __restrict__ dy,
+                                     const float* __restrict__ stats, float* __restrict__ dw,
+                                     float* __restrict__ db, long long rows, long long inner) {
+  kg_layer_norm_param_backward<float>(x, dy, stats, dw, db, rows, inner);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
+    kg_layer_norm_param_backward_f64(const double* __restrict__ x, const double* __restrict__ dy,
+                                     const double* __restrict__ stats, double* __restrict__ dw,
+                                     double* __restrict__ db, long long rows, long long inner) {
+  kg_layer_norm_param_backward<double>(x, dy, stats, dw, db, rows, inner);
+}
