@@ -55,6 +55,7 @@ struct BackwardTensors {
   std::vector<DeviceTensor> grad_params;  // dLoss/dParam, one per parameter
   DevicePtr scratch = 0;                  // backward_scratch_bytes() bytes
   std::uint64_t seed = 0;                 // the forward's seed (random ops)
+  bool training = true;                   // the forward ran in train mode (Dropout, BatchNorm)
 };
 
 class RuntimeOp {

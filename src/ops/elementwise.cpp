@@ -393,7 +393,7 @@ class DropoutRuntime final : public RuntimeOp {
     v.i64(static_cast<std::int64_t>(t.seed));  // the kernel takes the bits back as unsigned
     v.i64(static_cast<std::int64_t>(std::ldexp(p_, 32)));
     v.f64(1.0 / (1.0 - p_));
-    v.i32(training_ && p_ > 0.0 ? 1 : 0);
+    v.i32(training_ && t.training && p_ > 0.0 ? 1 : 0);
   }
   Dim3 backward_block(int) const override { return {kGpuThreads, 1, 1}; }
   Dim3 backward_grid(int, const BackwardTensors& t) const override {

@@ -85,7 +85,7 @@ class BatchNorm2dRuntime final : public RuntimeOp {
     v.i64(shape.at(0));
     v.i64(c_);
     v.f64(eps_);
-    v.i32(training_ ? 1 : 0);
+    v.i32(training_ && t.training ? 1 : 0);
     v.i32(launch);
     const FastDiv hw = fast_div(shape.at(2) * shape.at(3)), c = fast_div(c_);
     v.bytes(&hw, sizeof hw);

@@ -84,7 +84,7 @@ void LoadedModel::backward() {
   const bool accumulate = !m.grads_fresh;
   std::vector<NodeTime>* prof = m.options.profile ? &m.last_profile : nullptr;
   if (m.cuda) {
-    m.cuda->backward(accumulate, m.last_seed, prof);
+    m.cuda->backward(accumulate, m.last_seed, m.last_training, prof);
   } else {
     m.executor->run_backward(*m.graph, m.plan, m.last_inputs, m.arena.raw(), m.grads, accumulate, m.last_training,
                              m.last_seed, prof);

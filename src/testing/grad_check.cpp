@@ -676,6 +676,7 @@ BackwardTensors GradChecker::backward_tensors(BackwardMemory& mem, const Setup& 
   const std::size_t n_in = s.inputs.size();
   BackwardTensors t;
   t.seed = op_seed_;
+  t.training = o_.training;
   const Tensor y = forward(s, s.inputs, s.params);
   for (std::size_t i = 0; i < n_in; ++i)
     t.inputs.push_back(saves_.inputs ? mem.add(s.inputs[i], util::cat("input ", i), false)

@@ -200,7 +200,8 @@ void add_into(const Tensor& dst_t, const Tensor& src, ThreadPool& pool) {
 // Runs the lowered backward kernels of an op without a CPU backward through the emulator.
 void run_emulated_backward(const Node& n, const std::vector<Tensor>& ins, const std::vector<Tensor>& params,
                            const std::vector<ParamSpec>& specs, const Tensor& out, const Tensor& grad_out,
-                           std::vector<Tensor>& grad_in, std::vector<Tensor>& grad_params, std::uint64_t seed) {
+                           std::vector<Tensor>& grad_in, std::vector<Tensor>& grad_params, std::uint64_t seed,
+                           bool training) {
   const std::string label = n.label();
   std::optional<Lowered> l = n.op->op().lower();
   if (!l || !l->runtime_op || !l->runtime_op->has_backward())
@@ -220,6 +221,7 @@ void run_emulated_backward(const Node& n, const std::vector<Tensor>& ins, const 
   bt.grad_inputs.resize(bt.inputs.size());
   for (const auto& t : grad_params) bt.grad_params.push_back(dev(t));
   bt.seed = seed;
+  bt.training = training;
   Tensor scratch;
   const std::size_t sb = rt.backward_scratch_bytes(bt);
   if (sb > 0) {
@@ -298,7 +300,7 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
         PoolBackwardContext ctx(ins, step.params, out, grad_of(b.node), grad_in, grad_params, training, s, pool());
         n.op->op().cpu_backward(ctx);
       } else {
-        run_emulated_backward(n, ins, step.params, step.specs, out, grad_of(b.node), grad_in, grad_params, s);
+        run_emulated_backward(n, ins, step.params, step.specs, out, grad_of(b.node), grad_in, grad_params, s, training);
       }
     } catch (const Error& e) {
       const std::string what = e.what();

@@ -40,8 +40,8 @@ class GpuExecutor final : public Executor {
   std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::vector<NodeTime>* profile) override;
   void upload_params() override;
   void download_params() override;
-  void backward(bool accumulate_params, std::uint64_t seed, std::vector<NodeTime>* profile) override {
-    trainer().backward(accumulate_params, seed, profile);
+  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile) override {
+    trainer().backward(accumulate_params, seed, training, profile);
   }
   void zero_grad() override { trainer().zero_grad(); }
   void step(const OptimizerOptions& o, std::int64_t step) override { trainer().step(o, step); }

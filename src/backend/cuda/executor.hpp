@@ -30,7 +30,8 @@ class Executor {
 
   // ---- training (plan.training.enabled) ----
   // Runs the backward of the last run (see cpu::Executor::run_backward).
-  virtual void backward(bool accumulate_params, std::uint64_t seed, std::vector<NodeTime>* profile) = 0;
+  virtual void backward(bool accumulate_params, std::uint64_t seed, bool training,
+                        std::vector<NodeTime>* profile) = 0;
   virtual void zero_grad() = 0;
   // One optimiser update at step `step` (1-based); state starts at zero after reset_optimizer.
   virtual void step(const OptimizerOptions& options, std::int64_t step) = 0;

@@ -129,7 +129,7 @@ void Trainer::add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::strin
   launch_1d(add_, n, p, label);
 }
 
-void Trainer::backward(bool accumulate_params, std::uint64_t seed, std::vector<NodeTime>* profile) {
+void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile) {
   ctx_.make_current();
   const runtime::TrainingPlan& tp = plan_.training;
   for (int r : tp.zero_roots)
@@ -153,6 +153,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, std::vector<N
     for (std::size_t p = 0; p < t.grad_params.size(); ++p)
       t.grad_params[p].ptr = accumulate_params ? bw.temp_param_grads[p] : bw.direct_param_grads[p];
     t.seed = seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(b.node);
+    t.training = training;
     try {
       for (std::size_t l = 0; l < bw.fns.size(); ++l) {
         const int li = static_cast<int>(l);

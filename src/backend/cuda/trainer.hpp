@@ -23,7 +23,7 @@ class Trainer {
   Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const runtime::Plan& plan,
           DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params);
 
-  void backward(bool accumulate_params, std::uint64_t seed, std::vector<NodeTime>* profile);
+  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile);
   void zero_grad();
   void reset_optimizer(const OptimizerOptions& options);
   void step(const OptimizerOptions& options, std::int64_t step);
