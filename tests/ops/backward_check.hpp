@@ -241,9 +241,9 @@ inline kg::Tensor numeric_grad(Problem p, const kg::Tensor& dy, std::size_t whic
   return g;
 }
 
+// Checks every wanted gradient of the f64 problem against finite differences, and (when
 // `emulate`) the emulated backward kernels against the CPU backward. The default tolerances leave
 // room for the rounding of central differences (eps 1e-6) over sums of thousands of terms.
-// `emulate`) the emulated backward kernels against the CPU backward.
 inline void check_f64(const Problem& p, bool emulate = true, double rtol = 1e-5, double atol = 1e-7,
                       std::shared_ptr<kg::RuntimeOp> rt = nullptr) {
   std::mt19937_64 rng(p.seed ^ 0x51ED);
