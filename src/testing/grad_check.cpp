@@ -660,12 +660,18 @@ void GradChecker::check_lowered(const Setup& s, Setup& fd) {
       }))
     return;
   check_ptx(s, *lowered);
+  bool emulated_ran = true;
   if (emulate) {
-    if (auto got = run_lowered(s, *lowered, false)) judge_lowered(s, fd, *got, want, false);
+    auto got = run_lowered(s, *lowered, false);
+    emulated_ran = got.has_value();
+    if (got) judge_lowered(s, fd, *got, want, false);
   } else {
     rep_.skip(emu_at, "off (GradCheckOptions::emulate)");
   }
-  if (gpu) {
+  if (gpu && !emulated_ran) {
+    // A kernel that faults on a GPU leaves the CUDA context unusable for the rest of the process.
+    rep_.skip(gpu_at, "not run: the emulated backward failed to run (see above)");
+  } else if (gpu) {
     if (auto got = run_lowered(s, *lowered, true)) judge_lowered(s, fd, *got, want, true);
   } else
     rep_.skip(gpu_at, o_.gpu ? "no usable GPU on this machine" : "off (GradCheckOptions::gpu)");
