@@ -96,4 +96,15 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
   ADD_FAILURE() << "expected a kg::Error";
 }
 
+int count_lines(const kg::testing::CheckOpReport& r, const std::string& prefix, const std::vector<std::string>& parts) {
+  int n = 0;
+  for (const auto& l : r.lines) {
+    if (l.rfind(prefix, 0) != 0) continue;
+    bool all = true;
+    for (const auto& p : parts) all = all && l.find(p) != std::string::npos;
+    n += all;
+  }
+  return n;
+}
+
 }  // namespace kg_test

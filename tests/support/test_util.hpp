@@ -45,6 +45,11 @@ bool all_written(const kg::Tensor& t);
 std::map<std::string, kg::Tensor> fixture(const std::string& name,
                                           std::map<std::string, std::string>* metadata = nullptr);
 
+// The lines of a check_op / check_gradients report that start with `prefix` and contain every
+// one of `parts`.
+int count_lines(const kg::testing::CheckOpReport& r, const std::string& prefix,
+                const std::vector<std::string>& parts = {});
+
 // Runs `fn` and expects a kg::Error whose message contains every string of `parts`.
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts);
 

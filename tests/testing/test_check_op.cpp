@@ -11,22 +11,11 @@
 #include "kg/testing.hpp"
 #include "support/test_util.hpp"
 
+using kg_test::count_lines;
 using kg_test::fresh_seed;
 
 namespace {
 
-// The lines of `r` that start with `prefix` and contain every part.
-int count_lines(const kg::testing::CheckOpReport& r, const std::string& prefix,
-                const std::vector<std::string>& parts = {}) {
-  int n = 0;
-  for (const auto& l : r.lines) {
-    if (l.rfind(prefix, 0) != 0) continue;
-    bool all = true;
-    for (const auto& p : parts) all = all && l.find(p) != std::string::npos;
-    n += all;
-  }
-  return n;
-}
 
 kg::testing::CheckOpOptions options(std::uint64_t seed) {
   kg::testing::CheckOpOptions o;

@@ -7,6 +7,7 @@
 #include "commands.hpp"
 #include "kg/error.hpp"
 #include "train.hpp"
+#include "validators.hpp"
 
 #ifndef KG_VERSION
 #define KG_VERSION "0.1.0"
@@ -26,22 +27,6 @@ std::string trimmed(std::string text) {
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
   return text;
 }
-
-// A whole number >= 1 ("--batch 0" and "--batch two" are usage errors).
-const CLI::Validator positive_integer(
-    [](std::string& value) -> std::string {
-      std::size_t used = 0;
-      long long v = 0;
-      try {
-        v = std::stoll(value, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != value.size() || value.empty() || v < 1)
-        return "expects a whole number >= 1, got '" + value + "'";
-      return {};
-    },
-    "N>=1");
 
 int fail(const std::string& message, int code) {
   std::cerr << "kgraph: error: " << message << "\n";
@@ -73,7 +58,7 @@ int main(int argc, char** argv) {
                                        ->add_option("--batch", inspect_batch,
                                                     "Also load on the CPU for this batch size and print the "
                                                     "concrete output shapes and the memory plan")
-                                       ->check(positive_integer)
+                                       ->check(kgraph_cli::positive_integer)
                                        ->option_text("N");
   inspect
       ->add_option("--dot", ia.dot_path,
@@ -101,7 +86,7 @@ int main(int argc, char** argv) {
   input_opt->excludes(random_opt);
   CLI::Option* run_batch_opt =
       run->add_option("--batch", run_batch, "Batch size (default 1, or the input file's)")
-          ->check(positive_integer)
+          ->check(kgraph_cli::positive_integer)
           ->option_text("N");
   run->add_option("--seed", ra.seed,
                   "Seed of the random input and the default parameter initialisation (default 0)")
@@ -109,7 +94,7 @@ int main(int argc, char** argv) {
   run->add_option("--output", ra.output_path, "Write the outputs to a safetensors file, by output name")
       ->option_text("FILE");
   run->add_option("--runs", ra.runs, "Forward passes to time; the median is printed (default 3)")
-      ->check(positive_integer)
+      ->check(kgraph_cli::positive_integer)
       ->option_text("N");
 
   kgraph::CompileArgs ca;
@@ -120,11 +105,11 @@ int main(int argc, char** argv) {
   compile->add_option("MODEL", ca.model, "Model name (see 'kgraph models')");
   CLI::Option* compile_arch_opt =
       compile->add_option("--arch", compile_arch, "Compute capability: 90 for sm_90 (default: the GPU's)")
-          ->check(positive_integer)
+          ->check(kgraph_cli::positive_integer)
           ->option_text("SM");
   CLI::Option* compile_batch_opt =
       compile->add_option("--batch", compile_batch, "Batch size the launches are packed for (default 1)")
-          ->check(positive_integer)
+          ->check(kgraph_cli::positive_integer)
           ->option_text("N");
   compile->add_flag("--all", ca.all, "Every built-in kernel file instead of a model");
 

@@ -2,6 +2,7 @@
 // seed derived from (seed, epoch), runs zero_grad / forward / backward / step per batch, then
 // evaluates on the test set and writes the logs, the plot and a checkpoint.
 #include "train.hpp"
+#include "validators.hpp"
 
 #include <unistd.h>
 
@@ -331,37 +332,6 @@ class Progress {
   Clock::time_point last_{};
 };
 
-// Positive whole numbers ("0", "-3" and "two" are usage errors).
-const CLI::Validator kPositiveInt(
-    [](std::string& value) -> std::string {
-      std::size_t used = 0;
-      long long v = 0;
-      try {
-        v = std::stoll(value, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != value.size() || value.empty() || v < 1)
-        return "expects a whole number >= 1, got '" + value + "'";
-      return {};
-    },
-    "N>=1");
-
-const CLI::Validator kFiniteNonNegative(
-    [](std::string& value) -> std::string {
-      std::size_t used = 0;
-      double v = -1;
-      try {
-        v = std::stod(value, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != value.size() || value.empty() || !std::isfinite(v) || v < 0)
-        return "expects a finite number >= 0, got '" + value + "'";
-      return {};
-    },
-    "X>=0");
-
 }  // namespace
 
 CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
@@ -383,24 +353,24 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
       ->option_text("NAME");
   t->add_option_function<double>(
        "--lr", [&a](const double& v) { a.lr = v; }, "Learning rate (default 0.002)")
-      ->check(kFiniteNonNegative)
+      ->check(kgraph_cli::finite_non_negative)
       ->check(CLI::PositiveNumber)
       ->option_text("LR");
   t->add_option_function<double>(
        "--weight-decay", [&a](const double& v) { a.weight_decay = v; },
        "Weight decay (default 0.01 for adamw, decoupled; 0 for sgd)")
-      ->check(kFiniteNonNegative)
+      ->check(kgraph_cli::finite_non_negative)
       ->option_text("WD");
   t->add_option_function<double>(
        "--momentum", [&a](const double& v) { a.momentum = v; }, "SGD momentum (default 0)")
       ->check(CLI::Range(0.0, 1.0))
       ->option_text("M");
   t->add_option("--epochs", a.epochs, "Epochs in all, counting those of a resumed checkpoint (default 8)")
-      ->check(kPositiveInt)
+      ->check(kgraph_cli::positive_integer)
       ->option_text("N");
   t->add_option_function<std::int64_t>(
        "--batch-size", [&a](const std::int64_t& v) { a.batch_size = v; }, "Batch size (default 128)")
-      ->check(kPositiveInt)
+      ->check(kgraph_cli::positive_integer)
       ->option_text("N");
   t->add_option_function<std::uint64_t>(
        "--seed", [&a](const std::uint64_t& v) { a.seed = v; },
@@ -420,12 +390,12 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   t->add_option_function<std::int64_t>(
        "--limit-train", [&a](const std::int64_t& v) { a.limit_train = v; },
        "Train on the first N training images only")
-      ->check(kPositiveInt)
+      ->check(kgraph_cli::positive_integer)
       ->option_text("N");
   t->add_option_function<std::int64_t>(
        "--limit-test", [&a](const std::int64_t& v) { a.limit_test = v; },
        "Evaluate on the first N test images only")
-      ->check(kPositiveInt)
+      ->check(kgraph_cli::positive_integer)
       ->option_text("N");
   return t;
 }

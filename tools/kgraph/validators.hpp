@@ -1,0 +1,42 @@
+// Flag validators shared by the kgraph subcommands.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <string>
+
+namespace kgraph_cli {
+
+// A whole number >= 1 ("--batch 0" and "--batch two" are usage errors).
+inline const CLI::Validator positive_integer(
+    [](std::string& value) -> std::string {
+      std::size_t used = 0;
+      long long v = 0;
+      try {
+        v = std::stoll(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != value.size() || value.empty() || v < 1)
+        return "expects a whole number >= 1, got '" + value + "'";
+      return {};
+    },
+    "N>=1");
+
+// A finite number >= 0 ("--lr -1" and "--lr inf" are usage errors).
+inline const CLI::Validator finite_non_negative(
+    [](std::string& value) -> std::string {
+      std::size_t used = 0;
+      double v = -1;
+      try {
+        v = std::stod(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != value.size() || value.empty() || !std::isfinite(v) || v < 0)
+        return "expects a finite number >= 0, got '" + value + "'";
+      return {};
+    },
+    "X>=0");
+
+}  // namespace kgraph_cli
