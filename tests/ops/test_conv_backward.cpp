@@ -19,6 +19,9 @@ using kg_test::fresh_seed;
 
 namespace {
 
+using kg_test::nan_tensor;
+using kg_test::matches;
+
 struct Cfg {
   std::int64_t n, c, h, w, out;
   kg::Size2 kernel, stride = 1, padding = 0, dilation = 1;
@@ -92,26 +95,6 @@ Grads naive_backward(const Cfg& cfg, const kg::Tensor& x, const kg::Tensor& w, c
               }
         }
   return g;
-}
-
-kg::Tensor nan_tensor(kg::DType dtype, std::vector<std::int64_t> shape) {
-  kg::Tensor t = kg::Tensor::empty(dtype, std::move(shape));
-  t.fill(std::numeric_limits<double>::quiet_NaN());
-  return t;
-}
-
-// |got - want| <= atol + rtol * |want| at every element (a NaN, i.e. an element never written,
-// fails).
-::testing::AssertionResult matches(const kg::Tensor& got, const std::vector<double>& want, double rtol,
-                                   double atol) {
-  if (got.numel() != static_cast<std::int64_t>(want.size()))
-    return ::testing::AssertionFailure() << got.numel() << " elements, want " << want.size();
-  for (std::int64_t i = 0; i < got.numel(); ++i) {
-    const double g = got.item(i), r = want[static_cast<std::size_t>(i)];
-    if (!(std::abs(g - r) <= atol + rtol * std::abs(r)))
-      return ::testing::AssertionFailure() << "element " << i << ": got " << g << ", want " << r;
-  }
-  return ::testing::AssertionSuccess();
 }
 
 // Runs the op's CPU backward on f32 tensors with the gradients in `want` (input, weight, bias)

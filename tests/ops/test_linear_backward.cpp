@@ -17,30 +17,15 @@ using kg_test::fresh_seed;
 
 namespace {
 
+using kg_test::nan_tensor;
+using kg_test::matches;
+
 // The nn.linear op recorded on an input of `shape` and `dtype`.
 kg::CustomData linear_op(const std::vector<std::int64_t>& shape, std::int64_t out, bool bias, kg::DType dtype) {
   auto g = kg::Graph::create();
   kg::SymTensor x = g->input(dtype, kg::Shape::of(shape));
   kg::SymTensor y = kg::nn::linear(x, out, "fc", bias);
   return *g->node(y.node()).op;
-}
-
-kg::Tensor nan_tensor(kg::DType dtype, std::vector<std::int64_t> shape) {
-  kg::Tensor t = kg::Tensor::empty(dtype, std::move(shape));
-  t.fill(std::numeric_limits<double>::quiet_NaN());
-  return t;
-}
-
-::testing::AssertionResult matches(const kg::Tensor& got, const std::vector<double>& want, double rtol,
-                                   double atol) {
-  if (got.numel() != static_cast<std::int64_t>(want.size()))
-    return ::testing::AssertionFailure() << got.numel() << " elements, want " << want.size();
-  for (std::int64_t i = 0; i < got.numel(); ++i) {
-    const double g = got.item(i), r = want[static_cast<std::size_t>(i)];
-    if (!(std::abs(g - r) <= atol + rtol * std::abs(r)))
-      return ::testing::AssertionFailure() << "element " << i << ": got " << g << ", want " << r;
-  }
-  return ::testing::AssertionSuccess();
 }
 
 struct Case {

@@ -16,6 +16,8 @@ using kg_test::fresh_seed;
 
 namespace {
 
+using kg_test::matches;
+
 using Sizes = std::vector<std::int64_t>;
 
 kg::CustomData matmul_op(const Sizes& sa, const Sizes& sb, kg::DType dtype) {
@@ -67,18 +69,6 @@ std::pair<std::vector<double>, std::vector<double>> naive_backward(const kg::Ten
       }
   }
   return {da, db};
-}
-
-::testing::AssertionResult matches(const kg::Tensor& got, const std::vector<double>& want, double rtol,
-                                   double atol) {
-  if (got.numel() != static_cast<std::int64_t>(want.size()))
-    return ::testing::AssertionFailure() << got.numel() << " elements, want " << want.size();
-  for (std::int64_t i = 0; i < got.numel(); ++i) {
-    const double g = got.item(i), r = want[static_cast<std::size_t>(i)];
-    if (!(std::abs(g - r) <= atol + rtol * std::abs(r)))
-      return ::testing::AssertionFailure() << "element " << i << ": got " << g << ", want " << r;
-  }
-  return ::testing::AssertionSuccess();
 }
 
 // Runs the CPU backward with the wanted gradients NaN-poisoned and compares with the reference.

@@ -1,6 +1,7 @@
 #include "support/test_util.hpp"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 namespace kg_test {
@@ -105,6 +106,24 @@ int count_lines(const kg::testing::CheckOpReport& r, const std::string& prefix, 
     n += all;
   }
   return n;
+}
+
+kg::Tensor nan_tensor(kg::DType dtype, std::vector<std::int64_t> shape) {
+  kg::Tensor t = kg::Tensor::empty(dtype, std::move(shape));
+  t.fill(std::numeric_limits<double>::quiet_NaN());
+  return t;
+}
+
+::testing::AssertionResult matches(const kg::Tensor& got, const std::vector<double>& want, double rtol,
+                                   double atol) {
+  if (got.numel() != static_cast<std::int64_t>(want.size()))
+    return ::testing::AssertionFailure() << got.numel() << " elements, want " << want.size();
+  for (std::int64_t i = 0; i < got.numel(); ++i) {
+    const double g = got.item(i), r = want[static_cast<std::size_t>(i)];
+    if (!(std::abs(g - r) <= atol + rtol * std::abs(r)))
+      return ::testing::AssertionFailure() << "element " << i << ": got " << g << ", want " << r;
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace kg_test

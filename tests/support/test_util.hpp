@@ -38,6 +38,14 @@ kg::Tensor run_op(const std::function<kg::SymTensor(const kg::SymTensor&)>& buil
 ::testing::AssertionResult all_close(const kg::Tensor& got, const kg::Tensor& want, double rtol = 1e-5,
                                      double atol = 1e-6);
 
+// A tensor of NaN: a gradient or output buffer whose unwritten elements show.
+kg::Tensor nan_tensor(kg::DType dtype, std::vector<std::int64_t> shape);
+
+// |got - want| <= atol + rtol * |want| at every element, against a reference in double (a NaN,
+// i.e. an element never written, fails).
+::testing::AssertionResult matches(const kg::Tensor& got, const std::vector<double>& want, double rtol,
+                                   double atol);
+
 // True when no element is NaN.
 bool all_written(const kg::Tensor& t);
 
