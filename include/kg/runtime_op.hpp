@@ -65,10 +65,6 @@ class RuntimeOp {
   // ---- what every op writes ----
   // How many of the node's inputs are activations (the rest are not passed).
   virtual int n_activation_inputs() const = 0;
-  // Concrete shapes of the op's parameters (uploaded once at load).
-  virtual std::vector<std::vector<std::int64_t>> param_shapes(
-      const std::vector<std::vector<std::int64_t>>& input_shapes,
-      const std::vector<std::int64_t>& output_shape) const = 0;
   // Packs the kernel arguments of launch 0.
   virtual void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
                          const DeviceTensor& output, const std::vector<std::int64_t>& output_shape,
@@ -77,6 +73,10 @@ class RuntimeOp {
   virtual Dim3 grid(const std::vector<std::int64_t>& output_shape) const = 0;
 
   // ---- defaults, right for a single-launch inference op ----
+  // Concrete shapes of the op's parameters, uploaded once at load (default: none).
+  virtual std::vector<std::vector<std::int64_t>> param_shapes(
+      const std::vector<std::vector<std::int64_t>>& input_shapes,
+      const std::vector<std::int64_t>& output_shape) const;
   // Parameter names (default "param0", "param1", ...); the node's name is prefixed.
   virtual std::vector<std::string> param_names() const;
   // Parameter dtype (default f32).

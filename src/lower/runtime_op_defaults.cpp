@@ -5,6 +5,10 @@
 
 namespace kg {
 
+std::vector<std::vector<std::int64_t>> RuntimeOp::param_shapes(const std::vector<std::vector<std::int64_t>>&,
+                                                               const std::vector<std::int64_t>&) const {
+  return {};
+}
 std::vector<std::string> RuntimeOp::param_names() const { return {}; }
 DType RuntimeOp::param_dtype(int) const { return DType::F32; }
 std::optional<std::vector<std::byte>> RuntimeOp::param_init_data(int) const { return std::nullopt; }

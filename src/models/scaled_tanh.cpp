@@ -63,10 +63,6 @@ class ScaledTanhRuntime final : public RuntimeOp {
   ScaledTanhRuntime(DType dtype, double a, double s) : dtype_(dtype), a_(a), s_(s) {}
 
   int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {

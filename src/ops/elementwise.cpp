@@ -71,10 +71,6 @@ class MapRuntime final : public RuntimeOp {
   MapRuntime(DType dtype, std::optional<double> scalar, std::optional<MapBackward> backward = std::nullopt)
       : dtype_(dtype), scalar_(scalar), backward_(std::move(backward)) {}
   int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {
@@ -185,10 +181,6 @@ class BroadcastRuntime final : public RuntimeOp {
   BroadcastRuntime(DType dtype, const char* op_name, std::string backward_entry)
       : dtype_(dtype), op_name_(op_name), backward_entry_(std::move(backward_entry)) {}
   int n_activation_inputs() const override { return 2; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {
@@ -368,10 +360,6 @@ class DropoutRuntime final : public RuntimeOp {
  public:
   DropoutRuntime(double p, DType dtype, bool training) : p_(p), dtype_(dtype), training_(training) {}
   int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {

@@ -31,10 +31,6 @@ class CrossEntropyRuntime final : public RuntimeOp {
  public:
   CrossEntropyRuntime(DType dtype, DType label_dtype) : dtype_(dtype), label_dtype_(label_dtype) {}
   int n_activation_inputs() const override { return 2; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>&, std::int64_t,
                  ArgVisitor& v) const override {
@@ -182,10 +178,6 @@ class MseRuntime final : public RuntimeOp {
  public:
   explicit MseRuntime(DType dtype) : dtype_(dtype) {}
   int n_activation_inputs() const override { return 2; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>&, std::int64_t,
                  ArgVisitor& v) const override {

@@ -179,10 +179,6 @@ class MatmulRuntime final : public RuntimeOp {
   MatmulRuntime(std::size_t rank_a, std::size_t rank_b, DType dtype)
       : rank_a_(rank_a), rank_b_(rank_b), dtype_(dtype) {}
   int n_activation_inputs() const override { return 2; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
 
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& out_shape, std::int64_t,

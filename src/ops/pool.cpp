@@ -148,10 +148,6 @@ class PoolRuntime final : public RuntimeOp {
       : kind_(kind), w_(w), count_include_pad_(count_include_pad), stem_(std::move(stem)), dtype_(dtype) {}
 
   int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {

@@ -337,10 +337,6 @@ class PermuteRuntime final : public RuntimeOp {
  public:
   explicit PermuteRuntime(PermuteOp op) : op_(std::move(op)) {}
   int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {
@@ -478,10 +474,6 @@ class ConcatRuntime final : public RuntimeOp {
   ConcatRuntime(std::int64_t dim, std::size_t n_inputs, DType dtype)
       : dim_(dim), n_inputs_(n_inputs), dtype_(dtype) {}
   int n_activation_inputs() const override { return static_cast<int>(n_inputs_); }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   int n_launches(const std::vector<std::int64_t>&) const override {
     return static_cast<int>((n_inputs_ + kConcatMax - 1) / kConcatMax);
   }
@@ -689,10 +681,6 @@ class SliceRuntime final : public RuntimeOp {
   SliceRuntime(std::int64_t dim, std::int64_t start, std::int64_t step, DType dtype)
       : dim_(dim), start_(start), step_(step), dtype_(dtype) {}
   int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {

@@ -40,10 +40,6 @@ class SoftmaxRuntime final : public RuntimeOp {
   SoftmaxRuntime(std::int64_t dim, std::string backward_entry)
       : dim_(dim), backward_entry_(std::move(backward_entry)) {}
   int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
   void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
                  const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
                  ArgVisitor& v) const override {
