@@ -21,8 +21,10 @@ test: build
 
 # Trains LeNet-5 with LeCun's scaled tanh (a custom op) on Fashion-MNIST, on the GPU when there is
 # one; logs, plot and checkpoints go to runs/<model>-<time>/. Extra flags: make demo DEMO_ARGS="--epochs 2".
+# Builds only the tool it runs.
 DEMO_ARGS ?=
-demo: build
+demo: deps configure
+	cmake --build $(BUILD) -j $(JOBS) --target kgraph
 	$(BUILD)/kgraph train --device auto $(DEMO_ARGS)
 
 bench: build

@@ -58,6 +58,13 @@ struct BackwardTensors {
   bool training = true;                   // the forward ran in train mode (Dropout, BatchNorm)
 };
 
+// What may change from one run of a loaded model to the next: the mode, and a seed that differs
+// per run and per node (the one the CPU implementation and the backward get).
+struct RunInfo {
+  bool training = false;
+  std::uint64_t seed = 0;
+};
+
 class RuntimeOp {
  public:
   virtual ~RuntimeOp() = default;
@@ -106,9 +113,21 @@ class RuntimeOp {
   virtual std::optional<std::vector<std::int64_t>> compute_concrete_output_shape(
       const std::vector<std::vector<std::int64_t>>& input_shapes) const;
 
-  // False when the kernels only implement inference behaviour (BatchNorm with running
-  // statistics, Dropout as identity): a train-mode run on a GPU is then an error naming the op.
+  // False when the kernels only implement inference behaviour: a train-mode run on a GPU is
+  // then an error naming the op.
   virtual bool supports_train_mode() const;
+
+  // ---- launches that depend on the run (Dropout's mask, BatchNorm's batch statistics) ----
+  // True when the launches differ with RunInfo (default false: they are packed once at load).
+  // The runtime then sizes and packs them again on each run through the methods below, whose
+  // defaults are the mode-independent ones above.
+  virtual bool depends_on_run() const;
+  virtual int n_launches_for_run(const RunInfo& run, const std::vector<std::int64_t>& output_shape) const;
+  virtual Dim3 grid_for_run(const RunInfo& run, int launch, const std::vector<std::int64_t>& output_shape) const;
+  virtual void pack_args_for_run(const RunInfo& run, int launch, const std::vector<DeviceTensor>& inputs,
+                                 const std::vector<DeviceTensor>& params, const DeviceTensor& output,
+                                 const std::vector<std::int64_t>& output_shape, std::int64_t output_row_stride,
+                                 DevicePtr scratch, ArgVisitor& visitor) const;
 
   // ---- backward (training): kernels from CustomOp::lower_backward_source() ----
   // True when the op has backward launches (default false: training through this op on a

@@ -185,8 +185,8 @@ void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lower
       const compile::PtxEntry& entry = resolve_entry(entries, e.entry_point, sl.label);
       sl.ptx = compiled.ptx;
       sl.entry = entry.name;
-      const auto names =
-          compile::kernel_param_names(e.source, e.entry_point.empty() ? entry.name : e.entry_point);
+      sl.entry_info = entry;
+      sl.arg_names = compile::kernel_param_names(e.source, e.entry_point.empty() ? entry.name : e.entry_point);
 
       std::vector<DeviceTensor> ins;
       for (int in : n.inputs) {
@@ -198,28 +198,44 @@ void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lower
       const auto& paddr = params.at(si);
       for (std::size_t i = 0; i < step.specs.size(); ++i)
         prm.push_back({paddr.at(i), step.specs[i].shape, step.specs[i].dtype});
-      const DeviceTensor out{value_address(plan, e.node, arena, inputs), out_val.shape, out_val.dtype};
-      const DevicePtr scratch = sl.scratch_bytes ? arena + sl.scratch_offset : 0;
-      const int nl = rt.n_launches(out_val.shape);
-      if (nl < 1) throw Error(util::cat(sl.label, " n_launches is ", nl));
-      sl.launches.clear();
-      for (int l = 0; l < nl; ++l) {
-        LaunchSpec L;
-        L.grid = rt.grid_for_launch(l, out_val.shape);
-        L.block = rt.block_for_launch(l);
-        L.shared = rt.dynamic_shared_bytes(out_val.shape);
-        check_grid(L.grid, out_val.shape, sl.label, l);
-        check_block(entry, L.block, sl.label, l);
-        rt.pack_args_for_launch(l, ins, prm, out, out_val.shape,
-                                lp.row_stride[static_cast<std::size_t>(e.node)], scratch, L.args);
-        check_args(entry, L.args, names, sl.label, l);
-        sl.launches.push_back(std::move(L));
-      }
+      sl.runtime_op = e.runtime_op;
+      sl.depends_on_run = rt.depends_on_run();
+      sl.inputs = std::move(ins);
+      sl.params = std::move(prm);
+      sl.output = {value_address(plan, e.node, arena, inputs), out_val.shape, out_val.dtype};
+      sl.scratch = sl.scratch_bytes ? arena + sl.scratch_offset : 0;
+      sl.row_stride = lp.row_stride[static_cast<std::size_t>(e.node)];
+      pack_step(sl, RunInfo{});
     } catch (const Error& err) {
       throw labelled(sl.label, err);
     } catch (const std::exception& err) {
       throw Error(sl.label + " RuntimeOp failed: " + err.what());
     }
+  }
+}
+
+void pack_step(StepLaunches& sl, const RunInfo& run) {
+  const RuntimeOp& rt = *sl.runtime_op;
+  const auto& shape = sl.output.shape;
+  try {
+    const int nl = rt.n_launches_for_run(run, shape);
+    if (nl < 1) throw Error(util::cat(sl.label, " n_launches is ", nl));
+    sl.launches.clear();
+    for (int l = 0; l < nl; ++l) {
+      LaunchSpec L;
+      L.grid = rt.grid_for_run(run, l, shape);
+      L.block = rt.block_for_launch(l);
+      L.shared = rt.dynamic_shared_bytes(shape);
+      check_grid(L.grid, shape, sl.label, l);
+      check_block(sl.entry_info, L.block, sl.label, l);
+      rt.pack_args_for_run(run, l, sl.inputs, sl.params, sl.output, shape, sl.row_stride, sl.scratch, L.args);
+      check_args(sl.entry_info, L.args, sl.arg_names, sl.label, l);
+      sl.launches.push_back(std::move(L));
+    }
+  } catch (const Error& err) {
+    throw labelled(sl.label, err);
+  } catch (const std::exception& err) {
+    throw Error(sl.label + " RuntimeOp failed: " + err.what());
   }
 }
 

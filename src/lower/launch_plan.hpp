@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -33,6 +34,15 @@ struct StepLaunches {
   std::size_t scratch_bytes = 0;
   std::size_t scratch_offset = 0;  // in the arena
   std::vector<LaunchSpec> launches;
+  // What packing needs again for a RuntimeOp whose launches depend on the run.
+  std::shared_ptr<RuntimeOp> runtime_op;
+  bool depends_on_run = false;
+  compile::PtxEntry entry_info;
+  std::vector<std::string> arg_names;
+  std::vector<DeviceTensor> inputs, params;
+  DeviceTensor output;
+  DevicePtr scratch = 0;
+  std::int64_t row_stride = 0;
 };
 
 struct LaunchPlan {
@@ -69,6 +79,10 @@ LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtim
 void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan,
                    int arch, DevicePtr arena, const std::vector<DevicePtr>& inputs,
                    const std::vector<std::vector<DevicePtr>>& params);
+
+// Sizes and packs the launches of one step (already through pack_launches) for `run`, with the
+// same checks: grids, blocks and arguments against the PTX.
+void pack_step(StepLaunches& sl, const RunInfo& run);
 
 // The address of a node's output for the given arena and input addresses.
 DevicePtr value_address(const runtime::Plan& plan, int node, DevicePtr arena,

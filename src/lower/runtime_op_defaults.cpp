@@ -37,6 +37,19 @@ std::optional<std::vector<std::int64_t>> RuntimeOp::compute_concrete_output_shap
 }
 
 bool RuntimeOp::supports_train_mode() const { return true; }
+bool RuntimeOp::depends_on_run() const { return false; }
+int RuntimeOp::n_launches_for_run(const RunInfo&, const std::vector<std::int64_t>& output_shape) const {
+  return n_launches(output_shape);
+}
+Dim3 RuntimeOp::grid_for_run(const RunInfo&, int launch, const std::vector<std::int64_t>& output_shape) const {
+  return grid_for_launch(launch, output_shape);
+}
+void RuntimeOp::pack_args_for_run(const RunInfo&, int launch, const std::vector<DeviceTensor>& inputs,
+                                  const std::vector<DeviceTensor>& params, const DeviceTensor& output,
+                                  const std::vector<std::int64_t>& output_shape, std::int64_t output_row_stride,
+                                  DevicePtr scratch, ArgVisitor& visitor) const {
+  pack_args_for_launch(launch, inputs, params, output, output_shape, output_row_stride, scratch, visitor);
+}
 bool RuntimeOp::has_backward() const { return false; }
 int RuntimeOp::n_backward_launches(const BackwardTensors&) const { return 1; }
 std::string RuntimeOp::backward_entry_point(int) const { return {}; }

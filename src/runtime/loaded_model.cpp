@@ -54,7 +54,7 @@ std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
   m.last_seed = m.options.seed + m.runs;
   m.last_training = m.training;
   if (m.cuda) {
-    auto outs = m.cuda->run(inputs, m.training, m.options.profile ? &m.last_profile : nullptr);
+    auto outs = m.cuda->run(inputs, m.training, m.last_seed, m.options.profile ? &m.last_profile : nullptr);
     m.forward_ready = m.plan.training.enabled;
     return outs;
   }

@@ -10,6 +10,12 @@
 
 namespace kg::runtime {
 
+// The seed an op node gets in the run seeded `seed`: its CPU forward and backward, its
+// run-dependent launches and its backward launches all see this one.
+inline std::uint64_t node_seed(std::uint64_t seed, int node) {
+  return seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(node);
+}
+
 // Where a node's output lives.
 struct Value {
   std::vector<std::int64_t> shape;

@@ -93,7 +93,7 @@ std::shared_ptr<Executor::EmulatedNode> prepare(const Node& n, const runtime::St
 
 // Packs and runs every launch of the node's kernel on the emulator, with host addresses.
 void run_emulated(Executor::EmulatedNode& e, const Node& n, const runtime::Step& step,
-                  const std::vector<Tensor>& ins, Tensor& out) {
+                  const std::vector<Tensor>& ins, Tensor& out, const RunInfo& run) {
   const std::string label = n.label();
   const RuntimeOp& rt = *e.lowered.runtime_op;
   const auto& out_shape = out.shape();
@@ -110,14 +110,14 @@ void run_emulated(Executor::EmulatedNode& e, const Node& n, const runtime::Step&
   const DeviceTensor dout{host_address(target), out_shape, out.dtype()};
   const DevicePtr scratch = e.scratch.numel() > 0 ? host_address(e.scratch) : 0;
 
-  const int nl = rt.n_launches(out_shape);
+  const int nl = rt.n_launches_for_run(run, out_shape);
   if (nl < 1) throw Error(util::cat(label, " n_launches is ", nl));
   for (int i = 0; i < nl; ++i) {
-    const Dim3 grid = rt.grid_for_launch(i, out_shape), block = rt.block_for_launch(i);
+    const Dim3 grid = rt.grid_for_run(run, i, out_shape), block = rt.block_for_launch(i);
     const std::size_t shared = rt.dynamic_shared_bytes(out_shape);
     lower::check_grid(grid, out_shape, label, i);
     lower::ArgPack pack;
-    rt.pack_args_for_launch(i, dins, dparams, dout, out_shape, e.row_stride, scratch, pack);
+    rt.pack_args_for_run(run, i, dins, dparams, dout, out_shape, e.row_stride, scratch, pack);
     if (!e.launched) {
       emu::LaunchOptions o;
       o.label = label;
@@ -244,10 +244,6 @@ void run_emulated_backward(const Node& n, const std::vector<Tensor>& ins, const 
 
 }  // namespace
 
-std::uint64_t Executor::node_seed(std::uint64_t seed, int node) {
-  return seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(node);
-}
-
 void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
                             std::vector<std::vector<Tensor>>& param_grads, bool accumulate_params, bool training,
                             std::uint64_t seed, std::vector<NodeTime>* profile) {
@@ -294,7 +290,7 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
       else
         grad_params.push_back(pg[p]);
     }
-    const std::uint64_t s = node_seed(seed, b.node);
+    const std::uint64_t s = runtime::node_seed(seed, b.node);
     try {
       if (n.op->op().has_cpu_backward()) {
         PoolBackwardContext ctx(ins, step.params, out, grad_of(b.node), grad_in, grad_params, training, s, pool());
@@ -346,7 +342,7 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
     auto emulated = emulated_.find(step.node);
     bool emulate = emulated != emulated_.end();
     if (!emulate) {
-      PoolContext ctx(ins, step.params, out, training, node_seed(seed, step.node), pool());
+      PoolContext ctx(ins, step.params, out, training, runtime::node_seed(seed, step.node), pool());
       try {
         n.op->op().cpu_forward(ctx);
       } catch (const NoCpuImplementation&) {
@@ -361,7 +357,8 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
       try {
         if (emulated == emulated_.end())
           emulated = emulated_.emplace(step.node, prepare(n, step, ins, out)).first;
-        run_emulated(*emulated->second, n, step, ins, out);
+        run_emulated(*emulated->second, n, step, ins, out,
+                     RunInfo{training, training ? runtime::node_seed(seed, step.node) : 0});
       } catch (const Error& e) {
         const std::string what = e.what();
         throw Error(what.rfind(n.label(), 0) == 0 ? what : n.label() + " " + what);

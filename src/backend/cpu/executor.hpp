@@ -28,8 +28,6 @@ class Executor {
   void run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
                     std::vector<std::vector<Tensor>>& param_grads, bool accumulate_params, bool training,
                     std::uint64_t seed, std::vector<NodeTime>* profile);
-  // The seed an op node gets for the run seeded `seed` (forward and backward alike).
-  static std::uint64_t node_seed(std::uint64_t seed, int node);
   // The tensor of a node's output (a view into the arena or an input).
   static Tensor value_tensor(const runtime::Plan& plan, int node, const std::vector<Tensor>& inputs,
                              void* arena);

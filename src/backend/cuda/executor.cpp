@@ -37,7 +37,8 @@ class GpuExecutor final : public Executor {
   GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, runtime::Plan& plan,
               const LoadOptions& options);
   ~GpuExecutor() override;
-  std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::vector<NodeTime>* profile) override;
+  std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
+                          std::vector<NodeTime>* profile) override;
   void upload_params() override;
   void download_params() override;
   void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile) override {
@@ -59,6 +60,8 @@ class GpuExecutor final : public Executor {
   };
   DevicePtr value_ptr(int node) const;
   void launch_all();
+  // Packs the launches that depend on the run again; true when any was.
+  bool repack_for_run(bool training, std::uint64_t seed);
   Trainer& trainer() {
     if (!trainer_) throw Error("cuda: the model has no training plan");
     return *trainer_;
@@ -76,6 +79,8 @@ class GpuExecutor final : public Executor {
   CUgraph graph_handle_ = nullptr;
   CUgraphExec graph_exec_ = nullptr;
   std::vector<std::string> eval_only_;  // labels of ops whose kernels have no train mode
+  bool any_run_dependent_ = false;
+  bool packed_training_ = false;        // the mode the run-dependent launches are packed for
   std::unique_ptr<Trainer> trainer_;
 };
 
@@ -114,6 +119,7 @@ GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGra
   steps_ = std::move(ordered);
   for (const auto& e : lowered.executables)
     if (!e.view && !e.runtime_op->supports_train_mode()) eval_only_.push_back(graph.node(e.node).label());
+  for (const auto& sl : lp_.steps) any_run_dependent_ = any_run_dependent_ || sl.depends_on_run;
   if (plan.training.enabled)
     trainer_ = std::make_unique<Trainer>(ctx_, graph, lowered, plan, arena_.ptr(), input_ptrs_, param_ptrs);
 }
@@ -136,12 +142,33 @@ void GpuExecutor::launch_all() {
   }
 }
 
-std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool training, std::vector<NodeTime>* profile) {
+bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {
+  if (!any_run_dependent_ || (!training && !packed_training_)) return false;
+  for (std::size_t i = 0; i < steps_.size(); ++i) {
+    auto& sl = lp_.steps[i];
+    if (!sl.depends_on_run) continue;
+    // Eval-mode launches take no seed, so they stay the same from run to run (and in a CUDA graph).
+    lower::pack_step(sl, RunInfo{training, training ? runtime::node_seed(seed, sl.node) : 0});
+    steps_[i].kparams.clear();
+    for (auto& L : sl.launches) steps_[i].kparams.push_back(L.args.kernel_params());
+  }
+  packed_training_ = training;
+  return true;
+}
+
+std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
+                                     std::vector<NodeTime>* profile) {
   if (training && !eval_only_.empty())
     throw Error(eval_only_.front() + " cuda: this op's kernels implement inference behaviour only; a train-mode run "
                                      "(set_training(true)) needs it on the cpu device");
   ctx_.make_current();
   const Driver& d = ctx_.driver();
+  if (repack_for_run(training, seed) && graph_exec_) {  // the captured graph holds the old arguments
+    d.cuGraphExecDestroy(graph_exec_);
+    d.cuGraphDestroy(graph_handle_);
+    graph_exec_ = nullptr;
+    graph_handle_ = nullptr;
+  }
   for (std::size_t k = 0; k < inputs.size(); ++k) ctx_.upload_async(inputs_[k].ptr(), inputs[k].raw(), inputs[k].nbytes());
   if (options_.poison_buffers) ctx_.fill_bytes_async(arena_.ptr(), 0xFF, arena_.bytes());
   if (profile) {
@@ -158,7 +185,7 @@ std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool tra
       profile->push_back({n.name, n.op_name(),
                           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
     }
-  } else if (options_.cuda_graph) {
+  } else if (options_.cuda_graph && !(training && any_run_dependent_)) {
     if (!graph_exec_) {
       d.check(d.cuStreamBeginCapture(ctx_.stream(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
       try {

@@ -21,7 +21,8 @@ class Executor {
  public:
   virtual ~Executor() = default;
   // Uploads inputs, runs every step, downloads the outputs.
-  virtual std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training,
+  // `seed` is the run's (see runtime::node_seed).
+  virtual std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
                                   std::vector<NodeTime>* profile) = 0;
   // Copies host parameter values (plan.steps[].params) to the device.
   virtual void upload_params() = 0;

@@ -152,7 +152,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
     BackwardTensors& t = bw.tensors;
     for (std::size_t p = 0; p < t.grad_params.size(); ++p)
       t.grad_params[p].ptr = accumulate_params ? bw.temp_param_grads[p] : bw.direct_param_grads[p];
-    t.seed = seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(b.node);
+    t.seed = runtime::node_seed(seed, b.node);
     t.training = training;
     try {
       for (std::size_t l = 0; l < bw.fns.size(); ++l) {
