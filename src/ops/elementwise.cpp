@@ -353,24 +353,32 @@ void dropout_range(const T* x, T* y, std::int64_t b, std::int64_t e, std::uint64
   }
 }
 
-// nn.dropout on the GPU. Forward: the inference copy, kernel(x, y, n). Backward:
+// nn.dropout on the GPU. Forward: kernel(x, y, n, seed, threshold, scale, training), one entry
+// for both modes: in a train-mode run (packed per run, RunInfo) the mask drawn from the run's
+// seed, the one cpu_forward draws from ctx.seed; otherwise a copy. Backward:
 // kg_dropout_backward(dy, dx, n, seed, threshold, scale, training), the forward's mask drawn again
 // from BackwardTensors::seed when `training`.
 class DropoutRuntime final : public RuntimeOp {
  public:
   DropoutRuntime(double p, DType dtype, bool training) : p_(p), dtype_(dtype), training_(training) {}
   int n_activation_inputs() const override { return 1; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+  // Inference: the copy.
+  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
+                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t stride,
                  ArgVisitor& v) const override {
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
-    v.i64(numel_of(shape));
+    pack(RunInfo{}, inputs, params, output, shape, stride, v);
   }
   Dim3 block() const override { return {kGpuThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
-  // The forward kernel is the inference copy.
-  bool supports_train_mode() const override { return p_ == 0.0; }
+
+  bool supports_train_mode() const override { return true; }
+  bool depends_on_run() const override { return true; }
+  void pack_args_for_run(const RunInfo& run, int, const std::vector<DeviceTensor>& inputs,
+                         const std::vector<DeviceTensor>& params, const DeviceTensor& output,
+                         const std::vector<std::int64_t>& shape, std::int64_t stride, DevicePtr,
+                         ArgVisitor& v) const override {
+    pack(run, inputs, params, output, shape, stride, v);
+  }
 
   bool has_backward() const override { return true; }
   std::string backward_entry_point(int) const override { return entry_for("kg_dropout_backward", dtype_); }
@@ -389,6 +397,17 @@ class DropoutRuntime final : public RuntimeOp {
   }
 
  private:
+  void pack(const RunInfo& run, const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
+            const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
+            ArgVisitor& v) const {
+    v.pointer(inputs[0].ptr);
+    v.pointer(output.ptr);
+    v.i64(numel_of(shape));
+    v.i64(static_cast<std::int64_t>(run.seed));  // the kernel takes the bits back as unsigned
+    v.i64(static_cast<std::int64_t>(std::ldexp(p_, 32)));
+    v.f64(1.0 / (1.0 - p_));
+    v.i32(run.training && p_ > 0.0 ? 1 : 0);
+  }
   double p_;
   DType dtype_;
   bool training_;
@@ -406,15 +425,18 @@ class DropoutOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  // The GPU forward is inference dropout, a copy (lower() has no mode, so its RuntimeOp says it
-  // does not support train mode). elementwise.cuh has the training forward too
-  // (kg_dropout_train_entry, the CPU's mask) for when lowering gets a mode. BackwardTensors has
-  // no mode either: the backward kernel is built for training, drawing that same mask.
+  // One GPU entry for both modes, selected per run by its `training` argument (DropoutRuntime).
+  // BackwardTensors has no mode of its own: the backward kernel is built for training and
+  // follows BackwardTensors::training.
   std::optional<Lowered> lower() const override {
-    Lowered l = map_lowering(name(), entry_for("kg_dropout", dtype_), dtype_, "kg_dropout_entry", nullptr,
-                             std::nullopt);
-    l.runtime_op = dropout_runtime(p_, dtype_, true);
-    return l;
+    const char* t = c_type(dtype_);
+    const std::string entry = entry_for("kg_dropout", dtype_);
+    const std::string params = util::cat("const ", t, "* __restrict__ x, ", t,
+                                         "* __restrict__ y, long long n, long long seed, "
+                                         "long long threshold, double scale, int training");
+    return Lowered{name(),
+                   entry_source(entry, params, "kg_dropout_entry(x, y, n, seed, threshold, scale, training)"),
+                   entry, dropout_runtime(p_, dtype_, true)};
   }
   std::string lower_backward_source() const override {
     const char* t = c_type(dtype_);

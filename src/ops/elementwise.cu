@@ -1,5 +1,6 @@
-// The elementwise op family on the GPU: activations, dropout (inference: a copy), tensor ⊙ tensor
-// with numpy broadcasting, and tensor ⊙ scalar. The device code is elementwise.cuh.
+// The elementwise op family on the GPU: activations, dropout (a mask in training, a copy in
+// inference), tensor ⊙ tensor with numpy broadcasting, and tensor ⊙ scalar. The device code is
+// elementwise.cuh.
 //
 // Each op's kernel source is this file, with KG_EW_ONE_ENTRY defined, followed by its one entry
 // (kg_<op>_f32 or kg_<op>_f64) calling one of the entry bodies of elementwise.cuh:
@@ -40,11 +41,13 @@ KG_EW_MAP_ENTRIES(kg_gelu_tanh, kg_unary_entry<KG_GELU_TANH>)
 KG_EW_MAP_ENTRIES(kg_sigmoid, kg_unary_entry<KG_SIGMOID>)
 KG_EW_MAP_ENTRIES(kg_tanh, kg_unary_entry<KG_TANH>)
 
-KG_EW_ENTRY kg_dropout_f32(const float* __restrict__ x, float* __restrict__ y, long long n) {
-  kg_dropout_entry(x, y, n);
+KG_EW_ENTRY kg_dropout_f32(const float* __restrict__ x, float* __restrict__ y, long long n, long long seed,
+                           long long threshold, double scale, int training) {
+  kg_dropout_entry(x, y, n, seed, threshold, scale, training);
 }
-KG_EW_ENTRY kg_dropout_f64(const double* __restrict__ x, double* __restrict__ y, long long n) {
-  kg_dropout_entry(x, y, n);
+KG_EW_ENTRY kg_dropout_f64(const double* __restrict__ x, double* __restrict__ y, long long n, long long seed,
+                           long long threshold, double scale, int training) {
+  kg_dropout_entry(x, y, n, seed, threshold, scale, training);
 }
 
 #define KG_EW_SCALAR_BODY(F, Reversed) kg_scalar_entry<F, Reversed>

@@ -468,10 +468,17 @@ __device__ __forceinline__ void kg_unary_entry(const T* __restrict__ x, T* __res
   kg_map1(x, y, n, KgUnary<F, T>{(T)param});
 }
 
-// Dropout in inference: the identity.
+// Dropout, one entry for both modes: in training (`training` nonzero) the mask drawn from the
+// run's seed, kept elements scaled by 1 / (1 - p) (threshold = p * 2^32, scale = 1 / (1 - p));
+// in inference the identity.
 template <class T>
-__device__ __forceinline__ void kg_dropout_entry(const T* __restrict__ x, T* __restrict__ y, long long n) {
-  kg_map1(x, y, n, KgCopy<T>{});
+__device__ __forceinline__ void kg_dropout_entry(const T* __restrict__ x, T* __restrict__ y, long long n,
+                                                 long long seed, long long threshold, double scale,
+                                                 int training) {
+  if (training)
+    kg_dropout_mask(x, y, n, (unsigned long long)seed, (unsigned long long)threshold, (T)scale);
+  else
+    kg_map1(x, y, n, KgCopy<T>{});
 }
 
 // x ⊙ s, or s ⊙ x when Reversed (rsub, rdiv). The scalar is rounded to T first, as on the CPU.
@@ -488,7 +495,7 @@ __device__ __forceinline__ void kg_binary_entry(const T* __restrict__ a, const T
   kg_binary<F>(a, b, y, n, bc);
 }
 
-// Dropout in training: the mask drawn from the run's seed, kept elements scaled by 1 / (1 - p).
+// Dropout in training only (kg_dropout_entry with training set).
 template <class T>
 __device__ __forceinline__ void kg_dropout_train_entry(const T* __restrict__ x, T* __restrict__ y,
                                                        long long n, long long seed, long long threshold,

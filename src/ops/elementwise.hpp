@@ -246,10 +246,11 @@ std::optional<UnarySpec> unary_spec(const CustomOp& op);
 template <class T>
 void apply_unary(const UnarySpec& spec, const T* x, T* y, std::int64_t n);
 
-// The GPU half (RuntimeOp) of nn.dropout with probability p. Its forward launch is the inference
-// copy; `training` selects what its backward launch computes: the forward's mask drawn again
-// from BackwardTensors::seed, or the identity. BackwardTensors carries no mode, so the op's
-// lower() builds it for training.
+// The GPU half (RuntimeOp) of nn.dropout with probability p. Its forward launch depends on the
+// run (RunInfo): in train mode the mask the CPU draws from the run's seed, else a copy (also what
+// pack_args packs). `training` selects what its backward launch computes: the forward's mask
+// drawn again from BackwardTensors::seed when BackwardTensors::training, or the identity; the
+// op's lower() builds it for training.
 std::shared_ptr<RuntimeOp> dropout_runtime(double p, DType dtype, bool training);
 
 // ---- binary ops ----

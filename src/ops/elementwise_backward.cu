@@ -1,7 +1,7 @@
-// The backward of the elementwise op family on the GPU (device code: elementwise.cuh), and
-// dropout's training forward. Each op's backward source (CustomOp::lower_backward_source) is this
-// file, with KG_EW_ONE_ENTRY defined, followed by its one entry (kg_<op>_backward_f32 / _f64)
-// calling an entry body of elementwise.cuh: ops/elementwise.cpp writes it. Compiled alone
+// The backward of the elementwise op family on the GPU (device code: elementwise.cuh). Each op's
+// backward source (CustomOp::lower_backward_source) is this file, with KG_EW_ONE_ENTRY defined,
+// followed by its one entry (kg_<op>_backward_f32 / _f64) calling an entry body of
+// elementwise.cuh: ops/elementwise.cpp writes it. Compiled alone
 // (kgraph compile --all), the file instantiates every entry.
 #include "elementwise.cuh"
 
@@ -33,16 +33,6 @@
                          double* __restrict__ partial, KgReduce p, int which, int phase) {               \
     kg_binary_backward_entry<F>(dy, a, b, g, partial, p, which, phase);                                  \
   }
-
-// Dropout in training (the lowered forward is the inference copy until lowering has a mode).
-KG_EW_ENTRY kg_dropout_train_f32(const float* __restrict__ x, float* __restrict__ y, long long n,
-                                 long long seed, long long threshold, double scale) {
-  kg_dropout_train_entry(x, y, n, seed, threshold, scale);
-}
-KG_EW_ENTRY kg_dropout_train_f64(const double* __restrict__ x, double* __restrict__ y, long long n,
-                                 long long seed, long long threshold, double scale) {
-  kg_dropout_train_entry(x, y, n, seed, threshold, scale);
-}
 
 KG_EW_GRAD_ENTRIES(kg_relu_backward, kg_unary_backward_entry<KG_RELU>)
 KG_EW_GRAD_ENTRIES(kg_leaky_relu_backward, kg_unary_backward_entry<KG_LEAKY_RELU>)

@@ -14,20 +14,23 @@ namespace {
 
 constexpr unsigned kNormThreads = 256;  // KG_NORM_THREADS in norm.cu
 
-// nn.batch_norm2d on the GPU, inference mode: launch 0 folds the running statistics into a
-// per-channel scale and shift (in scratch), launch 1 applies them elementwise. Backward
-// (norm_backward.cu): launch 0 sums per channel and writes dw, db and the coefficients of dx (in
-// scratch), launch 1 (when dx is wanted) applies them; `training_` picks batch or running
-// statistics.
+// nn.batch_norm2d on the GPU, one kernel entry for both modes (its `training` argument, packed per
+// run): launch 0 computes a per-channel scale and shift (in scratch) from the running statistics
+// (inference, a thread per channel) or from the batch's, updating the running ones and
+// num_batches_tracked in place (train mode, a block per channel); launch 1 applies them
+// elementwise. Backward (norm_backward.cu): launch 0 sums per channel and writes dw, db and the
+// coefficients of dx (in scratch), launch 1 (when dx is wanted) applies them; `training_` picks
+// batch or running statistics.
 class BatchNorm2dRuntime final : public RuntimeOp {
  public:
-  BatchNorm2dRuntime(std::int64_t channels, double eps, DType dtype, bool training)
-      : c_(channels), eps_(eps), dtype_(dtype), training_(training) {}
+  BatchNorm2dRuntime(std::int64_t channels, double eps, double momentum, DType dtype, bool training)
+      : c_(channels), eps_(eps), momentum_(momentum), dtype_(dtype), training_(training) {}
   int n_activation_inputs() const override { return 1; }
   std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
                                                       const std::vector<std::int64_t>&) const override {
     return {{c_}, {c_}, {c_}, {c_}, {}};
   }
+  DType param_dtype(int i) const override { return i == 4 ? DType::I64 : dtype_; }
   std::size_t scratch_bytes(const std::vector<std::vector<std::int64_t>>&,
                             const std::vector<std::int64_t>&) const override {
     return static_cast<std::size_t>(2 * c_) * dtype_size(dtype_);
@@ -37,21 +40,12 @@ class BatchNorm2dRuntime final : public RuntimeOp {
                  const std::vector<std::int64_t>&, std::int64_t, ArgVisitor&) const override {
     throw Error("nn.batch_norm2d: its launches need the scratch buffer; pack them with pack_args_for_launch");
   }
+  // Inference.
   void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
                             const std::vector<DeviceTensor>& params, const DeviceTensor& output,
-                            const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr scratch,
+                            const std::vector<std::int64_t>& shape, std::int64_t stride, DevicePtr scratch,
                             ArgVisitor& v) const override {
-    v.pointer(inputs[0].ptr);
-    for (int i = 0; i < 4; ++i) v.pointer(params[static_cast<std::size_t>(i)].ptr);
-    v.pointer(output.ptr);
-    v.pointer(scratch);
-    v.i64(numel_of(shape));
-    v.i64(c_);
-    v.f64(eps_);
-    v.i32(launch);
-    const FastDiv hw = fast_div(shape[2] * shape[3]), c = fast_div(c_);
-    v.bytes(&hw, sizeof hw);
-    v.bytes(&c, sizeof c);
+    pack_args_for_run(RunInfo{}, launch, inputs, params, output, shape, stride, scratch, v);
   }
   Dim3 block() const override { return {kNormThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
@@ -60,8 +54,35 @@ class BatchNorm2dRuntime final : public RuntimeOp {
   Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
     return launch == 0 ? grid_1d(c_, kNormThreads) : grid(shape);
   }
-  // The forward normalises with the running statistics only.
-  bool supports_train_mode() const override { return false; }
+
+  bool supports_train_mode() const override { return true; }
+  bool depends_on_run() const override { return true; }
+  Dim3 grid_for_run(const RunInfo& run, int launch, const std::vector<std::int64_t>& shape) const override {
+    if (run.training && launch == 0)
+      return {static_cast<unsigned>(std::clamp<std::int64_t>(c_, 1, 65535LL * 32)), 1, 1};  // a block per channel
+    return grid_for_launch(launch, shape);
+  }
+  void pack_args_for_run(const RunInfo& run, int launch, const std::vector<DeviceTensor>& inputs,
+                         const std::vector<DeviceTensor>& params, const DeviceTensor& output,
+                         const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr scratch,
+                         ArgVisitor& v) const override {
+    if (run.training && shape.at(0) * shape.at(2) * shape.at(3) <= 1)
+      throw Error(util::cat("nn.batch_norm2d: training mode needs more than 1 value per channel, got input ",
+                            sizes_to_string(shape)));
+    v.pointer(inputs[0].ptr);
+    for (int i = 0; i < 5; ++i) v.pointer(params.at(static_cast<std::size_t>(i)).ptr);
+    v.pointer(output.ptr);
+    v.pointer(scratch);
+    v.i64(numel_of(shape));
+    v.i64(c_);
+    v.f64(eps_);
+    v.f64(momentum_);
+    v.i32(run.training ? 1 : 0);
+    v.i32(launch);
+    const FastDiv hw = fast_div(shape[2] * shape[3]), c = fast_div(c_);
+    v.bytes(&hw, sizeof hw);
+    v.bytes(&c, sizeof c);
+  }
 
   bool has_backward() const override { return true; }
   int n_backward_launches(const BackwardTensors& t) const override { return t.grad_inputs.at(0).ptr ? 2 : 1; }
@@ -99,7 +120,7 @@ class BatchNorm2dRuntime final : public RuntimeOp {
 
  private:
   std::int64_t c_;
-  double eps_;
+  double eps_, momentum_;
   DType dtype_;
   bool training_;
 };
@@ -226,18 +247,17 @@ std::vector<ParamSpec> BatchNorm2dOp::parameters() const {
   };
 }
 
-// Inference only: the kernel normalises with the running statistics. Training mode (batch
-// statistics, running-average updates) is not lowered yet.
+// One entry for both modes, selected per run (BatchNorm2dRuntime::pack_args_for_run).
 std::optional<Lowered> BatchNorm2dOp::lower() const {
   return Lowered{"nn.batch_norm2d", kernel_file("norm.cu"), entry_for("kg_batch_norm2d", dtype_),
-                 batch_norm2d_runtime(channels_, eps_, dtype_, true)};
+                 batch_norm2d_runtime(channels_, eps_, dtype_, true, momentum_)};
 }
 
 std::string BatchNorm2dOp::lower_backward_source() const { return kernel_file("norm_backward.cu"); }
 
-std::shared_ptr<RuntimeOp> batch_norm2d_runtime(std::int64_t channels, double eps, DType dtype,
-                                                bool training) {
-  return std::make_shared<BatchNorm2dRuntime>(channels, eps, dtype, training);
+std::shared_ptr<RuntimeOp> batch_norm2d_runtime(std::int64_t channels, double eps, DType dtype, bool training,
+                                                double momentum) {
+  return std::make_shared<BatchNorm2dRuntime>(channels, eps, momentum, dtype, training);
 }
 
 void BatchNorm2dOp::cpu_forward(CpuContext& ctx) const {

@@ -1,4 +1,4 @@
-// nn.batch_norm2d (inference: running statistics) and nn.layer_norm on the GPU.
+// nn.batch_norm2d (running or batch statistics) and nn.layer_norm on the GPU.
 #include "index.cuh"
 #include "reduce.cuh"
 
@@ -8,10 +8,16 @@ __device__ __forceinline__ float kg_sqrt(float v) { return sqrtf(v); }
 __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 
 // ---- nn.batch_norm2d ----
-// Launch 0 turns the running statistics into a per-channel scale and shift, in double as the CPU
-// does: scale = w / sqrt(var + eps), shift = b - mean * scale, stored as T in `scale_shift` (the
-// C scales, then the C shifts). Launch 1 applies y = x * scale[c] + shift[c] to every element,
-// the channel of element i being (i / hw) % c.
+// One entry for both modes; `training` selects launch 0's statistics. Launch 0 computes a
+// per-channel scale and shift in double as the CPU does: scale = w / sqrt(var + eps),
+// shift = b - mean * scale, stored as T in `scale_shift` (the C scales, then the C shifts).
+//   inference: mean and var are the running statistics (a thread per channel);
+//   training: the batch's mean and biased variance (a block per channel, two passes, block
+//     tree sums in double: no atomics, the same result for any schedule), and the running
+//     statistics updated in place as PyTorch does: running = (1 - momentum) running +
+//     momentum batch (the unbiased variance), num_batches_tracked + 1.
+// Launch 1 applies y = x * scale[c] + shift[c] to every element, the channel of element i being
+// (i / hw) % c.
 
 template <class T, bool Small>
 __device__ __forceinline__ void kg_batch_norm2d_apply(const T* __restrict__ x,
@@ -27,13 +33,64 @@ __device__ __forceinline__ void kg_batch_norm2d_apply(const T* __restrict__ x,
       });
 }
 
+// Element i of channel ch's m = N*H*W values (batch-major).
+template <bool Small>
+__device__ __forceinline__ kg_index kg_bn_offset(kg_index i, kg_index ch, kg_index c,
+                                                 const KgDivider& hw_div) {
+  const kg_index plane = kg_div<Small>(hw_div, i);  // batch index
+  return (plane * c + ch) * hw_div.d + (i - plane * hw_div.d);
+}
+
+// Training launch 0: a block per channel (grid-stride over channels).
+template <class T, bool Small>
+__device__ __forceinline__ void kg_batch_norm2d_batch_stats(const T* __restrict__ x, const T* __restrict__ w,
+                                                            const T* __restrict__ b, T* running_mean,
+                                                            T* running_var, long long* tracked,
+                                                            T* scale_shift, kg_index total, kg_index c,
+                                                            double eps, double momentum,
+                                                            const KgDivider& hw_div) {
+  __shared__ double smem[32];
+  const kg_index m = total / c;
+  for (kg_index ch = blockIdx.x; ch < c; ch += gridDim.x) {
+    double s = 0;
+    for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS)
+      s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
+    const double mean = kg_block_sum(s, smem) / (double)m;
+    double v = 0;
+    for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS) {
+      const double d = (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)] - mean;
+      v += d * d;
+    }
+    const double var = kg_block_sum(v, smem) / (double)m;
+    if (threadIdx.x == 0) {
+      const double sc = (double)w[ch] / sqrt(var + eps);
+      scale_shift[ch] = (T)sc;
+      scale_shift[c + ch] = (T)((double)b[ch] - mean * sc);
+      const double unbias = (double)m / (double)(m - 1);
+      running_mean[ch] = (T)((1.0 - momentum) * (double)running_mean[ch] + momentum * mean);
+      running_var[ch] = (T)((1.0 - momentum) * (double)running_var[ch] + momentum * var * unbias);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *tracked += 1;
+}
+
 template <class T>
 __device__ __forceinline__ void kg_batch_norm2d(const T* __restrict__ x, const T* __restrict__ w,
-                                                const T* __restrict__ b, const T* __restrict__ mean,
-                                                const T* __restrict__ var, T* __restrict__ y, T* scale_shift,
-                                                long long total, long long c, double eps, int phase,
-                                                KgDivider hw_div, KgDivider c_div) {
+                                                const T* __restrict__ b, T* mean, T* var, long long* tracked,
+                                                T* __restrict__ y, T* scale_shift, long long total,
+                                                long long c, double eps, double momentum, int training,
+                                                int phase, KgDivider hw_div, KgDivider c_div) {
+  const bool small = total < (1LL << 31);
   if (phase == 0) {
+    if (training) {
+      if (small)
+        kg_batch_norm2d_batch_stats<T, true>(x, w, b, mean, var, tracked, scale_shift, total, c, eps,
+                                             momentum, hw_div);
+      else
+        kg_batch_norm2d_batch_stats<T, false>(x, w, b, mean, var, tracked, scale_shift, total, c, eps,
+                                              momentum, hw_div);
+      return;
+    }
     for (kg_index ch = kg_thread_index(); ch < c; ch += kg_grid_stride()) {
       const double s = (double)w[ch] / sqrt((double)var[ch] + eps);
       scale_shift[ch] = (T)s;
@@ -41,7 +98,7 @@ __device__ __forceinline__ void kg_batch_norm2d(const T* __restrict__ x, const T
     }
     return;
   }
-  if (total < (1LL << 31))
+  if (small)
     kg_batch_norm2d_apply<T, true>(x, scale_shift, y, total, c, hw_div, c_div);
   else
     kg_batch_norm2d_apply<T, false>(x, scale_shift, y, total, c, hw_div, c_div);
@@ -49,19 +106,21 @@ __device__ __forceinline__ void kg_batch_norm2d(const T* __restrict__ x, const T
 
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_batch_norm2d_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
-                        const float* __restrict__ mean, const float* __restrict__ var, float* __restrict__ y,
-                        float* scale_shift, long long total, long long c, double eps, int phase,
-                        KgDivider hw_div, KgDivider c_div) {
-  kg_batch_norm2d<float>(x, w, b, mean, var, y, scale_shift, total, c, eps, phase, hw_div, c_div);
+                        float* running_mean, float* running_var, long long* num_batches_tracked,
+                        float* __restrict__ y, float* scale_shift, long long total, long long c, double eps,
+                        double momentum, int training, int phase, KgDivider hw_div, KgDivider c_div) {
+  kg_batch_norm2d<float>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, total, c,
+                         eps, momentum, training, phase, hw_div, c_div);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_batch_norm2d_f64(const double* __restrict__ x, const double* __restrict__ w,
-                        const double* __restrict__ b, const double* __restrict__ mean,
-                        const double* __restrict__ var, double* __restrict__ y, double* scale_shift,
-                        long long total, long long c, double eps, int phase, KgDivider hw_div,
-                        KgDivider c_div) {
-  kg_batch_norm2d<double>(x, w, b, mean, var, y, scale_shift, total, c, eps, phase, hw_div, c_div);
+                        const double* __restrict__ b, double* running_mean, double* running_var,
+                        long long* num_batches_tracked, double* __restrict__ y, double* scale_shift,
+                        long long total, long long c, double eps, double momentum, int training, int phase,
+                        KgDivider hw_div, KgDivider c_div) {
+  kg_batch_norm2d<double>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, total, c,
+                          eps, momentum, training, phase, hw_div, c_div);
 }
 
 // ---- nn.layer_norm ----

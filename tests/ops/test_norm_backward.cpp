@@ -182,8 +182,9 @@ TEST(BatchNormBackward, RunningStatisticsAreNotTrainable) {
   EXPECT_FALSE(specs[4].trainable);
   EXPECT_TRUE(p.op->backward_saves().inputs);
   EXPECT_FALSE(p.op->backward_saves().output);
-  // The forward kernel normalises with the running statistics only.
-  EXPECT_FALSE(p.op->lower()->runtime_op->supports_train_mode());
+  // The forward kernel has a train mode, chosen per run (batch statistics, running ones updated).
+  EXPECT_TRUE(p.op->lower()->runtime_op->supports_train_mode());
+  EXPECT_TRUE(p.op->lower()->runtime_op->depends_on_run());
 }
 
 TEST(BatchNormBackward, TrainNeedsMoreThanOneValuePerChannel) {
