@@ -73,7 +73,9 @@ struct MemoryPlan {
   std::size_t arena_bytes = 0;        // activation arena, buffers shared by liveness
   std::size_t unshared_bytes = 0;     // what the activations would take without sharing
   std::size_t param_bytes = 0;        // parameters and buffers
-  std::size_t peak_bytes = 0;         // arena + parameters + model outputs
+  std::size_t grad_bytes = 0;         // parameter gradients (models with a loss)
+  std::size_t optimizer_bytes = 0;    // optimiser state (after set_optimizer)
+  std::size_t peak_bytes = 0;         // arena + parameters + gradients + optimiser state + outputs
   int buffers = 0;                    // activation buffers placed in the arena
   std::string to_string() const;
 };

@@ -43,7 +43,10 @@ std::string Device::to_string() const {
 std::string MemoryPlan::to_string() const {
   return util::cat("activations ", util::format_bytes(arena_bytes), " in ", buffers,
                    " buffers (", util::format_bytes(unshared_bytes), " without reuse), parameters ",
-                   util::format_bytes(param_bytes), ", peak ", util::format_bytes(peak_bytes));
+                   util::format_bytes(param_bytes),
+                   grad_bytes ? ", parameter gradients " + util::format_bytes(grad_bytes) : std::string(),
+                   optimizer_bytes ? ", optimizer state " + util::format_bytes(optimizer_bytes) : std::string(),
+                   ", peak ", util::format_bytes(peak_bytes));
 }
 
 // ---- Model ----
@@ -120,7 +123,6 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
       return it != by_node.end() && it->second->runtime_op && it->second->runtime_op->has_backward() &&
              !it->second->backward_source.empty();
     });
-    if (impl->plan.training.enabled) init_training_state(*impl);
     impl->cuda = cuda::make_executor(device.index, *graph_, lowered, impl->plan, options);
   } else {
     runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, [](const Node& n) {
@@ -129,13 +131,13 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
       std::optional<Lowered> l = op.lower();
       return l && l->runtime_op && l->runtime_op->has_backward() && !op.lower_backward_source().empty();
     });
-    if (impl->plan.training.enabled) init_training_state(*impl);
     runtime::Plan& plan = impl->plan;
     runtime::place_in_arena(plan, *graph_, [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); },
                             {});
     impl->arena = Tensor::empty(DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(plan.memory.arena_bytes, 1))});
     impl->executor = std::make_unique<cpu::Executor>(options.threads);
   }
+  if (impl->plan.training.enabled) init_training_state(*impl);
   return LoadedModel(impl);
 }
 

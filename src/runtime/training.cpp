@@ -62,15 +62,19 @@ void sync_grads(Impl& m) {
 // Called by Model::load for models with a loss: host gradients (zero) for trainable parameters.
 void init_training_state(Impl& m) {
   m.grads.clear();
-  std::vector<char> trained(m.plan.steps.size(), 0);
-  for (const auto& b : m.plan.training.steps) trained[static_cast<std::size_t>(b.step)] = 1;
-  for (std::size_t s = 0; s < m.plan.steps.size(); ++s) {
-    auto& row = m.grads.emplace_back();
-    for (const auto& spec : m.plan.steps[s].specs)
-      row.push_back(trained[s] && spec.trainable && is_floating(spec.dtype) ? Tensor::zeros(spec.dtype, spec.shape)
-                                                                          : Tensor());
+  for (const auto& st : m.plan.steps) m.grads.emplace_back(st.specs.size());
+  // Parameters a RuntimeOp declares for itself (added at load, after the backward plan) get none.
+  for (const auto& b : m.plan.training.steps) {
+    const auto& st = m.plan.steps[static_cast<std::size_t>(b.step)];
+    for (std::size_t p = 0; p < b.want_param.size(); ++p)
+      if (b.want_param[p]) m.grads[static_cast<std::size_t>(b.step)][p] = Tensor::zeros(st.specs[p].dtype, st.specs[p].shape);
   }
   m.grads_fresh = true;
+  std::size_t bytes = 0;
+  for (const auto& row : m.grads)
+    for (const auto& g : row) bytes += g.raw() ? g.nbytes() : 0;
+  m.plan.memory.grad_bytes = bytes;
+  m.plan.memory.peak_bytes += bytes;
 }
 
 std::string LoadedModel::loss_name() const { return impl_->loss_name; }
@@ -113,9 +117,15 @@ void LoadedModel::set_optimizer(const OptimizerOptions& options) {
   const auto names = runtime::optimizer_slots(options);
   m.slots.assign(m.plan.steps.size(), {});
   for (std::size_t s = 0; s < m.plan.steps.size(); ++s) m.slots[s].resize(m.plan.steps[s].specs.size());
+  std::size_t bytes = 0;
   each_trainable(m, [&](std::size_t s, std::size_t p, const ParamSpec& spec) {
-    for (std::size_t k = 0; k < names.size(); ++k) m.slots[s][p].push_back(Tensor::zeros(spec.dtype, spec.shape));
+    for (std::size_t k = 0; k < names.size(); ++k) {
+      m.slots[s][p].push_back(Tensor::zeros(spec.dtype, spec.shape));
+      bytes += m.slots[s][p].back().nbytes();
+    }
   });
+  m.plan.memory.peak_bytes += bytes - m.plan.memory.optimizer_bytes;
+  m.plan.memory.optimizer_bytes = bytes;
   if (m.cuda) m.cuda->reset_optimizer(options);
 }
 

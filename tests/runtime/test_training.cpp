@@ -228,7 +228,12 @@ TEST(Training, AdamWFollowsTheUpdateRule) {
   Net net = make_net(w[0], w[1]);
   kg::LoadedModel m = net.model.load(kg::Device::cpu(), {{2, 3}});
   const double lr = 0.01, wd = 0.1, b1 = 0.9, b2 = 0.99, eps = 1e-8;
+  const std::size_t peak = m.memory_plan().peak_bytes;
+  EXPECT_EQ(m.memory_plan().grad_bytes, 2 * sizeof(double));  // two scalar weights
   m.set_optimizer(kg::OptimizerOptions::adamw(lr, wd, b1, b2, eps));
+  EXPECT_EQ(m.memory_plan().optimizer_bytes, 4 * sizeof(double));  // two moments each
+  EXPECT_EQ(m.memory_plan().peak_bytes, peak + 4 * sizeof(double));
+  EXPECT_NE(m.memory_plan().to_string().find("optimizer state 32 B"), std::string::npos) << m.memory_plan().to_string();
   double mm[2] = {0, 0}, vv[2] = {0, 0};
   for (int step = 1; step <= 4; ++step) {
     Tensor x = kg_test::random_tensor(rng, DType::F64, {2, 3});

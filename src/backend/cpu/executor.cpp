@@ -283,7 +283,7 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
     std::vector<Tensor>& pg = param_grads[static_cast<std::size_t>(b.step)];
     for (std::size_t p = 0; p < step.specs.size(); ++p) {
       const auto& spec = step.specs[p];
-      if (!b.want_param[p])
+      if (p >= b.want_param.size() || !b.want_param[p])
         grad_params.push_back(Tensor::wrap(nullptr, spec.dtype, spec.shape));
       else if (accumulate_params)
         grad_params.push_back(Tensor::wrap(base + b.param_temp_offsets[p], spec.dtype, spec.shape));
@@ -308,7 +308,7 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
       if (b.inputs[i].root >= 0 && b.inputs[i].accumulate) add_into(grad_of(n.inputs[i]), grad_in[i], pool());
     if (accumulate_params)
       for (std::size_t p = 0; p < step.specs.size(); ++p)
-        if (b.want_param[p]) add_into(pg[p], grad_params[p], pool());
+        if (p < b.want_param.size() && b.want_param[p]) add_into(pg[p], grad_params[p], pool());
     if (profile)
       profile->push_back({n.name, n.op_name() + " (backward)",
                           std::chrono::duration<double, std::milli>(clock::now() - t0).count()});

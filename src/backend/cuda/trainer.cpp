@@ -42,7 +42,7 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
   for (std::size_t s = 0; s < plan.steps.size(); ++s) grads_[s].resize(plan.steps[s].specs.size());
   for (const auto& b : tp.steps) {
     const auto& st = plan.steps[static_cast<std::size_t>(b.step)];
-    for (std::size_t p = 0; p < st.specs.size(); ++p) {
+    for (std::size_t p = 0; p < b.want_param.size(); ++p) {
       if (!b.want_param[p]) continue;
       if (st.specs[p].dtype != DType::F32)
         throw Error(util::cat(graph.node(b.node).label(), " parameter '", st.specs[p].name, "' is ",
@@ -83,7 +83,7 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
       const auto& pa = params_.at(static_cast<std::size_t>(b.step));
       for (std::size_t p = 0; p < st.specs.size(); ++p) {
         t.params.push_back({pa.at(p), st.specs[p].shape, st.specs[p].dtype});
-        const bool want = b.want_param[p];
+        const bool want = p < b.want_param.size() && b.want_param[p];
         bw.direct_param_grads.push_back(want ? grads_[static_cast<std::size_t>(b.step)][p].ptr() : 0);
         bw.temp_param_grads.push_back(want ? arena + b.param_temp_offsets[p] : 0);
         t.grad_params.push_back({bw.direct_param_grads.back(), st.specs[p].shape, st.specs[p].dtype});
