@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
@@ -33,11 +34,7 @@ struct Args {
 }
 
 long parse_int(const std::string& flag, const std::string& v, long lo) {
-  char* end = nullptr;
-  const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < lo)
-    usage(flag + " wants an integer >= " + std::to_string(lo) + ", got '" + v + "'");
-  return n;
+  return kg_bench::parse_int(flag, v, lo, usage);
 }
 
 Args parse(int argc, char** argv) {

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "kg/cuda.hpp"
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
@@ -47,11 +48,7 @@ struct Args {
 }
 
 long parse_int(const std::string& flag, const std::string& v, long lo) {
-  char* end = nullptr;
-  const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < lo)
-    usage(flag + " wants an integer >= " + std::to_string(lo) + ", got '" + v + "'");
-  return n;
+  return kg_bench::parse_int(flag, v, lo, usage);
 }
 
 Args parse(int argc, char** argv) {
@@ -110,19 +107,8 @@ kg::Tensor make_input(const Args& a, const std::vector<std::int64_t>& shape) {
   return x;
 }
 
-struct Timing {
-  double median = 0, min = 0, p90 = 0;
-};
-
-Timing summarise(std::vector<double> ms) {
-  std::sort(ms.begin(), ms.end());
-  const std::size_t n = ms.size();
-  Timing t;
-  t.median = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
-  t.min = ms.front();
-  t.p90 = ms[std::min(n - 1, static_cast<std::size_t>(std::ceil(0.9 * static_cast<double>(n))) - 1)];
-  return t;
-}
+using kg_bench::Timing;
+using kg_bench::summarise;
 
 double max_abs_diff(const kg::Tensor& a, const kg::Tensor& b) {
   double d = 0;

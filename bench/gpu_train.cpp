@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "kg/cuda.hpp"
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
@@ -67,11 +68,7 @@ struct Args {
 }
 
 long parse_int(const std::string& flag, const std::string& v, long lo) {
-  char* end = nullptr;
-  const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < lo)
-    usage(flag + " wants an integer >= " + std::to_string(lo) + ", got '" + v + "'");
-  return n;
+  return kg_bench::parse_int(flag, v, lo, usage);
 }
 
 double parse_double(const std::string& flag, const std::string& v) {
@@ -198,19 +195,8 @@ Batch make_batch(const Args& a, const std::vector<std::int64_t>& shape) {
   return b;
 }
 
-struct Timing {
-  double median = 0, min = 0, p90 = 0;
-};
-
-Timing summarise(std::vector<double> ms) {
-  std::sort(ms.begin(), ms.end());
-  const std::size_t n = ms.size();
-  Timing t;
-  t.median = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
-  t.min = ms.front();
-  t.p90 = ms[std::min(n - 1, static_cast<std::size_t>(std::ceil(0.9 * static_cast<double>(n))) - 1)];
-  return t;
-}
+using kg_bench::Timing;
+using kg_bench::summarise;
 
 // One training step; returns the loss of its forward.
 double train_step(kg::LoadedModel& m, const Batch& b, const kg::Device& device) {
