@@ -4,7 +4,7 @@
 //   gpu_train [--model lenet5-tanh] [--batches 256,64] [--weights W.safetensors]
 //             [--input-dir DIR] [--output-dir DIR] [--optimizer sgd|adamw] [--lr X]
 //             [--momentum X] [--weight-decay X] [--check-steps N] [--warmup 20] [--runs 200]
-//             [--check-only] [--seed S] [--device N] [--cpu]
+//             [--check-only] [--seed S] [--device N] [--cpu] [--profile]
 //
 // The model is the zoo's (kg::models::record) followed by kg::cross_entropy against integer
 // labels, lowered for training, loaded on cuda:N. One step is
@@ -53,7 +53,7 @@ struct Args {
   std::string optimizer = "sgd";
   double lr = -1, momentum = 0.9, weight_decay = -1;  // -1: the optimiser's default
   int check_steps = 10, warmup = 20, runs = 200, device = 0;
-  bool check_only = false, cpu = false;
+  bool check_only = false, cpu = false, profile = false;
   std::uint64_t seed = 0;
 };
 
@@ -62,7 +62,7 @@ struct Args {
             << "usage: gpu_train [--model NAME] [--batches 256,64] [--weights PATH] [--input-dir DIR]\n"
             << "                 [--output-dir DIR] [--optimizer sgd|adamw] [--lr X] [--momentum X]\n"
             << "                 [--weight-decay X] [--check-steps N] [--warmup W] [--runs R] [--check-only]\n"
-            << "                 [--seed S] [--device N] [--cpu]\n"
+            << "                 [--seed S] [--device N] [--cpu] [--profile]\n"
             << "defaults: sgd lr 0.01 momentum 0.9 weight decay 0; adamw lr 0.001 weight decay 0.01\n";
   std::exit(2);
 }
@@ -83,8 +83,8 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--check-only" || flag == "--cpu") {
-      (flag == "--cpu" ? a.cpu : a.check_only) = true;
+    if (flag == "--check-only" || flag == "--cpu" || flag == "--profile") {
+      (flag == "--cpu" ? a.cpu : flag == "--profile" ? a.profile : a.check_only) = true;
       continue;
     }
     if (flag == "--help" || flag == "-h") usage("times a training step of a zoo model on the GPU");
@@ -284,6 +284,17 @@ int main(int argc, char** argv) {
       const Timing t = summarise(ms);
       std::printf("batch=%lld median_ms=%.4f min_ms=%.4f p90_ms=%.4f runs=%d load_ms=%.1f\n",
                   static_cast<long long>(batch), t.median, t.min, t.p90, a.runs, load_ms);
+      if (a.profile) {
+        // One more step on a model loaded with per-node timing (each node synchronised).
+        kg::LoadOptions popt = lopt;
+        popt.profile = true;
+        kg::LoadedModel pm = model.load(device, {shape, {batch}}, popt);
+        pm.set_training(true);
+        pm.set_optimizer(opt);
+        for (int i = 0; i < 3; ++i) train_step(pm, b, device);
+        std::printf("batch=%lld per-node ms of one forward and backward:\n", static_cast<long long>(batch));
+        for (const auto& nt : pm.profile()) std::printf("  %-24s %-28s %8.4f\n", nt.node.c_str(), nt.op.c_str(), nt.ms);
+      }
     }
     return status;
   } catch (const kg::Error& e) {
