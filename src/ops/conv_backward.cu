@@ -3,8 +3,9 @@
 //
 // - input: one thread per input element, summing dy * w over the output pixels and channels of
 //   its group whose window covers it (a gather: no atomics, every element written once);
-// - weight: one block per weight element, its threads summing dy * x over the batch's output
-//   pixels, then a block reduction (a fixed order: the result does not vary between runs);
+// - weight: one block per weight element and range of images, its threads summing dy * x over
+//   those images' output pixels, then a block reduction; with several ranges a second launch adds
+//   each weight's partial sums in order (a fixed order: the result does not vary between runs);
 // - bias: one block per output channel, the sum of dy over the batch's pixels.
 //
 // Every loop is a grid-stride loop with 64-bit indices, so one launch covers any size. A kernel
@@ -57,29 +58,56 @@ __device__ __forceinline__ void kg_conv2d_backward_input(const T* __restrict__ d
 }
 
 // dw[o, cl, ky, kx] = sum over images and output pixels of dy[img, o, oy, ox] * x[img, g * cg +
-// cl, oy * sh - ph + ky * dh, ox * sw - pw + kx * dw] (0 in the padding). One block per weight
-// element, in a grid-stride loop over the blocks.
+// cl, oy * sh - ph + ky * dh, ox * sw - pw + kx * dw] (0 in the padding). Block (b, r) sums weight
+// element b (a grid-stride loop over the blocks) over the r-th of `chunks` ranges of images: into
+// dw when there is one range, else into partial[b * chunks + r]. Pixel indices within an image
+// are 32-bit (the host checks ho * wo < 2^31).
 template <class T>
 __device__ __forceinline__ void kg_conv2d_backward_weight(const T* __restrict__ x, const T* __restrict__ dy,
-                                                          T* __restrict__ dw, const KgConvGradShape& s) {
+                                                          T* __restrict__ dw, T* __restrict__ partial,
+                                                          long long chunks, const KgConvGradShape& s) {
   __shared__ T red[32];
   if (!dw) return;  // not wanted
   const long long cg = s.c / s.groups, og = s.o / s.groups, khw = s.kh * s.kw;
-  const long long kdim = cg * khw, hwo = s.ho * s.wo, npix = s.n * hwo, hwi = s.h * s.w;
+  const long long kdim = cg * khw, hwo = s.ho * s.wo, hwi = s.h * s.w;
+  const long long per = (s.n + chunks - 1) / chunks, img0 = blockIdx.y * per;
+  const long long img1 = img0 + per < s.n ? img0 + per : s.n;
+  const int npix = static_cast<int>(hwo), wo = static_cast<int>(s.wo);
   for (long long b = blockIdx.x; b < s.o * kdim; b += gridDim.x) {
     const long long o = b / kdim, r = b - o * kdim;
     const long long cl = r / khw, ky = r / s.kw % s.kh, kx = r % s.kw;
     const long long c = o / og * cg + cl;
     const long long dy0 = ky * s.dh - s.ph, dx0 = kx * s.dw - s.pw;  // input position of pixel (0, 0)
     T acc = T(0);
-    for (long long t = threadIdx.x; t < npix; t += blockDim.x) {
-      const long long img = t / hwo, pix = t - img * hwo, oy = pix / s.wo, ox = pix - oy * s.wo;
-      const long long iy = oy * s.sh + dy0, ix = ox * s.sw + dx0;
-      if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
-      acc += dy[(img * s.o + o) * hwo + pix] * x[(img * s.c + c) * hwi + iy * s.w + ix];
+    for (long long img = img0; img < img1; ++img) {
+      const T* dyi = dy + (img * s.o + o) * hwo;
+      const T* xi = x + (img * s.c + c) * hwi;
+      for (int p = threadIdx.x; p < npix; p += blockDim.x) {
+        const int oy = p / wo, ox = p - oy * wo;
+        const long long iy = oy * s.sh + dy0, ix = ox * s.sw + dx0;
+        if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
+        acc += dyi[p] * xi[iy * s.w + ix];
+      }
     }
     acc = kg_block_sum(acc, red);
-    if (threadIdx.x == 0) dw[b] = acc;
+    if (threadIdx.x == 0) {
+      if (chunks == 1)
+        dw[b] = acc;
+      else
+        partial[b * chunks + blockIdx.y] = acc;
+    }
+  }
+}
+
+// dw[i] = the sum of weight element i's partial sums, in range order (nothing to do for one range).
+template <class T>
+__device__ __forceinline__ void kg_conv2d_backward_weight_sum(const T* __restrict__ partial, T* __restrict__ dw,
+                                                              long long weights, long long chunks) {
+  if (!dw || chunks == 1) return;
+  for (long long i = kg_thread_index(); i < weights; i += kg_grid_stride()) {
+    T acc = T(0);
+    for (long long r = 0; r < chunks; ++r) acc += partial[i * chunks + r];
+    dw[i] = acc;
   }
 }
 
@@ -116,13 +144,26 @@ extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
 
 extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
     kg_conv2d_backward_weight_f32(const float* __restrict__ x, const float* __restrict__ dy,
-                                  float* __restrict__ dw, KgConvGradShape s) {
-  kg_conv2d_backward_weight<float>(x, dy, dw, s);
+                                  float* __restrict__ dw, float* __restrict__ partial, long long chunks,
+                                  KgConvGradShape s) {
+  kg_conv2d_backward_weight<float>(x, dy, dw, partial, chunks, s);
 }
 extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
     kg_conv2d_backward_weight_f64(const double* __restrict__ x, const double* __restrict__ dy,
-                                  double* __restrict__ dw, KgConvGradShape s) {
-  kg_conv2d_backward_weight<double>(x, dy, dw, s);
+                                  double* __restrict__ dw, double* __restrict__ partial, long long chunks,
+                                  KgConvGradShape s) {
+  kg_conv2d_backward_weight<double>(x, dy, dw, partial, chunks, s);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_weight_sum_f32(const float* __restrict__ partial, float* __restrict__ dw, long long weights,
+                                      long long chunks) {
+  kg_conv2d_backward_weight_sum<float>(partial, dw, weights, chunks);
+}
+extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)
+    kg_conv2d_backward_weight_sum_f64(const double* __restrict__ partial, double* __restrict__ dw,
+                                      long long weights, long long chunks) {
+  kg_conv2d_backward_weight_sum<double>(partial, dw, weights, chunks);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_CONV_BWD_THREADS)

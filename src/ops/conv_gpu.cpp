@@ -2,6 +2,7 @@
 #include "ops/conv_gpu.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <utility>
 
@@ -48,8 +49,9 @@ struct ConvGradShape {
 };
 static_assert(sizeof(ConvGradShape) == 16 * 8, "must match KgConvGradShape in conv_backward.cu");
 
-// The backward launches, in this order (an unwanted gradient's launch is one idle block).
-enum ConvBackwardLaunch { kGradInput, kGradWeight, kGradBias };
+// The backward launches, in this order (an unwanted gradient's launch is one idle block): dx, dw
+// by ranges of images, the sum of dw's ranges (idle with one range), db with a bias.
+enum ConvBackwardLaunch { kGradInput, kGradWeight, kGradWeightSum, kGradBias };
 constexpr unsigned kConvBackwardThreads = 256;         // KG_CONV_BWD_THREADS
 constexpr std::int64_t kConvBackwardMaxBlocks = 65535LL * 32;  // the kernels loop over the rest
 
@@ -173,10 +175,18 @@ class ConvRuntime final : public RuntimeOp {
 
   // ---- backward (conv_backward.cu): dx, dw, then db with a bias ----
   bool has_backward() const override { return backward_; }
-  int n_backward_launches(const BackwardTensors&) const override { return cfg_.options.bias ? 3 : 2; }
+  int n_backward_launches(const BackwardTensors&) const override { return cfg_.options.bias ? 4 : 3; }
   std::string backward_entry_point(int launch) const override {
-    const char* what = launch == kGradInput ? "input" : launch == kGradWeight ? "weight" : "bias";
+    const char* what = launch == kGradInput    ? "input"
+                       : launch == kGradWeight ? "weight"
+                       : launch == kGradWeightSum ? "weight_sum"
+                                                  : "bias";
     return entry_for(util::cat("kg_conv2d_backward_", what), cfg_.dtype);
+  }
+  // Partial weight sums, one per weight element and range of images.
+  std::size_t backward_scratch_bytes(const BackwardTensors& t) const override {
+    const std::int64_t chunks = weight_chunks(t);
+    return chunks > 1 ? static_cast<std::size_t>(weights(t) * chunks) * dtype_size(cfg_.dtype) : 0;
   }
   void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
     switch (launch) {
@@ -189,7 +199,15 @@ class ConvRuntime final : public RuntimeOp {
         v.pointer(t.inputs[0].ptr);
         v.pointer(t.grad_output.ptr);
         v.pointer(t.grad_params[0].ptr);
+        v.pointer(weight_chunks(t) > 1 ? t.scratch : 0);
+        v.i64(weight_chunks(t));
         break;
+      case kGradWeightSum:
+        v.pointer(weight_chunks(t) > 1 ? t.scratch : 0);
+        v.pointer(t.grad_params[0].ptr);
+        v.i64(weights(t));
+        v.i64(weight_chunks(t));
+        return;  // no shape
       default:
         v.pointer(t.grad_output.ptr);
         v.pointer(t.grad_params[1].ptr);
@@ -206,9 +224,11 @@ class ConvRuntime final : public RuntimeOp {
     switch (launch) {
       case kGradInput:  // a thread per input element
         return grid_1d(s.n * s.c * s.h * s.w, kConvBackwardThreads);
-      case kGradWeight:  // a block per weight element
-        items = s.o * (s.c / s.groups) * s.kh * s.kw;
-        break;
+      case kGradWeight:  // a block per weight element and range of images
+        return {static_cast<unsigned>(std::clamp<std::int64_t>(weights(t), 1, kConvBackwardMaxBlocks)),
+                static_cast<unsigned>(weight_chunks(t)), 1};
+      case kGradWeightSum:  // a thread per weight element (one idle block with one range)
+        return weight_chunks(t) > 1 ? grid_1d(weights(t), kConvBackwardThreads) : Dim3{1, 1, 1};
       default:  // a block per output channel
         items = s.o;
         break;
@@ -294,7 +314,18 @@ class ConvRuntime final : public RuntimeOp {
 
   // The gradient launch `launch` writes.
   static const DeviceTensor& wanted(int launch, const BackwardTensors& t) {
-    return launch == kGradInput ? t.grad_inputs.at(0) : t.grad_params.at(launch == kGradWeight ? 0 : 1);
+    return launch == kGradInput ? t.grad_inputs.at(0) : t.grad_params.at(launch == kGradBias ? 1 : 0);
+  }
+  static std::int64_t weights(const BackwardTensors& t) { return numel_of(t.grad_params.at(0).shape); }
+  // Ranges of images the weight gradient is split into: enough blocks to fill a large GPU
+  // (about 2048), never more ranges than images. Pixels of one image are indexed in 32 bits.
+  std::int64_t weight_chunks(const BackwardTensors& t) const {
+    const auto& out = t.grad_output.shape;
+    if (out.at(2) * out.at(3) > std::numeric_limits<std::int32_t>::max())
+      throw Error(util::cat(label_, " backward: ", out[2], " x ", out[3],
+                            " output pixels per image is beyond the weight-gradient kernel's 32-bit indices"));
+    const std::int64_t n = out.at(0), w = std::max<std::int64_t>(weights(t), 1);
+    return std::clamp<std::int64_t>((2048 + w - 1) / w, 1, std::clamp<std::int64_t>(n, 1, 65535));
   }
   ConvGradShape grad_geometry(const BackwardTensors& t) const {
     const auto& in = t.inputs.at(0).shape;

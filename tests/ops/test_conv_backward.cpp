@@ -212,10 +212,12 @@ TEST(ConvBackward, EmulatedKernelsSkipAGradientNotWanted) {
   t.grad_output = dev(dy);
   t.grad_inputs = {{0, cfg.input_shape(), f64}};
   t.grad_params = {dev(dw), dev(db)};
+  kg::Tensor scratch = kg::Tensor::empty(kg::DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(rt.backward_scratch_bytes(t), 1))});
+  t.scratch = reinterpret_cast<kg::DevicePtr>(scratch.raw());
   kg::emu::LaunchOptions opt;
   opt.checked = true;
   for (const auto& [tensor, name] : std::vector<std::pair<const kg::Tensor*, std::string>>{
-           {&x, "x"}, {&w, "w"}, {&dy, "dy"}, {&dw, "dw"}, {&db, "db"}})
+           {&x, "x"}, {&w, "w"}, {&dy, "dy"}, {&dw, "dw"}, {&db, "db"}, {&scratch, "scratch"}})
     opt.buffers.push_back({reinterpret_cast<kg::DevicePtr>(tensor->raw()), tensor->nbytes(), name});
   const std::string source = op->lower_backward_source();
   for (int l = 0; l < rt.n_backward_launches(t); ++l) {
@@ -267,16 +269,20 @@ TEST(ConvBackward, RuntimeOpLaunchesOneKernelPerGradient) {
   t.grad_output = {0x4000, {2, 6, 4, 4}, kg::DType::F32};
   t.grad_inputs = {{0x5000, {2, 4, 9, 9}, kg::DType::F32}};
   t.grad_params = {{0x6000, {6, 2, 3, 3}, kg::DType::F32}, {0x7000, {6}, kg::DType::F32}};
-  ASSERT_EQ(rt.n_backward_launches(t), 3);
+  ASSERT_EQ(rt.n_backward_launches(t), 4);
   EXPECT_EQ(rt.backward_entry_point(0), "kg_conv2d_backward_input_f32");
   EXPECT_EQ(rt.backward_entry_point(1), "kg_conv2d_backward_weight_f32");
-  EXPECT_EQ(rt.backward_entry_point(2), "kg_conv2d_backward_bias_f32");
+  EXPECT_EQ(rt.backward_entry_point(2), "kg_conv2d_backward_weight_sum_f32");
+  EXPECT_EQ(rt.backward_entry_point(3), "kg_conv2d_backward_bias_f32");
   EXPECT_EQ(rt.backward_grid(0, t).x, 3u);    // 648 input elements, 256 threads a block
-  EXPECT_EQ(rt.backward_grid(1, t).x, 108u);  // a block per weight element
-  EXPECT_EQ(rt.backward_grid(2, t).x, 6u);    // a block per channel
+  EXPECT_EQ(rt.backward_grid(1, t).x, 108u);  // a block per weight element ...
+  EXPECT_EQ(rt.backward_grid(1, t).y, 2u);    // ... and image (2048 blocks wanted, 2 images)
+  EXPECT_EQ(rt.backward_grid(2, t).x, 1u);    // the sum of the two ranges: a thread per weight
+  EXPECT_EQ(rt.backward_grid(3, t).x, 6u);    // a block per channel
+  EXPECT_EQ(rt.backward_scratch_bytes(t), 108u * 2u * 4u);  // the partial sums
   kg::lower::ArgPack pack;
   rt.pack_backward_args(1, t, pack);
-  ASSERT_EQ(pack.args().size(), 4u);  // x, dy, dw, shape
+  ASSERT_EQ(pack.args().size(), 6u);  // x, dy, dw, partial, chunks, shape
   // A gradient nobody wants: its launch is one block, which returns at once.
   t.grad_inputs[0].ptr = 0;
   const kg::Dim3 idle = rt.backward_grid(0, t);
@@ -284,7 +290,7 @@ TEST(ConvBackward, RuntimeOpLaunchesOneKernelPerGradient) {
   // Without a bias there is no bias launch.
   Cfg nb = cfg;
   nb.bias = false;
-  EXPECT_EQ(nb.op(kg::DType::F32)->lower()->runtime_op->n_backward_launches(t), 2);
+  EXPECT_EQ(nb.op(kg::DType::F32)->lower()->runtime_op->n_backward_launches(t), 3);
 }
 
 TEST(ConvBackward, FusedConvolutionHasNoBackward) {
