@@ -60,8 +60,8 @@ __device__ __forceinline__ void kg_conv2d_backward_input(const T* __restrict__ d
 // dw[o, cl, ky, kx] = sum over images and output pixels of dy[img, o, oy, ox] * x[img, g * cg +
 // cl, oy * sh - ph + ky * dh, ox * sw - pw + kx * dw] (0 in the padding). Block (b, r) sums weight
 // element b (a grid-stride loop over the blocks) over the r-th of `chunks` ranges of images: into
-// dw when there is one range, else into partial[b * chunks + r]. Pixel indices within an image
-// are 32-bit (the host checks ho * wo < 2^31).
+// dw when there is one range, else into partial[b * chunks + r]. The threads stride over the
+// range's (image, pixel) pairs with 32-bit indices: the host makes each range hold fewer than 2^31.
 template <class T>
 __device__ __forceinline__ void kg_conv2d_backward_weight(const T* __restrict__ x, const T* __restrict__ dy,
                                                           T* __restrict__ dw, T* __restrict__ partial,
@@ -72,22 +72,20 @@ __device__ __forceinline__ void kg_conv2d_backward_weight(const T* __restrict__ 
   const long long kdim = cg * khw, hwo = s.ho * s.wo, hwi = s.h * s.w;
   const long long per = (s.n + chunks - 1) / chunks, img0 = blockIdx.y * per;
   const long long img1 = img0 + per < s.n ? img0 + per : s.n;
-  const int npix = static_cast<int>(hwo), wo = static_cast<int>(s.wo);
+  const unsigned npix = static_cast<unsigned>(hwo), wo = static_cast<unsigned>(s.wo);
+  const unsigned items = static_cast<unsigned>((img1 > img0 ? img1 - img0 : 0) * hwo);
   for (long long b = blockIdx.x; b < s.o * kdim; b += gridDim.x) {
     const long long o = b / kdim, r = b - o * kdim;
     const long long cl = r / khw, ky = r / s.kw % s.kh, kx = r % s.kw;
     const long long c = o / og * cg + cl;
     const long long dy0 = ky * s.dh - s.ph, dx0 = kx * s.dw - s.pw;  // input position of pixel (0, 0)
     T acc = T(0);
-    for (long long img = img0; img < img1; ++img) {
-      const T* dyi = dy + (img * s.o + o) * hwo;
-      const T* xi = x + (img * s.c + c) * hwi;
-      for (int p = threadIdx.x; p < npix; p += blockDim.x) {
-        const int oy = p / wo, ox = p - oy * wo;
-        const long long iy = oy * s.sh + dy0, ix = ox * s.sw + dx0;
-        if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
-        acc += dyi[p] * xi[iy * s.w + ix];
-      }
+    for (unsigned t = threadIdx.x; t < items; t += blockDim.x) {
+      const unsigned i = t / npix, p = t - i * npix, oy = p / wo, ox = p - oy * wo;
+      const long long img = img0 + i;
+      const long long iy = oy * s.sh + dy0, ix = ox * s.sw + dx0;
+      if (iy < 0 || iy >= s.h || ix < 0 || ix >= s.w) continue;
+      acc += dy[(img * s.o + o) * hwo + p] * x[(img * s.c + c) * hwi + iy * s.w + ix];
     }
     acc = kg_block_sum(acc, red);
     if (threadIdx.x == 0) {

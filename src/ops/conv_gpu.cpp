@@ -318,14 +318,20 @@ class ConvRuntime final : public RuntimeOp {
   }
   static std::int64_t weights(const BackwardTensors& t) { return numel_of(t.grad_params.at(0).shape); }
   // Ranges of images the weight gradient is split into: enough blocks to fill a large GPU
-  // (about 2048), never more ranges than images. Pixels of one image are indexed in 32 bits.
+  // (about 2048), never more ranges than images, and few enough (image, pixel) pairs in a range
+  // for the kernel's 32-bit indices.
   std::int64_t weight_chunks(const BackwardTensors& t) const {
     const auto& out = t.grad_output.shape;
-    if (out.at(2) * out.at(3) > std::numeric_limits<std::int32_t>::max())
-      throw Error(util::cat(label_, " backward: ", out[2], " x ", out[3],
-                            " output pixels per image is beyond the weight-gradient kernel's 32-bit indices"));
-    const std::int64_t n = out.at(0), w = std::max<std::int64_t>(weights(t), 1);
-    return std::clamp<std::int64_t>((2048 + w - 1) / w, 1, std::clamp<std::int64_t>(n, 1, 65535));
+    const std::int64_t n = out.at(0), hwo = out.at(2) * out.at(3), w = std::max<std::int64_t>(weights(t), 1);
+    constexpr std::int64_t kMaxItems = std::numeric_limits<std::int32_t>::max();
+    const std::int64_t max_chunks = std::clamp<std::int64_t>(n, 1, 65535);
+    const std::int64_t per_range = std::max<std::int64_t>(kMaxItems / std::max<std::int64_t>(hwo, 1), 1);
+    const std::int64_t chunks = std::clamp<std::int64_t>(
+        std::max((2048 + w - 1) / w, (n + per_range - 1) / per_range), 1, max_chunks);
+    if (hwo > kMaxItems || (n + chunks - 1) / chunks * hwo > kMaxItems)
+      throw Error(util::cat(label_, " backward: ", n, " images of ", out[2], " x ", out[3],
+                            " output pixels are beyond the weight-gradient kernel's 32-bit indices"));
+    return chunks;
   }
   ConvGradShape grad_geometry(const BackwardTensors& t) const {
     const auto& in = t.inputs.at(0).shape;
