@@ -360,8 +360,6 @@ class AvgPool2dOp final : public CustomOp {
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
     const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.output.dim(2), wo = ctx.output.dim(3);
-    const std::int64_t kh = w_.kernel.h, kw = w_.kernel.w, sh = w_.stride.h, sw = w_.stride.w;
-    const std::int64_t ph = w_.padding.h, pw = w_.padding.w;
     dispatch_float(x.dtype(), [&](auto zero) {
       using T = decltype(zero);
       const T* xp = x.data<T>();
@@ -370,32 +368,20 @@ class AvgPool2dOp final : public CustomOp {
         for (std::int64_t pl = b; pl < e; ++pl) {
           const T* src = xp + pl * h * w;
           T* dst = yp + pl * ho * wo;
-          for (std::int64_t oy = 0; oy < ho; ++oy) {
-            // PyTorch: the divisor with padding counts the window clipped to the padded input.
-            std::int64_t y0 = oy * sh - ph, y1 = std::min(y0 + kh, h + ph);
-            const std::int64_t pad_rows = y1 - y0;
-            y0 = std::max<std::int64_t>(y0, 0);
-            y1 = std::min(y1, h);
+          for (std::int64_t oy = 0; oy < ho; ++oy)
             for (std::int64_t ox = 0; ox < wo; ++ox) {
-              std::int64_t x0 = ox * sw - pw, x1 = std::min(x0 + kw, w + pw);
-              const std::int64_t pad_cols = x1 - x0;
-              x0 = std::max<std::int64_t>(x0, 0);
-              x1 = std::min(x1, w);
+              const Taps t = taps(oy, ox, h, w);
               T s = 0;
-              for (std::int64_t iy = y0; iy < y1; ++iy)
-                for (std::int64_t ix = x0; ix < x1; ++ix) s += src[iy * w + ix];
-              const std::int64_t count = count_include_pad_ ? pad_rows * pad_cols
-                                                            : std::max<std::int64_t>(y1 - y0, 0) *
-                                                                  std::max<std::int64_t>(x1 - x0, 0);
-              dst[oy * wo + ox] = s / static_cast<T>(count);
+              for (std::int64_t iy = t.y0; iy < t.y1; ++iy)
+                for (std::int64_t ix = t.x0; ix < t.x1; ++ix) s += src[iy * w + ix];
+              dst[oy * wo + ox] = s / static_cast<T>(t.count);
             }
-          }
         }
       });
     });
   }
 
- // Each window's gradient spread evenly over the taps inside the input, over the forward's
+  // Each window's gradient spread evenly over the taps inside the input, over the forward's
   // divisor. Needs no saved tensor.
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {false, false}; }
@@ -404,8 +390,6 @@ class AvgPool2dOp final : public CustomOp {
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
     const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.grad_output.dim(2), wo = ctx.grad_output.dim(3);
-    const std::int64_t kh = w_.kernel.h, kw = w_.kernel.w, sh = w_.stride.h, sw = w_.stride.w;
-    const std::int64_t ph = w_.padding.h, pw = w_.padding.w;
     dispatch_float(ctx.grad_output.dtype(), [&](auto zero) {
       using T = decltype(zero);
       const T* dyp = ctx.grad_output.data<T>();
@@ -415,31 +399,34 @@ class AvgPool2dOp final : public CustomOp {
           const T* dy = dyp + pl * ho * wo;
           T* dx = dxp + pl * h * w;
           std::fill(dx, dx + h * w, T(0));
-          for (std::int64_t oy = 0; oy < ho; ++oy) {
-            std::int64_t y0 = oy * sh - ph, y1 = std::min(y0 + kh, h + ph);
-            const std::int64_t pad_rows = y1 - y0;
-            y0 = std::max<std::int64_t>(y0, 0);
-            y1 = std::min(y1, h);
+          for (std::int64_t oy = 0; oy < ho; ++oy)
             for (std::int64_t ox = 0; ox < wo; ++ox) {
-              std::int64_t x0 = ox * sw - pw, x1 = std::min(x0 + kw, w + pw);
-              const std::int64_t pad_cols = x1 - x0;
-              x0 = std::max<std::int64_t>(x0, 0);
-              x1 = std::min(x1, w);
-              const std::int64_t count = count_include_pad_ ? pad_rows * pad_cols
-                                                            : std::max<std::int64_t>(y1 - y0, 0) *
-                                                                  std::max<std::int64_t>(x1 - x0, 0);
-              if (count <= 0) continue;
-              const T g = dy[oy * wo + ox] / static_cast<T>(count);
-              for (std::int64_t iy = y0; iy < y1; ++iy)
-                for (std::int64_t ix = x0; ix < x1; ++ix) dx[iy * w + ix] += g;
+              const Taps t = taps(oy, ox, h, w);
+              if (t.count <= 0) continue;
+              const T g = dy[oy * wo + ox] / static_cast<T>(t.count);
+              for (std::int64_t iy = t.y0; iy < t.y1; ++iy)
+                for (std::int64_t ix = t.x0; ix < t.x1; ++ix) dx[iy * w + ix] += g;
             }
-          }
         }
       });
     });
   }
 
  private:
+  // The input taps of output pixel (oy, ox), clipped to the input, and the divisor. PyTorch: with
+  // count_include_pad the divisor counts the window clipped to the padded input.
+  struct Taps {
+    std::int64_t y0, y1, x0, x1, count;
+  };
+  Taps taps(std::int64_t oy, std::int64_t ox, std::int64_t h, std::int64_t w) const {
+    const std::int64_t ry = oy * w_.stride.h - w_.padding.h, ry1 = std::min(ry + w_.kernel.h, h + w_.padding.h);
+    const std::int64_t rx = ox * w_.stride.w - w_.padding.w, rx1 = std::min(rx + w_.kernel.w, w + w_.padding.w);
+    Taps t{std::max<std::int64_t>(ry, 0), std::min(ry1, h), std::max<std::int64_t>(rx, 0), std::min(rx1, w), 0};
+    t.count = count_include_pad_ ? (ry1 - ry) * (rx1 - rx)
+                                 : std::max<std::int64_t>(t.y1 - t.y0, 0) * std::max<std::int64_t>(t.x1 - t.x0, 0);
+    return t;
+  }
+
   Window w_;
   bool count_include_pad_;
   DType dtype_;  // the input's, for the kernel entry
