@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,16 @@ inline long parse_int(const std::string& flag, const std::string& v, long lo, Us
   const long n = std::strtol(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || n < lo) usage(flag + " wants an integer >= " + std::to_string(lo) + ", got '" + v + "'");
   return n;
+}
+
+// A comma-separated list of batch sizes (each >= 1, at least one).
+inline std::vector<std::int64_t> parse_batches(const std::string& flag, const std::string& v, UsageFn usage) {
+  std::vector<std::int64_t> out;
+  std::stringstream ss(v);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(parse_int(flag, item, 1, usage));
+  if (out.empty()) usage(flag + " needs at least one batch size");
+  return out;
 }
 
 // Median, minimum and 90th percentile of run times.

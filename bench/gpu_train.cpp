@@ -93,11 +93,7 @@ Args parse(int argc, char** argv) {
     if (flag == "--model") {
       a.model = v;
     } else if (flag == "--batches") {
-      a.batches.clear();
-      std::stringstream ss(v);
-      std::string item;
-      while (std::getline(ss, item, ',')) a.batches.push_back(parse_int(flag, item, 1));
-      if (a.batches.empty()) usage("--batches needs at least one batch size");
+      a.batches = kg_bench::parse_batches(flag, v, usage);
     } else if (flag == "--weights") {
       a.weights = v;
     } else if (flag == "--input-dir") {
