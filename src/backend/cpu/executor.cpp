@@ -198,18 +198,26 @@ void add_into(const Tensor& dst_t, const Tensor& src, ThreadPool& pool) {
 }
 
 // Runs the lowered backward kernels of an op without a CPU backward through the emulator.
-void run_emulated_backward(const Node& n, const std::vector<Tensor>& ins, const std::vector<Tensor>& params,
-                           const std::vector<ParamSpec>& specs, const Tensor& out, const Tensor& grad_out,
-                           std::vector<Tensor>& grad_in, std::vector<Tensor>& grad_params, std::uint64_t seed,
-                           bool training) {
+// The lowering and backward source of an op without a CPU backward, checked.
+Executor::EmulatedBackward prepare_backward(const Node& n) {
   const std::string label = n.label();
   std::optional<Lowered> l = n.op->op().lower();
   if (!l || !l->runtime_op || !l->runtime_op->has_backward())
     throw Error(label + " has no backward (CustomOp::cpu_backward, or RuntimeOp::has_backward with "
                         "lower_backward_source())");
-  const RuntimeOp& rt = *l->runtime_op;
-  const std::string source = n.op->op().lower_backward_source();
+  std::string source = n.op->op().lower_backward_source();
   if (source.empty()) throw Error(label + " RuntimeOp::has_backward() is true but lower_backward_source() is empty");
+  if (l->name.empty()) l->name = n.op->name();
+  return {std::move(*l), std::move(source)};
+}
+
+void run_emulated_backward(const Node& n, const Executor::EmulatedBackward& eb, const std::vector<Tensor>& ins,
+                           const std::vector<Tensor>& params, const std::vector<ParamSpec>& specs, const Tensor& out,
+                           const Tensor& grad_out, std::vector<Tensor>& grad_in, std::vector<Tensor>& grad_params,
+                           std::uint64_t seed, bool training) {
+  const std::string label = n.label();
+  const RuntimeOp& rt = *eb.lowered.runtime_op;
+  const std::string& source = eb.source;
   auto dev = [](const Tensor& t) { return DeviceTensor{host_address(t), t.shape(), t.dtype()}; };
   BackwardTensors bt;
   for (const auto& t : ins) bt.inputs.push_back(dev(t));
@@ -230,7 +238,7 @@ void run_emulated_backward(const Node& n, const std::vector<Tensor>& ins, const 
   }
   const int nl = rt.n_backward_launches(bt);
   if (nl < 1) throw Error(util::cat(label, " n_backward_launches is ", nl));
-  const std::string name = (l->name.empty() ? n.op->name() : l->name) + ".backward";
+  const std::string name = eb.lowered.name + ".backward";
   for (int i = 0; i < nl; ++i) {
     const Dim3 grid = rt.backward_grid(i, bt), block = rt.backward_block(i);
     lower::check_grid(grid, bt.grad_output.shape, label + " backward", i);
@@ -296,7 +304,10 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
         PoolBackwardContext ctx(ins, step.params, out, grad_of(b.node), grad_in, grad_params, training, s, pool());
         n.op->op().cpu_backward(ctx);
       } else {
-        run_emulated_backward(n, ins, step.params, step.specs, out, grad_of(b.node), grad_in, grad_params, s, training);
+        auto eb = emulated_backward_.find(b.node);
+        if (eb == emulated_backward_.end()) eb = emulated_backward_.emplace(b.node, prepare_backward(n)).first;
+        run_emulated_backward(n, eb->second, ins, step.params, step.specs, out, grad_of(b.node), grad_in, grad_params,
+                              s, training);
       }
     } catch (const Error& e) {
       const std::string what = e.what();

@@ -35,10 +35,16 @@ class Executor {
 
   // What an emulated node keeps between runs (its lowering, compiled kernel, parameters).
   struct EmulatedNode;
+  // The lowering and backward source of an op whose backward runs emulated, taken once.
+  struct EmulatedBackward {
+    Lowered lowered;
+    std::string source;
+  };
 
  private:
   std::unique_ptr<ThreadPool> own_;
   std::map<int, std::shared_ptr<EmulatedNode>> emulated_;  // by node id
+  std::map<int, EmulatedBackward> emulated_backward_;  // by node id
 };
 
 }  // namespace kg::cpu
