@@ -287,6 +287,10 @@ TEST(ConvBackward, RuntimeOpLaunchesOneKernelPerGradient) {
   t.grad_inputs[0].ptr = 0;
   const kg::Dim3 idle = rt.backward_grid(0, t);
   EXPECT_EQ(idle.x * idle.y * idle.z, 1u);
+  // Images whose output pixels overflow the weight-gradient kernel's 32-bit indices are refused.
+  kg::BackwardTensors huge = t;
+  huge.grad_output.shape = {1, 6, 50000, 50000};
+  kg_test::expect_error([&] { rt.backward_grid(1, huge); }, {"[nn.conv2d]", "50000 x 50000", "32-bit"});
   // Without a bias there is no bias launch.
   Cfg nb = cfg;
   nb.bias = false;

@@ -222,6 +222,29 @@ TEST(Training, SgdWithMomentumFollowsTheUpdateRule) {
   }
 }
 
+TEST(Training, SetLearningRateChangesTheNextSteps) {
+  std::mt19937_64 rng(kg_test::fresh_seed());
+  double w1 = 0.3, w2 = 0.8;
+  Net net = make_net(w1, w2);
+  kg::LoadedModel m = net.model.load(kg::Device::cpu(), {{2, 3}});
+  kg_test::expect_error([&] { m.set_learning_rate(0.1); }, {"set_learning_rate", "no optimizer set"});
+  m.set_optimizer(kg::OptimizerOptions::sgd(0.1));
+  kg_test::expect_error([&] { m.set_learning_rate(-0.5); }, {"learning rate", "-0.5"});
+  for (const double lr : {0.1, 0.025}) {
+    m.set_learning_rate(lr);
+    Tensor x = kg_test::random_tensor(rng, DType::F64, {2, 3});
+    m.zero_grad();
+    m.forward({x});
+    m.backward();
+    m.step();
+    auto [g1, g2] = reference_grads(x, w1, w2);
+    w1 -= lr * g1;
+    w2 -= lr * g2;
+    EXPECT_NEAR(m.parameter("s1.w").item(0), w1, 1e-12) << "lr " << lr;
+    EXPECT_NEAR(m.parameter("s2.w").item(0), w2, 1e-12) << "lr " << lr;
+  }
+}
+
 TEST(Training, AdamWFollowsTheUpdateRule) {
   std::mt19937_64 rng(kg_test::fresh_seed());
   double w[2] = {0.3, 0.8};
