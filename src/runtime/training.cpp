@@ -217,7 +217,7 @@ void LoadedModel::load_optimizer_state(const std::map<std::string, Tensor>& stat
     }
   });
   for (auto& [k, u] : used)
-    if (!u && state.count(k) && !(k == "step")) problems.push_back(k + ": not state of this optimizer");
+    if (!u && k != "step") problems.push_back(k + ": not state of this optimizer");
   if (!problems.empty()) {
     std::string msg = "optimizer state does not match the model and optimizer:";
     for (const auto& p : problems) msg += "\n  " + p;
