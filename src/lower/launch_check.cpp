@@ -143,4 +143,10 @@ void check_param_init(std::size_t got_bytes, const std::vector<std::int64_t>& sh
                           want));
 }
 
+Error labelled(const std::string& label, const Error& err) {
+  const std::string what = err.what();
+  if (what.rfind(label, 0) == 0) return err;
+  return Error(label + " " + what);
+}
+
 }  // namespace kg::lower

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "compile/ptx.hpp"
+#include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
 
 namespace kg::lower {
@@ -50,6 +51,9 @@ void check_args(const compile::PtxEntry& entry, const ArgPack& pack, const std::
 
 // The block against the entry's .reqntid / .maxntid, and the 1024-thread limit.
 void check_block(const compile::PtxEntry& entry, Dim3 block, const std::string& label, int launch = 0);
+
+// `err` with "[op @ node]" in front, unless its message already starts with it.
+Error labelled(const std::string& label, const Error& err);
 
 // A grid with a zero dimension launches nothing: an error.
 void check_grid(Dim3 grid, const std::vector<std::int64_t>& output_shape, const std::string& label,

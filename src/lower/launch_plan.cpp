@@ -28,13 +28,6 @@ std::vector<std::vector<std::int64_t>> input_shapes(const Node& n, const runtime
   return v;
 }
 
-// Errors from a RuntimeOp's own methods name the op and node; ours already start with them.
-Error labelled(const std::string& label, const Error& err) {
-  const std::string what = err.what();
-  if (what.rfind(label, 0) == 0) return err;
-  return Error(label + " " + what);
-}
-
 }  // namespace
 
 RuntimeOpSizes consult_runtime_op(const Node& n, const RuntimeOp& rt,

@@ -17,11 +17,6 @@ namespace kg::cuda {
 
 namespace {
 constexpr unsigned kThreads = 256;
-
-Error labelled(const std::string& label, const Error& e) {
-  const std::string what = e.what();
-  return Error(what.rfind(label, 0) == 0 ? what : label + " " + what);
-}
 }  // namespace
 
 Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const runtime::Plan& plan,
@@ -110,7 +105,7 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
         bw.fns.push_back(ctx_.function(compiled.ptx, entry.name, bw.label));
       }
     } catch (const Error& err) {
-      throw labelled(bw.label, err);
+      throw lower::labelled(bw.label, err);
     } catch (const std::exception& err) {
       throw Error(bw.label + " RuntimeOp failed: " + err.what());
     }
@@ -167,7 +162,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
         ctx_.launch(bw.fns[l], grid, block, bw.rt->backward_dynamic_shared_bytes(li, t), kp.data(), bw.label);
       }
     } catch (const Error& err) {
-      throw labelled(bw.label, err);
+      throw lower::labelled(bw.label, err);
     }
     for (std::size_t i = 0; i < b.inputs.size(); ++i) {
       const runtime::GradTarget& g = b.inputs[i];
