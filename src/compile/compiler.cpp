@@ -1,6 +1,5 @@
 #include "compile/compiler.hpp"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -9,13 +8,10 @@
 #include <sstream>
 
 #include "compile/embedded_sources.hpp"
+#include "compile/nvrtc_loader.hpp"
 #include "compile/ptx.hpp"
 #include "kg/error.hpp"
 #include "util/str.hpp"
-
-#ifdef KG_HAVE_NVRTC
-#include <nvrtc.h>
-#endif
 
 namespace kg::compile {
 namespace fs = std::filesystem;
@@ -51,7 +47,8 @@ bool read_file(const fs::path& p, std::string& out) {
 }
 
 // Writes through a temporary file and rename, so a concurrent reader never sees a torn file.
-void write_atomic(const fs::path& p, const std::string& text) {
+// (Unused in a build without NVRTC.)
+[[maybe_unused]] void write_atomic(const fs::path& p, const std::string& text) {
   fs::path tmp = p;
   tmp += util::cat(".tmp.", ::getpid(), ".", std::hash<std::string>{}(text) & 0xffff);
   {
@@ -69,27 +66,6 @@ void write_atomic(const fs::path& p, const std::string& text) {
   if (ec) fs::remove(tmp, ec);
 }
 
-#ifdef KG_HAVE_NVRTC
-// NVRTC opens libnvrtc-builtins by its soname when it first compiles. That search ignores our
-// executable's run path, so on a machine whose loader does not know the toolkit's library folder
-// it fails. Loading the builtins from the folder libnvrtc itself came from first makes that
-// later open find the library already loaded.
-void preload_nvrtc_builtins() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    Dl_info info{};
-    if (!::dladdr(reinterpret_cast<void*>(&nvrtcCompileProgram), &info) || !info.dli_fname) return;
-    const fs::path dir = fs::path(info.dli_fname).parent_path();
-    int major = 0, minor = 0;
-    nvrtcVersion(&major, &minor);
-    for (const std::string& name : {util::cat("libnvrtc-builtins.so.", major, ".", minor),
-                                   util::cat("libnvrtc-builtins.so.", major), std::string("libnvrtc-builtins.so")}) {
-      if (fs::exists(dir / name) && ::dlopen((dir / name).c_str(), RTLD_NOW | RTLD_GLOBAL)) return;
-    }
-  });
-}
-#endif
-
 }  // namespace
 
 Compiler& Compiler::global() {
@@ -101,16 +77,23 @@ Compiler::Compiler(fs::path cache_dir) : dir_(std::move(cache_dir)) {}
 
 bool Compiler::available() {
 #ifdef KG_HAVE_NVRTC
-  return true;
+  return Nvrtc::get() != nullptr;
 #else
   return false;
 #endif
 }
 
+std::string Compiler::unavailable_reason() {
+#ifdef KG_HAVE_NVRTC
+  return available() ? std::string() : "NVRTC could not be loaded: " + Nvrtc::unavailable_reason();
+#else
+  return "this build has no NVRTC (configured without the CUDA toolkit)";
+#endif
+}
+
 std::string Compiler::nvrtc_version() {
 #ifdef KG_HAVE_NVRTC
-  int major = 0, minor = 0;
-  if (nvrtcVersion(&major, &minor) == NVRTC_SUCCESS) return util::cat(major, ".", minor);
+  if (const Nvrtc* nv = Nvrtc::get()) return util::cat(nv->major, ".", nv->minor);
 #endif
   return "none";
 }
@@ -129,6 +112,11 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
     r.was_ptx = true;
     return r;
   }
+#ifdef KG_HAVE_NVRTC
+  const Nvrtc& nv = Nvrtc::require(name);
+#else
+  throw Error("[" + name + "] " + unavailable_reason());
+#endif
   std::vector<std::string> options = {util::cat("--gpu-architecture=compute_", arch), "--std=c++17",
                                       "--device-as-default-execution-space"};
   options.insert(options.end(), extra_options.begin(), extra_options.end());
@@ -154,36 +142,33 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
       hdr_names.push_back(hname.c_str());
       hdr_src.push_back(htext.c_str());
     }
-    preload_nvrtc_builtins();
     nvrtcProgram prog;
     const std::string file = name + ".cu";
-    if (nvrtcCreateProgram(&prog, source.c_str(), file.c_str(), static_cast<int>(hdr_src.size()), hdr_src.data(),
-                           hdr_names.data()) != NVRTC_SUCCESS)
+    if (nv.nvrtcCreateProgram(&prog, source.c_str(), file.c_str(), static_cast<int>(hdr_src.size()),
+                              hdr_src.data(), hdr_names.data()) != NVRTC_SUCCESS)
       throw Error("[" + name + "] NVRTC could not create a program");
     std::vector<const char*> opts;
     for (const auto& o : options) opts.push_back(o.c_str());
-    nvrtcResult res = nvrtcCompileProgram(prog, static_cast<int>(opts.size()), opts.data());
+    nvrtcResult res = nv.nvrtcCompileProgram(prog, static_cast<int>(opts.size()), opts.data());
     std::size_t log_size = 0;
-    nvrtcGetProgramLogSize(prog, &log_size);
+    nv.nvrtcGetProgramLogSize(prog, &log_size);
     std::string log(log_size, '\0');
-    if (log_size) nvrtcGetProgramLog(prog, log.data());
+    if (log_size) nv.nvrtcGetProgramLog(prog, log.data());
     if (res != NVRTC_SUCCESS) {
-      nvrtcDestroyProgram(&prog);
+      nv.nvrtcDestroyProgram(&prog);
       throw Error(util::cat("[", name, "] NVRTC failed to compile ", file, " for sm_", arch, " (",
-                            nvrtcGetErrorString(res), "):\n", log));
+                            nv.nvrtcGetErrorString(res), "):\n", log));
     }
     std::size_t ptx_size = 0;
-    nvrtcGetPTXSize(prog, &ptx_size);
+    nv.nvrtcGetPTXSize(prog, &ptx_size);
     r.ptx.assign(ptx_size, '\0');
-    nvrtcGetPTX(prog, r.ptx.data());
-    nvrtcDestroyProgram(&prog);
+    nv.nvrtcGetPTX(prog, r.ptx.data());
+    nv.nvrtcDestroyProgram(&prog);
     while (!r.ptx.empty() && r.ptx.back() == '\0') r.ptx.pop_back();
     std::error_code ec;
     fs::create_directories(dir_, ec);
     write_atomic(dir_ / (r.key + ".cu"), source);
     write_atomic(ptx_path, r.ptx);
-#else
-    throw Error("[" + name + "] this build has no NVRTC (configured without the CUDA toolkit)");
 #endif
   }
   std::lock_guard<std::mutex> lk(mu_);

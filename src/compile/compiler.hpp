@@ -24,14 +24,19 @@ class Compiler {
   static Compiler& global();
   explicit Compiler(std::filesystem::path cache_dir);
 
-  // True when this build has NVRTC.
+  // True when this build has the CUDA path and libnvrtc could be opened (it is loaded at run
+  // time, on the first call; see compile/nvrtc_loader.hpp for where it is looked for).
   static bool available();
+  // Why available() is false: no CUDA path in this build, or where libnvrtc was looked for ("" when
+  // it is true).
+  static std::string unavailable_reason();
   // NVRTC's version as "major.minor" ("none" without NVRTC).
   static std::string nvrtc_version();
 
   // Compiles `source` for compute capability `arch` (90 for sm_90). `name` names the op or
   // kernel in errors; a failure carries NVRTC's full log. A source that already is PTX is
-  // returned as is. Our .cuh helpers are given to NVRTC as in-memory headers.
+  // returned as is. Our .cuh helpers are given to NVRTC as in-memory headers. Without NVRTC
+  // (available() is false), anything but PTX throws kg::Error with unavailable_reason().
   CompileResult compile(const std::string& name, const std::string& source, int arch,
                         const std::vector<std::string>& extra_options = {});
 

@@ -13,7 +13,7 @@
 #include "backend/cuda/context.hpp"
 #endif
 #ifdef KG_HAVE_NVRTC
-#include <nvrtc.h>
+#include "compile/nvrtc_loader.hpp"
 #endif
 
 namespace kg::cuda {
@@ -83,9 +83,10 @@ std::vector<int> compile_archs() {
   std::vector<int> archs;
 #ifdef KG_HAVE_NVRTC
   int n = 0;
-  if (nvrtcGetNumSupportedArchs(&n) == NVRTC_SUCCESS && n > 0) {
+  if (const compile::Nvrtc* nv = compile::Nvrtc::get();
+      nv && nv->nvrtcGetNumSupportedArchs(&n) == NVRTC_SUCCESS && n > 0) {
     archs.resize(static_cast<std::size_t>(n));
-    if (nvrtcGetSupportedArchs(archs.data()) != NVRTC_SUCCESS) archs.clear();
+    if (nv->nvrtcGetSupportedArchs(archs.data()) != NVRTC_SUCCESS) archs.clear();
   }
 #endif
   return archs;
