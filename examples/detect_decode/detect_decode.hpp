@@ -5,11 +5,10 @@
 // Output [B, 4, A]: (centre x, centre y, width, height) in pixels.
 //
 // The op holds configuration, not tensors: the anchor grid (cell centres) and the stride of
-// each anchor, plus the kernel's block size. The three arrays reach the GPU as parameters
-// through RuntimeOp::param_init_data.
+// each anchor, plus the kernel's block size. The three arrays reach the kernel as the op's
+// parameters (CustomOp::parameters), initialised from these values and not trainable.
 #pragma once
 
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,34 +39,19 @@ extern "C" __global__ void detect_decode(const float* __restrict__ dist, float* 
 }
 )";
 
-// Launch-time half: argument packing, grid and the three parameters.
+// Launch-time half: argument packing and grid. The parameters arrive in t.params, in the
+// order of DetectDecodeOp::parameters().
 class DetectDecodeRuntime final : public kg::RuntimeOp {
  public:
-  DetectDecodeRuntime(std::vector<float> ax, std::vector<float> ay, std::vector<float> strides, int block_a)
-      : ax_(std::move(ax)), ay_(std::move(ay)), strides_(std::move(strides)), block_a_(block_a) {}
+  explicit DetectDecodeRuntime(int block_a) : block_a_(block_a) {}
 
-  int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    const auto a = static_cast<std::int64_t>(ax_.size());
-    return {{a}, {a}, {a}};
-  }
-  std::vector<std::string> param_names() const override { return {"anchor_x", "anchor_y", "strides"}; }
-  std::optional<std::vector<std::byte>> param_init_data(int i) const override {
-    const std::vector<float>& v = i == 0 ? ax_ : i == 1 ? ay_ : strides_;
-    std::vector<std::byte> bytes(v.size() * sizeof(float));
-    std::memcpy(bytes.data(), v.data(), bytes.size());
-    return bytes;
-  }
-  void pack_args(const std::vector<kg::DeviceTensor>& inputs, const std::vector<kg::DeviceTensor>& params,
-                 const kg::DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 kg::ArgVisitor& v) const override {
-    const auto a = static_cast<std::int32_t>(shape[2]);
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
-    v.pointer(params[0].ptr);
-    v.pointer(params[1].ptr);
-    v.pointer(params[2].ptr);
+  void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+    const auto a = static_cast<std::int32_t>(t.output.shape[2]);
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
+    v.pointer(t.params[0].ptr);
+    v.pointer(t.params[1].ptr);
+    v.pointer(t.params[2].ptr);
     v.i32(a);
     v.i32(tiles(a));
   }
@@ -78,11 +62,10 @@ class DetectDecodeRuntime final : public kg::RuntimeOp {
 
  private:
   std::int32_t tiles(std::int64_t a) const { return static_cast<std::int32_t>((a + block_a_ - 1) / block_a_); }
-  std::vector<float> ax_, ay_, strides_;
   int block_a_;
 };
 
-// Graph-level half: name, shape inference, lowering, and a CPU implementation.
+// Graph-level half: name, shape inference, parameters, lowering, and a CPU implementation.
 class DetectDecodeOp final : public kg::CustomOp {
  public:
   DetectDecodeOp(std::vector<float> anchor_x, std::vector<float> anchor_y, std::vector<float> strides,
@@ -124,9 +107,17 @@ class DetectDecodeOp final : public kg::CustomOp {
     return in[0];
   }
 
-  std::optional<kg::Lowered> lower() const override {
+  // One value per anchor each: the anchor points and strides, constants of the op.
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>&) const override {
+    const auto a = static_cast<std::int64_t>(ax_.size());
+    return {{"anchor_x", {a}, kg::DType::F32, kg::ParamInit::from_values(ax_), false},
+            {"anchor_y", {a}, kg::DType::F32, kg::ParamInit::from_values(ay_), false},
+            {"strides", {a}, kg::DType::F32, kg::ParamInit::from_values(strides_), false}};
+  }
+
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
     return kg::Lowered{"yolo.detect_decode", kDetectDecodeSource, "detect_decode",
-                       std::make_shared<DetectDecodeRuntime>(ax_, ay_, strides_, block_a_)};
+                       std::make_shared<DetectDecodeRuntime>(block_a_)};
   }
 
   void cpu_forward(kg::CpuContext& ctx) const override {
@@ -134,13 +125,16 @@ class DetectDecodeOp final : public kg::CustomOp {
     const std::int64_t B = in.dim(0), A = in.dim(2);
     const float* d = in.data<float>();
     float* o = ctx.output.data<float>();
+    // The parameters, as the kernel gets them (loaded weights replace the op's initial values).
+    const float* pax = ctx.params[0].data<float>();
+    const float* pay = ctx.params[1].data<float>();
+    const float* pst = ctx.params[2].data<float>();
     ctx.parallel_for(B * A, 1024, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t i = begin; i < end; ++i) {
         const std::int64_t b = i / A, a = i % A;
         const float* db = d + b * 4 * A;
         float* ob = o + b * 4 * A;
-        const float s = strides_[static_cast<std::size_t>(a)];
-        const float ax = ax_[static_cast<std::size_t>(a)], ay = ay_[static_cast<std::size_t>(a)];
+        const float s = pst[a], ax = pax[a], ay = pay[a];
         const float x1 = ax - db[a], y1 = ay - db[A + a], x2 = ax + db[2 * A + a], y2 = ay + db[3 * A + a];
         ob[a] = 0.5f * (x1 + x2) * s;
         ob[A + a] = 0.5f * (y1 + y2) * s;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -19,6 +20,28 @@ namespace kg {
 
 class RuntimeOp;  // the launch-time description; see the lowering
 
+// How a graph is lowered: for inference, or for training (backward kernels too).
+enum class LoweringMode { Inference, Training };
+
+// What CustomOp::lower() and lower_backward_source() are told about the node being lowered, so
+// that one op instance can serve every dtype, shape and target.
+struct LowerContext {
+  std::string node;                 // the node's dotted name ("" when lowered outside a model)
+  std::vector<DType> input_dtypes;  // recorded order
+  DType output_dtype = DType::F32;
+  std::vector<Shape> input_shapes;  // as recorded (dynamic dims stay dynamic)
+  Shape output_shape;
+  // Every input's concrete sizes when the lowering happens at load (always, in a model);
+  // empty when an op is lowered without concrete shapes.
+  std::vector<std::vector<std::int64_t>> concrete_input_shapes;
+  std::vector<std::int64_t> concrete_output_shape;
+  LoweringMode mode = LoweringMode::Inference;
+  // The target: the GPU's compute capability ×10 (90 for sm_90), or 0 for the CUDA emulator on
+  // the CPU.
+  int sm = 0;
+  bool emulated() const { return sm == 0; }
+};
+
 // What CustomOp::lower() returns: a kernel and how to launch it.
 struct Lowered {
   std::string name;         // kernel name used in errors and caches
@@ -31,8 +54,8 @@ struct Lowered {
 struct ParamInit {
   enum class Kind { Uniform, Normal, Constant, Data };
   Kind kind = Kind::Constant;
-  double a = 0.0;  // Uniform: low; Normal: mean; Constant: value
-  double b = 0.0;  // Uniform: high; Normal: std
+  double a = 0.0;               // Uniform: low; Normal: mean; Constant: value
+  double b = 0.0;               // Uniform: high; Normal: std
   std::vector<std::byte> data;  // Data: raw bytes, exactly numel × dtype size
 
   static ParamInit uniform(double lo, double hi) { return {Kind::Uniform, lo, hi, {}}; }
@@ -40,6 +63,13 @@ struct ParamInit {
   static ParamInit constant(double v) { return {Kind::Constant, v, 0.0, {}}; }
   static ParamInit from_bytes(std::vector<std::byte> bytes) {
     return {Kind::Data, 0.0, 0.0, std::move(bytes)};
+  }
+  // Data from values of the parameter's element type (e.g. a std::vector<float> for f32).
+  template <class T>
+  static ParamInit from_values(const std::vector<T>& v) {
+    std::vector<std::byte> b(v.size() * sizeof(T));
+    if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+    return from_bytes(std::move(b));
   }
 };
 
@@ -57,8 +87,8 @@ struct ParamSpec {
 class CpuContext {
  public:
   using RangeFn = std::function<void(std::int64_t begin, std::int64_t end)>;
-  CpuContext(std::span<const Tensor> inputs, std::span<const Tensor> params, Tensor output,
-             bool training, std::uint64_t seed);
+  CpuContext(std::span<const Tensor> inputs, std::span<const Tensor> params, Tensor output, bool training,
+             std::uint64_t seed);
   virtual ~CpuContext() = default;
 
   std::span<const Tensor> inputs;  // activation inputs, in recorded order
@@ -91,11 +121,15 @@ class CpuBackwardContext : public CpuContext {
                      Tensor grad_output, std::span<Tensor> grad_inputs, std::span<Tensor> grad_params,
                      bool training, std::uint64_t seed);
 
-  Tensor grad_output;              // same shape and dtype as the output
-  std::span<Tensor> grad_inputs;   // one per input, shaped like it
-  std::span<Tensor> grad_params;   // one per parameter, shaped like it
-  bool wants_input_grad(std::size_t i) const { return i < grad_inputs.size() && grad_inputs[i].raw() != nullptr; }
-  bool wants_param_grad(std::size_t i) const { return i < grad_params.size() && grad_params[i].raw() != nullptr; }
+  Tensor grad_output;             // same shape and dtype as the output
+  std::span<Tensor> grad_inputs;  // one per input, shaped like it
+  std::span<Tensor> grad_params;  // one per parameter, shaped like it
+  bool wants_input_grad(std::size_t i) const {
+    return i < grad_inputs.size() && grad_inputs[i].raw() != nullptr;
+  }
+  bool wants_param_grad(std::size_t i) const {
+    return i < grad_params.size() && grad_params[i].raw() != nullptr;
+  }
 };
 
 // The graph-level description of an operation. Hold configuration here, never per-run state.
@@ -111,17 +145,22 @@ class CustomOp {
   virtual Shape infer_output_shape(const std::vector<Shape>& input_shapes) const = 0;
   // Output dtype from the input dtypes (default: the first input's). Throw for bad dtypes.
   virtual DType infer_output_dtype(const std::vector<DType>& input_dtypes) const;
-  // Parameters the op owns, with concrete shapes (default: none).
-  virtual std::vector<ParamSpec> parameters() const { return {}; }
-  // The GPU kernel for this op; nullopt (the default) means the lowering cannot handle it.
-  virtual std::optional<Lowered> lower() const { return std::nullopt; }
-  // CUDA source of the backward kernels (default: none).
-  virtual std::string lower_backward_source() const { return {}; }
+  // Parameters (and buffers) the op owns, declared once for every device: name, concrete shape
+  // (a function of the inputs' recorded shapes; a dim a parameter needs must be static), dtype,
+  // initialisation, trainable. Called when the op is recorded (default: none).
+  virtual std::vector<ParamSpec> parameters(const std::vector<Shape>& input_shapes) const;
+  // The GPU kernel for this node; nullopt (the default) means the lowering cannot handle it.
+  // Called at load for every device (the CPU too: its launches are checked there, and run under
+  // the emulator when the op has no cpu_forward or the model is loaded checked).
+  virtual std::optional<Lowered> lower(const LowerContext& ctx) const;
+  // CUDA source of the backward kernels, launched as RuntimeOp::backward_launches() says
+  // (default: none, so the op has no lowered backward).
+  virtual std::string lower_backward_source(const LowerContext& ctx) const;
   // Computes the output on the CPU. The default throws "has no CPU implementation".
   virtual void cpu_forward(CpuContext& ctx) const;
   // True when cpu_backward is implemented. Training a model in which this op lies on a path
   // from a parameter to the loss needs a backward: this one on the CPU, or the lowered one
-  // (lower_backward_source() with RuntimeOp::has_backward()) on a GPU and under emulation.
+  // (lower_backward_source() with RuntimeOp::backward_launches()) on a GPU and under emulation.
   virtual bool has_cpu_backward() const { return false; }
   // Writes the gradients of the loss with respect to the wanted inputs and parameters. The
   // seed and training flag are the forward's, so a random op can regenerate its mask.
@@ -140,14 +179,18 @@ class CustomData {
  public:
   explicit CustomData(std::shared_ptr<const CustomOp> op);
   // Builds the op in place: `CustomData::make<MyOp>(args...)`.
-  template <class T, class... Args> static CustomData make(Args&&... args) {
+  template <class T, class... Args>
+  static CustomData make(Args&&... args) {
     return CustomData(std::make_shared<const T>(std::forward<Args>(args)...));
   }
   const CustomOp& op() const { return *op_; }
   const CustomOp* operator->() const { return op_.get(); }
   std::string name() const { return op_->name(); }
   // The op as its concrete type, or nullptr.
-  template <class T> const T* as() const { return dynamic_cast<const T*>(op_.get()); }
+  template <class T>
+  const T* as() const {
+    return dynamic_cast<const T*>(op_.get());
+  }
 
  private:
   std::shared_ptr<const CustomOp> op_;

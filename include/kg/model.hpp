@@ -39,6 +39,15 @@ struct ParamInfo {
 };
 
 struct LoadOptions {
+  // Checked mode, for finding a broken op inside a whole model. On the cpu every lowered op runs
+  // its kernels under the CUDA emulator in checked mode (guard pages, both thread orders) instead
+  // of its cpu_forward; on cuda every buffer a launch touches gets guard regions with canaries.
+  // On both, outputs are poisoned before each launch and verified after it: a canary overwritten,
+  // an output element left unwritten or a fault is an error naming the op, the node, the kernel,
+  // the buffer and the first bad index. Every op then needs a lowering, also on the cpu (an op
+  // without one fails to load with the "not handled" error). Slow; unchecked runs are not
+  // affected.
+  bool checked = false;
   // Fill every planned buffer with NaN (or 0xFF bytes for integers) before each forward, so a
   // test can tell which output elements an op never wrote.
   bool poison_buffers = false;
@@ -91,8 +100,6 @@ class LoadedModel;
 
 // What the graph is lowered for. Inference fuses patterns that are only valid without
 // gradients (BatchNorm folded into the convolution before it); Training keeps every node.
-enum class LoweringMode { Inference, Training };
-
 // A recorded graph with its outputs named, after the optimisation passes.
 class Model {
  public:

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,11 @@ struct CheckOpOptions {
   // Makes input `index` of the given concrete shape (it must have that shape and the input's
   // dtype). Empty: uniform random values in [-1, 1] (integers in {-1, 0, 1}; {0, 1} unsigned).
   std::function<Tensor(int index, const std::vector<std::int64_t>& shape)> make_input;
+  // An independent reference for the output: given the inputs and the parameters (by the names
+  // the op declares), returns what the op should compute. The CPU implementation (or, for an op
+  // without one, the emulated kernel) is compared with it; the other paths with the CPU. Without
+  // it, an op with no CPU implementation has no independent reference (a SKIP line says so).
+  std::function<Tensor(const std::vector<Tensor>& inputs, const std::map<std::string, Tensor>& params)> reference;
 };
 
 struct CheckOpReport {

@@ -119,7 +119,7 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
   try {
     n.shape = data->infer_output_shape(shapes);
     n.dtype = dtype ? *dtype : data->infer_output_dtype(dtypes);
-    n.params = data->parameters();
+    n.params = data->parameters(shapes);
     for (std::size_t i = 0; i < n.params.size(); ++i) {
       if (n.params[i].name.empty()) throw Error(util::cat("parameter ", i, " has an empty name"));
       n.params[i].name = n.name + "." + n.params[i].name;
@@ -135,6 +135,12 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
       throw Error(util::cat(label, " parameter names must be unique and non-empty ('", p.name, "')"));
     for (auto s : p.shape)
       if (s < 0) throw Error(label + " parameter '" + p.name + "' has a negative size");
+    if (p.init.kind == ParamInit::Kind::Data) {
+      const auto want = static_cast<std::size_t>(numel_of(p.shape)) * dtype_size(p.dtype);
+      if (p.init.data.size() != want)
+        throw Error(util::cat(label, " parameter '", p.name, "': init data is ", p.init.data.size(),
+                              " bytes but ", sizes_to_string(p.shape), " × ", dtype_name(p.dtype), " needs ", want));
+    }
   }
   nodes_.push_back(std::move(n));
   return SymTensor(shared_from_this(), nodes_.back().id);
@@ -164,6 +170,10 @@ NoCpuImplementation::NoCpuImplementation()
     : Error("has no CPU implementation (override CustomOp::cpu_forward)") {}
 
 void CustomOp::cpu_forward(CpuContext&) const { throw NoCpuImplementation(); }
+
+std::vector<ParamSpec> CustomOp::parameters(const std::vector<Shape>&) const { return {}; }
+std::optional<Lowered> CustomOp::lower(const LowerContext&) const { return std::nullopt; }
+std::string CustomOp::lower_backward_source(const LowerContext&) const { return {}; }
 
 void CustomOp::cpu_backward(CpuBackwardContext&) const {
   throw Error("has no CPU backward (override CustomOp::cpu_backward and has_cpu_backward)");

@@ -1,9 +1,29 @@
 #include "lower/dry_run.hpp"
 
+#include <map>
+#include <optional>
+
+#include "kg/error.hpp"
 #include "runtime/plan_builder.hpp"
 #include "runtime/shape_binding.hpp"
 
 namespace kg::lower {
+namespace {
+
+// Addresses that look like device memory, 256-byte aligned, one region per buffer.
+class FakeAddresses {
+ public:
+  DevicePtr next(std::size_t bytes) {
+    const DevicePtr p = next_;
+    next_ += (bytes / 256 + 1) * 256;
+    return p;
+  }
+
+ private:
+  DevicePtr next_ = 0x7f0000000000ull;
+};
+
+}  // namespace
 
 DryRun dry_run(const Model& model, const std::vector<std::vector<std::int64_t>>& input_shapes, int arch,
                std::uint64_t seed) {
@@ -12,28 +32,84 @@ DryRun dry_run(const Model& model, const std::vector<std::vector<std::int64_t>>&
   for (const auto& o : model.outputs()) outs.push_back(o.second);
   auto bound = runtime::bind_shapes(model.graph(), model.live_nodes(), input_shapes);
   r.plan = runtime::build_plan(model.graph(), model.live_nodes(), outs, bound, seed);
-  r.lowered = lower_model(model);
-  r.launches = size_launches(model.graph(), r.lowered, r.plan, seed);
-  // Addresses that look like device memory: a 256-byte aligned arena, inputs and parameters
-  // above it.
-  const DevicePtr arena = 0x7f0000000000ull;
-  DevicePtr next = arena + ((r.launches.arena_bytes + 255) / 256 + 1) * 256;
+  r.lowered = lower_model(model, LowerTarget{bound.node_shapes, arch, true});
+  r.launches = size_launches(model.graph(), r.lowered, r.plan);
+  FakeAddresses fake;
+  const DevicePtr arena = fake.next(r.launches.arena_bytes);
   std::vector<DevicePtr> inputs;
-  for (int id : model.graph().inputs()) {
-    inputs.push_back(next);
-    next += (r.plan.values[static_cast<std::size_t>(id)].bytes() / 256 + 1) * 256;
-  }
+  for (int id : model.graph().inputs())
+    inputs.push_back(fake.next(r.plan.values[static_cast<std::size_t>(id)].bytes()));
   std::vector<std::vector<DevicePtr>> params;
   for (const auto& s : r.plan.steps) {
     std::vector<DevicePtr> p;
-    for (const auto& t : s.params) {
-      p.push_back(next);
-      next += (t.nbytes() / 256 + 1) * 256;
-    }
+    for (const auto& t : s.params) p.push_back(fake.next(t.nbytes()));
     params.push_back(p);
   }
   pack_launches(r.launches, model.graph(), r.lowered, r.plan, arch, arena, inputs, params);
   return r;
+}
+
+void check_lowered(const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan) {
+  FakeAddresses fake;
+  std::map<int, const runtime::BackwardStep*> backward;
+  for (const auto& b : plan.training.steps) backward[b.node] = &b;
+  for (const auto& e : lowered.executables) {
+    if (e.view || !e.lowered) continue;
+    const Node& n = graph.node(e.node);
+    const std::string label = n.label();
+    std::size_t si = 0;
+    while (si < plan.steps.size() && plan.steps[si].node != e.node) ++si;
+    if (si == plan.steps.size()) continue;
+    try {
+      LaunchTensors t = shape_tensors(n, plan, si);
+      const RuntimeOp& rt = *e.runtime_op;
+      const std::size_t scratch = rt.scratch_bytes(t);  // sized with every address 0
+      for (auto& x : t.inputs) x.ptr = fake.next(static_cast<std::size_t>(x.numel()) * dtype_size(x.dtype));
+      for (auto& x : t.params) x.ptr = fake.next(static_cast<std::size_t>(x.numel()) * dtype_size(x.dtype));
+      t.output.ptr = fake.next(static_cast<std::size_t>(t.output.numel()) * dtype_size(t.output.dtype));
+      if (scratch) t.scratch = fake.next(scratch);
+      const KernelModule m = make_module(e.name, e.source, e.entry_point, 0);
+      check_launches(m, rt.launches(t), label, "");
+      if (rt.depends_on_run() && lowered.mode == LoweringMode::Training) {
+        // The train-mode launches too, unless the op refuses train mode at these shapes (a
+        // BatchNorm over one value per channel): a train-mode run then reports that.
+        t.training = true;
+        t.seed = 1;
+        std::optional<std::vector<Launch>> train;
+        try {
+          train = rt.launches(t);
+        } catch (const std::exception&) {
+        }
+        if (train) check_launches(m, std::move(*train), label, "");
+      }
+      auto b = backward.find(e.node);
+      if (b == backward.end() || n.op->op().has_cpu_backward() || e.backward_source.empty()) continue;
+      LaunchTensors bt = shape_tensors(n, plan, si);
+      bt.training = lowered.mode == LoweringMode::Training;
+      bt.grad_output = {0, t.output.shape, t.output.dtype};
+      for (const auto& x : t.inputs) bt.grad_inputs.push_back({0, x.shape, x.dtype});
+      for (const auto& x : t.params) bt.grad_params.push_back({0, x.shape, x.dtype});
+      const std::size_t bscratch = rt.backward_scratch_bytes(bt);  // sized with every address 0
+      if (b->second->saves.inputs)
+        for (std::size_t i = 0; i < t.inputs.size(); ++i) bt.inputs[i].ptr = t.inputs[i].ptr;
+      for (std::size_t p = 0; p < t.params.size(); ++p) bt.params[p].ptr = t.params[p].ptr;
+      if (b->second->saves.output) bt.output.ptr = t.output.ptr;
+      bt.grad_output.ptr = fake.next(static_cast<std::size_t>(t.output.numel()) * dtype_size(t.output.dtype));
+      for (std::size_t i = 0; i < t.inputs.size(); ++i)
+        if (i < b->second->inputs.size() && b->second->inputs[i].root >= 0)
+          bt.grad_inputs[i].ptr = fake.next(1);
+      for (std::size_t p = 0; p < t.params.size(); ++p)
+        if (p < b->second->want_param.size() && b->second->want_param[p])
+          bt.grad_params[p].ptr = fake.next(1);
+      if (bscratch) bt.scratch = fake.next(bscratch);
+      const KernelModule bm = make_module(e.name + ".backward", e.backward_source, "", 0);
+      check_launches(bm, rt.backward_launches(bt), label, "backward");
+    } catch (const Error& err) {
+      throw labelled(label, err);
+    } catch (const std::exception& err) {
+      throw Error(label + " RuntimeOp failed: " + err.what());
+    }
+  }
 }
 
 }  // namespace kg::lower

@@ -1,6 +1,7 @@
-// Lowering a model for a GPU architecture without a GPU: every kernel compiled with NVRTC and
-// every launch sized, packed and checked against made-up device addresses. `kgraph compile`
-// and the tests use it; the CUDA backend does the same with real addresses.
+// Lowering a model without running it: every launch described and checked against made-up
+// device addresses. For a GPU architecture every kernel is also compiled with NVRTC and checked
+// against its PTX (`kgraph compile` and the tests use that); for the CPU (arch 0) the checks run
+// against the CUDA signatures, at every load.
 #pragma once
 
 #include <cstdint>
@@ -21,5 +22,11 @@ struct DryRun {
 // Binds `input_shapes`, lowers, sizes and packs every launch for compute capability `arch`.
 DryRun dry_run(const Model& model, const std::vector<std::vector<std::int64_t>>& input_shapes, int arch,
                std::uint64_t seed = 0);
+
+// Describes every lowered node's launches with made-up addresses and checks them against the
+// kernels' CUDA signatures: forward (both modes for run-dependent launches of a training model)
+// and, for the steps of the training plan without a CPU backward, backward. A dry pack costs
+// microseconds per node; the first failure is an error naming the op and the node.
+void check_lowered(const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan);
 
 }  // namespace kg::lower

@@ -1,37 +1,16 @@
 #include "lower/launch_check.hpp"
 
 #include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 
 #include "kg/error.hpp"
 #include "kg/shape.hpp"
 #include "util/str.hpp"
 
 namespace kg::lower {
-
-void ArgPack::add(Kind k, const void* p, std::size_t n) {
-  Arg a{k, std::vector<std::byte>(n)};
-  if (n) std::memcpy(a.data.data(), p, n);
-  args_.push_back(std::move(a));
-}
-
-std::vector<void*> ArgPack::kernel_params() {
-  std::vector<void*> v;
-  for (auto& a : args_) v.push_back(a.data.data());
-  return v;
-}
-
-const char* ArgPack::kind_name(Kind k) {
-  switch (k) {
-    case Kind::Pointer: return "a pointer";
-    case Kind::I32: return "an i32";
-    case Kind::I64: return "an i64";
-    case Kind::U32: return "a u32";
-    case Kind::F32: return "an f32";
-    case Kind::F64: return "an f64";
-    case Kind::Bytes: return "raw bytes";
-  }
-  return "?";
-}
 
 namespace {
 
@@ -42,20 +21,24 @@ std::string ptx_kind(const compile::PtxParam& p) {
   if (p.type == ".b8" && p.bytes != 1) return util::cat(p.bytes, " bytes (a by-value struct)");
   if (p.type == ".u64" || p.type == ".b64") return "8 bytes (.u64: a pointer or a 64-bit integer)";
   if (p.type == ".s64") return "8 bytes (.s64)";
-  if (p.type == ".u32" || p.type == ".s32" || p.type == ".b32") return util::cat("4 bytes (", p.type, ": an integer)");
+  if (p.type == ".u32" || p.type == ".s32" || p.type == ".b32")
+    return util::cat("4 bytes (", p.type, ": an integer)");
   if (p.type == ".f32") return "4 bytes (.f32: a float)";
   if (p.type == ".f64") return "8 bytes (.f64: a double)";
   return util::cat(p.bytes, " bytes (", p.type, ")");
 }
 
-bool compatible(ArgPack::Kind k, std::size_t bytes, const compile::PtxParam& p) {
+bool compatible(KernelArg::Kind k, std::size_t bytes, const compile::PtxParam& p) {
   if (bytes != p.bytes) return false;
   const bool is_float_param = p.type == ".f32" || p.type == ".f64";
   switch (k) {
-    case ArgPack::Kind::F32:
-    case ArgPack::Kind::F64: return is_float_param || p.type == ".b8" || p.type.rfind(".b", 0) == 0;
-    case ArgPack::Kind::Bytes: return true;
-    default: return !is_float_param;
+    case KernelArg::Kind::F32:
+    case KernelArg::Kind::F64:
+      return is_float_param || p.type == ".b8" || p.type.rfind(".b", 0) == 0;
+    case KernelArg::Kind::Bytes:
+      return true;
+    default:
+      return !is_float_param;
   }
 }
 
@@ -73,11 +56,13 @@ const compile::PtxEntry& resolve_entry(const std::vector<compile::PtxEntry>& ent
       if (e.visible) only = &e, ++count;
     if (count == 1) return *only;
     throw Error(util::cat(label, " lower() gave no entry point and the module has ", count,
-                          " visible entries (", util::join(names, ", "), "); name one in Lowered::entry_point"));
+                          " visible entries (", util::join(names, ", "),
+                          "); name one in Lowered::entry_point"));
   }
   for (const auto& e : entries)
     if (e.visible && compile::entry_matches(e.name, entry_point)) return e;
-  throw Error(util::cat(label, " entry point '", entry_point, "' is not a .visible .entry of the compiled module (it has: ",
+  throw Error(util::cat(label, " entry point '", entry_point,
+                        "' is not a .visible .entry of the compiled module (it has: ",
                         names.empty() ? "none" : util::join(names, ", "),
                         "); check the name, and declare the kernel extern \"C\" __global__"));
 }
@@ -91,32 +76,35 @@ void check_args(const compile::PtxEntry& entry, const ArgPack& pack, const std::
   };
   const std::size_t n = std::min(args.size(), entry.params.size());
   for (std::size_t i = 0; i < n; ++i) {
-    if (!compatible(args[i].kind, args[i].data.size(), entry.params[i]))
-      throw Error(util::cat(label, " pack_args", where, ": argument ", i, pname(i), " is ", ptx_kind(entry.params[i]),
-                            " in the kernel but ", ArgPack::kind_name(args[i].kind), " (", args[i].data.size(),
+    if (!compatible(args[i].kind(), args[i].data().size(), entry.params[i]))
+      throw Error(util::cat(label, " pack_args", where, ": argument ", i, pname(i), " is ",
+                            ptx_kind(entry.params[i]), " in the kernel but ",
+                            KernelArg::kind_name(args[i].kind()), " (", args[i].data().size(),
                             " bytes) was visited"));
   }
   if (args.size() < entry.params.size())
-    throw Error(util::cat(label, " pack_args", where, ": the kernel '", entry.name, "' takes ", entry.params.size(),
-                          " arguments but ", args.size(), " were visited; missing argument ", args.size(),
-                          pname(args.size()), " (", ptx_kind(entry.params[args.size()]), ")"));
+    throw Error(util::cat(label, " pack_args", where, ": the kernel '", entry.name, "' takes ",
+                          entry.params.size(), " arguments but ", args.size(),
+                          " were visited; missing argument ", args.size(), pname(args.size()), " (",
+                          ptx_kind(entry.params[args.size()]), ")"));
   if (args.size() > entry.params.size())
-    throw Error(util::cat(label, " pack_args", where, ": the kernel '", entry.name, "' takes ", entry.params.size(),
-                          " arguments but ", args.size(), " were visited"));
+    throw Error(util::cat(label, " pack_args", where, ": the kernel '", entry.name, "' takes ",
+                          entry.params.size(), " arguments but ", args.size(), " were visited"));
 }
 
 void check_block(const compile::PtxEntry& entry, Dim3 block, const std::string& label, int launch) {
   const std::string where = launch ? util::cat(" (launch ", launch, ")") : "";
   const unsigned long long threads = 1ull * block.x * block.y * block.z;
-  if (threads == 0) throw Error(util::cat(label, " block", where, " ", dim3_str(block), " has a zero dimension"));
+  if (threads == 0)
+    throw Error(util::cat(label, " block", where, " ", dim3_str(block), " has a zero dimension"));
   if (threads > 1024)
     throw Error(util::cat(label, " block", where, " ", dim3_str(block), " has ", threads,
                           " threads; the limit is 1024"));
   if (entry.reqntid) {
     const Dim3 r = *entry.reqntid;
     if (r.x != block.x || r.y != block.y || r.z != block.z)
-      throw Error(util::cat(label, " block", where, " ", dim3_str(block), " differs from the kernel's required .reqntid ",
-                            dim3_str(r)));
+      throw Error(util::cat(label, " block", where, " ", dim3_str(block),
+                            " differs from the kernel's required .reqntid ", dim3_str(r)));
   }
   if (entry.maxntid) {
     const Dim3 m = *entry.maxntid;
@@ -127,20 +115,123 @@ void check_block(const compile::PtxEntry& entry, Dim3 block, const std::string& 
   }
 }
 
-void check_grid(Dim3 grid, const std::vector<std::int64_t>& output_shape, const std::string& label, int launch) {
+void check_grid(Dim3 grid, const std::vector<std::int64_t>& output_shape, const std::string& label,
+                int launch) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0)
-    throw Error(util::cat(label, " grid", launch ? util::cat(" (launch ", launch, ")") : "", " ", dim3_str(grid),
-                          " has a zero dimension for output ", sizes_to_string(output_shape),
+    throw Error(util::cat(label, " grid", launch ? util::cat(" (launch ", launch, ")") : "", " ",
+                          dim3_str(grid), " has a zero dimension",
+                          output_shape.empty() ? "" : " for output " + sizes_to_string(output_shape),
                           "; nothing would run"));
 }
 
-void check_param_init(std::size_t got_bytes, const std::vector<std::int64_t>& shape, DType dtype,
-                      const std::string& param_name, const std::string& label) {
-  const std::size_t want = static_cast<std::size_t>(numel_of(shape)) * dtype_size(dtype);
-  if (got_bytes != want)
-    throw Error(util::cat(label, " param_init_data for '", param_name, "' has ", got_bytes, " bytes; its shape ",
-                          sizes_to_string(shape), " × ", dtype_size(dtype), " bytes (", dtype_name(dtype), ") needs ",
-                          want));
+const std::vector<compile::KernelSignature>& source_kernels(const std::string& source) {
+  static std::mutex mu;
+  static std::map<std::size_t,
+                  std::vector<std::pair<std::string, std::unique_ptr<std::vector<compile::KernelSignature>>>>>
+      cache;
+  const std::size_t h = std::hash<std::string>{}(source);
+  std::lock_guard<std::mutex> lk(mu);
+  auto& bucket = cache[h];
+  for (auto& [text, kernels] : bucket)
+    if (text == source) return *kernels;
+  bucket.emplace_back(source,
+                      std::make_unique<std::vector<compile::KernelSignature>>(compile::find_kernels(source)));
+  return *bucket.back().second;
+}
+
+const compile::KernelSignature& resolve_source_entry(const std::vector<compile::KernelSignature>& kernels,
+                                                     const std::string& entry, const std::string& label,
+                                                     const std::string& what) {
+  std::vector<std::string> names;
+  for (const auto& k : kernels) names.push_back(k.name);
+  const std::string module = what.empty() ? "kernel source" : what + " kernel source";
+  if (entry.empty()) {
+    if (kernels.size() == 1) return kernels[0];
+    throw Error(util::cat(label, " no entry point was named and the ", module, " has ", kernels.size(),
+                          " __global__ functions (", names.empty() ? "none" : util::join(names, ", "),
+                          "); name one in ",
+                          what.empty() ? "Lowered::entry_point or Launch::entry" : "Launch::entry"));
+  }
+  for (const auto& k : kernels)
+    if (k.name == entry) return k;
+  throw Error(util::cat(label, " entry point '", entry, "' is not a __global__ function of the ", module,
+                        " (it has: ", names.empty() ? "none" : util::join(names, ", "), ")"));
+}
+
+namespace {
+
+std::string cxx_kind(const compile::ParamClass& c) {
+  using K = compile::ParamClass::Kind;
+  switch (c.kind) {
+    case K::Pointer:
+      return "a pointer";
+    case K::SignedInt:
+      return util::cat("a ", c.bytes, "-byte signed integer");
+    case K::UnsignedInt:
+      return util::cat("a ", c.bytes, "-byte unsigned integer");
+    case K::Float:
+      return c.bytes == 8 ? "a double" : "a float";
+    case K::Unknown:
+      break;
+  }
+  return "a by-value type";
+}
+
+bool matches(const KernelArg& a, const compile::ParamClass& c) {
+  using K = compile::ParamClass::Kind;
+  using A = KernelArg::Kind;
+  if (a.kind() == A::Bytes) return c.bytes == 0 || a.data().size() == c.bytes;
+  switch (c.kind) {
+    case K::Pointer:
+      return a.kind() == A::Pointer;
+    case K::SignedInt:
+    case K::UnsignedInt:
+      return (a.kind() == A::I32 || a.kind() == A::U32 || a.kind() == A::I64) && a.data().size() == c.bytes;
+    case K::Float:
+      return (a.kind() == A::F32 && c.bytes == 4) || (a.kind() == A::F64 && c.bytes == 8);
+    case K::Unknown:
+      return true;
+  }
+  return true;
+}
+
+}  // namespace
+
+void check_launch(const compile::KernelSignature& kernel, const Launch& launch, const std::string& label,
+                  int index, const std::string& what) {
+  const std::string where =
+      util::cat(what.empty() ? "" : " " + what, " launch ", index, " of kernel '", kernel.name, "'");
+  check_grid(launch.grid, {}, label + (what.empty() ? "" : " " + what), index);
+  const unsigned long long threads = 1ull * launch.block.x * launch.block.y * launch.block.z;
+  if (threads == 0 || threads > 1024)
+    throw Error(util::cat(label, where, ": block ", dim3_str(launch.block), " has ", threads,
+                          " threads; a block has 1 to 1024"));
+  if (!kernel.launch_bounds.empty()) {
+    char* end = nullptr;
+    const unsigned long long bound = std::strtoull(kernel.launch_bounds.c_str(), &end, 0);
+    if (end && *end == '\0' && bound > 0 && threads > bound)
+      throw Error(util::cat(label, where, ": block ", dim3_str(launch.block), " has ", threads,
+                            " threads, over the kernel's __launch_bounds__(", bound, ")"));
+  }
+  const auto& args = launch.args.args();
+  const std::size_t want = kernel.param_types.size();
+  auto param = [&](std::size_t i) {
+    const std::string& n = i < kernel.param_names.size() ? kernel.param_names[i] : std::string();
+    return util::cat("argument ", i, n.empty() ? "" : " '" + n + "'", " (", kernel.param_types[i], ")");
+  };
+  for (std::size_t i = 0; i < std::min(args.size(), want); ++i) {
+    const compile::ParamClass c = compile::classify_param_type(kernel.param_types[i]);
+    if (!matches(args[i], c))
+      throw Error(util::cat(label, where, ": ", param(i), " is ", cxx_kind(c), " in the kernel but ",
+                            KernelArg::kind_name(args[i].kind()), " (", args[i].data().size(),
+                            " bytes) was packed"));
+  }
+  if (args.size() < want)
+    throw Error(util::cat(label, where, ": the kernel takes ", want, " arguments but ", args.size(),
+                          " were packed; missing ", param(args.size())));
+  if (args.size() > want)
+    throw Error(
+        util::cat(label, where, ": the kernel takes ", want, " arguments but ", args.size(), " were packed"));
 }
 
 Error labelled(const std::string& label, const Error& err) {

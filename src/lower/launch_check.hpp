@@ -7,37 +7,15 @@
 #include <string>
 #include <vector>
 
+#include "compile/cuda_source.hpp"
 #include "compile/ptx.hpp"
 #include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
 
 namespace kg::lower {
 
-// Collects the arguments a RuntimeOp visits, as bytes ready for a launch.
-class ArgPack final : public ArgVisitor {
- public:
-  enum class Kind { Pointer, I32, I64, U32, F32, F64, Bytes };
-  struct Arg {
-    Kind kind;
-    std::vector<std::byte> data;
-  };
-  void pointer(DevicePtr p) override { add(Kind::Pointer, &p, sizeof p); }
-  void i32(std::int32_t v) override { add(Kind::I32, &v, sizeof v); }
-  void i64(std::int64_t v) override { add(Kind::I64, &v, sizeof v); }
-  void u32(std::uint32_t v) override { add(Kind::U32, &v, sizeof v); }
-  void f32(float v) override { add(Kind::F32, &v, sizeof v); }
-  void f64(double v) override { add(Kind::F64, &v, sizeof v); }
-  void bytes(const void* data, std::size_t n) override { add(Kind::Bytes, data, n); }
-
-  const std::vector<Arg>& args() const { return args_; }
-  // Pointers to each argument's bytes, as cuLaunchKernel's kernelParams wants them.
-  std::vector<void*> kernel_params();
-  static const char* kind_name(Kind k);
-
- private:
-  void add(Kind k, const void* p, std::size_t n);
-  std::vector<Arg> args_;
-};
+// The arguments of a launch, as bytes ready for cuLaunchKernel.
+using ArgPack = KernelArgs;
 
 // The entry named `entry_point` (or the module's only visible entry when empty). `label` is
 // "[op @ node]".
@@ -52,15 +30,28 @@ void check_args(const compile::PtxEntry& entry, const ArgPack& pack, const std::
 // The block against the entry's .reqntid / .maxntid, and the 1024-thread limit.
 void check_block(const compile::PtxEntry& entry, Dim3 block, const std::string& label, int launch = 0);
 
+// The kernels of a CUDA source as the checks need them (parsed once per distinct source).
+const std::vector<compile::KernelSignature>& source_kernels(const std::string& source);
+
+// The kernel `entry` ("" = the only __global__ function) of `kernels`; the error lists the ones
+// there are. `what` says which module ("" for the forward, "backward").
+const compile::KernelSignature& resolve_source_entry(const std::vector<compile::KernelSignature>& kernels,
+                                                     const std::string& entry, const std::string& label,
+                                                     const std::string& what);
+
+// One launch against the kernel's CUDA signature, on any device: grid (no zero dimension), block
+// (1 to 1024 threads, within __launch_bounds__ where that is a number), and every argument's
+// count, width and kind (pointer, integer, float), naming the parameter and its C++ type.
+// `index` numbers the launch in messages; `what` is "" for the forward, "backward" for the
+// backward.
+void check_launch(const compile::KernelSignature& kernel, const Launch& launch, const std::string& label,
+                  int index, const std::string& what);
+
 // `err` with "[op @ node]" in front, unless its message already starts with it.
 Error labelled(const std::string& label, const Error& err);
 
 // A grid with a zero dimension launches nothing: an error.
 void check_grid(Dim3 grid, const std::vector<std::int64_t>& output_shape, const std::string& label,
                 int launch = 0);
-
-// param_init_data bytes against shape × dtype size.
-void check_param_init(std::size_t got_bytes, const std::vector<std::int64_t>& shape, DType dtype,
-                      const std::string& param_name, const std::string& label);
 
 }  // namespace kg::lower

@@ -1,16 +1,16 @@
-// Turning a lowered graph into launches, without touching a device: sizes (row strides,
-// scratch, RuntimeOp parameters), then compilation, entry resolution, grids, blocks and packed,
-// checked arguments for given base addresses. The CUDA backend runs the result on a GPU; with
-// made-up addresses it checks a model's kernels on a machine without one.
+// Turning a lowered graph into launches, without touching a device: scratch sizes, then
+// compilation (for a GPU), entry resolution, and the launches each RuntimeOp describes, checked
+// against the kernel's CUDA signature on every device and against its PTX on a GPU. The CUDA
+// backend runs the result on a GPU; with made-up addresses the same checks run at load on the CPU.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "compile/cuda_source.hpp"
 #include "compile/ptx.hpp"
 #include "kg/model.hpp"
 #include "lower/launch_check.hpp"
@@ -19,70 +19,68 @@
 
 namespace kg::lower {
 
-struct LaunchSpec {
-  Dim3 grid, block;
-  std::size_t shared = 0;
-  ArgPack args;
+// A kernel module as the checks and launches need it: the source's signatures always, the PTX
+// and its entries when compiled for a GPU (arch > 0).
+struct KernelModule {
+  std::string name;           // the kernel name in errors and caches
+  std::string source;         // CUDA C++ (or PTX)
+  std::string default_entry;  // Launch::entry "" means this one ("" = the only one)
+  const std::vector<compile::KernelSignature>* kernels = nullptr;  // empty for a PTX source
+  std::string ptx;
+  std::vector<compile::PtxEntry> ptx_entries;
 };
+
+// Parses (and, for arch > 0, compiles through the shared compiler and its caches) `source`.
+KernelModule make_module(const std::string& name, const std::string& source, const std::string& default_entry,
+                         int arch);
+
+// A launch after the checks: the entry resolved (its name in the source, and in the PTX when
+// compiled).
+struct CheckedLaunch {
+  Launch launch;
+  std::string entry;      // the __global__ function's name in the source
+  std::string ptx_entry;  // its PTX name ("" when not compiled)
+};
+
+// Checks every launch of `launches` against `module` (see check_launch; on a GPU also the PTX
+// parameter list and .reqntid/.maxntid). `what` is "" for the forward, "backward" for the
+// backward. An empty list is an error.
+std::vector<CheckedLaunch> check_launches(const KernelModule& module, std::vector<Launch> launches,
+                                          const std::string& label, const std::string& what);
 
 struct StepLaunches {
   int node = -1;
-  std::string label;        // "[op @ node]"
-  std::string kernel_name;  // Lowered::name
-  std::string ptx;
-  std::string entry;  // the PTX entry name
+  std::string label;  // "[op @ node]"
+  KernelModule module;
+  std::vector<CheckedLaunch> launches;
   std::size_t scratch_bytes = 0;
   std::size_t scratch_offset = 0;  // in the arena
-  std::vector<LaunchSpec> launches;
-  // What packing needs again for a RuntimeOp whose launches depend on the run.
   std::shared_ptr<RuntimeOp> runtime_op;
   bool depends_on_run = false;
-  compile::PtxEntry entry_info;
-  std::vector<std::string> arg_names;
-  std::vector<DeviceTensor> inputs, params;
-  DeviceTensor output;
-  DevicePtr scratch = 0;
-  std::int64_t row_stride = 0;
+  LaunchTensors tensors;  // addresses and shapes; training and seed set per run
 };
 
 struct LaunchPlan {
-  std::vector<StepLaunches> steps;       // one per non-view executable, in order
-  std::vector<std::int64_t> row_stride;  // by node id: elements between output rows
-  std::vector<std::size_t> value_bytes;  // by node id: buffer bytes (padded rows included)
+  std::vector<StepLaunches> steps;  // one per lowered non-view executable, in order
   std::size_t arena_bytes = 0;
 };
 
-// What a RuntimeOp says about one node at concrete shapes, checked against the graph.
-struct RuntimeOpSizes {
-  std::vector<ParamSpec> new_specs;  // parameters the RuntimeOp declares for an op without its own
-  std::vector<Tensor> new_params;    // their initial values (param_init_data, else zeros)
-  std::int64_t row_stride = 0;       // elements between output rows
-  std::size_t scratch_bytes = 0;
-};
+// The tensors of node `n` with every address 0: what RuntimeOp sizing sees.
+LaunchTensors shape_tensors(const Node& n, const runtime::Plan& plan, std::size_t step);
 
-// Checks the RuntimeOp of node `n` (activation inputs, concrete output shape, parameter shapes
-// against `specs`, the node's own) and sizes its output rows and scratch. Errors name the node.
-RuntimeOpSizes consult_runtime_op(const Node& n, const RuntimeOp& rt,
-                                  const std::vector<std::vector<std::int64_t>>& in_shapes,
-                                  const std::vector<std::int64_t>& out_shape,
-                                  const std::vector<ParamSpec>& specs, std::mt19937_64& rng);
+// Phase 1: sizes each RuntimeOp's scratch and places activations and scratch in one arena
+// (plan.memory filled).
+LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtime::Plan& plan);
 
-// Phase 1: checks each RuntimeOp against the graph (activation inputs, concrete output shape,
-// parameter shapes), adds RuntimeOp-declared parameters to `plan` (param_init_data checked),
-// sizes row strides and scratch, and places everything in one arena (plan.memory filled).
-LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtime::Plan& plan,
-                         std::uint64_t seed);
-
-// Phase 2: compiles every kernel for `arch` (through the shared compiler and its caches),
-// resolves entry points, and sizes and packs every launch for the given addresses, checking
-// grids, blocks and arguments. `params[i]` are the addresses of plan.steps[i]'s parameters.
+// Phase 2: builds every kernel module for `arch` (0: parse only, as on the CPU), and describes
+// and checks every launch for the given addresses. `params[i]` are the addresses of
+// plan.steps[i]'s parameters.
 void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan,
                    int arch, DevicePtr arena, const std::vector<DevicePtr>& inputs,
                    const std::vector<std::vector<DevicePtr>>& params);
 
-// Sizes and packs the launches of one step (already through pack_launches) for `run`, with the
-// same checks: grids, blocks and arguments against the PTX.
-void pack_step(StepLaunches& sl, const RunInfo& run);
+// Describes and checks the launches of one step (already through pack_launches) for a run.
+void pack_step(StepLaunches& sl, bool training, std::uint64_t seed);
 
 // The address of a node's output for the given arena and input addresses.
 DevicePtr value_address(const runtime::Plan& plan, int node, DevicePtr arena,

@@ -1,64 +1,76 @@
-// Default behaviour of RuntimeOp: right for a single-launch inference op.
-#include "kg/runtime_op.hpp"
+// Default behaviour of RuntimeOp (right for a single-launch inference op) and the typed kernel
+// arguments.
+#include <cstring>
+
 #include "kg/error.hpp"
+#include "kg/runtime_op.hpp"
+#include "kg/shape.hpp"
 #include "util/str.hpp"
 
 namespace kg {
 
-std::vector<std::vector<std::int64_t>> RuntimeOp::param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                               const std::vector<std::int64_t>&) const {
-  return {};
+std::int64_t DeviceTensor::numel() const { return numel_of(shape); }
+
+KernelArg::KernelArg(Kind kind, const void* data, std::size_t n) : kind_(kind), data_(n) {
+  if (n) std::memcpy(data_.data(), data, n);
 }
-std::vector<std::string> RuntimeOp::param_names() const { return {}; }
-DType RuntimeOp::param_dtype(int) const { return DType::F32; }
-std::optional<std::vector<std::byte>> RuntimeOp::param_init_data(int) const { return std::nullopt; }
-std::size_t RuntimeOp::scratch_bytes(const std::vector<std::vector<std::int64_t>>&,
-                                     const std::vector<std::int64_t>&) const {
-  return 0;
-}
-std::size_t RuntimeOp::dynamic_shared_bytes(const std::vector<std::int64_t>&) const { return 0; }
-int RuntimeOp::n_launches(const std::vector<std::int64_t>&) const { return 1; }
-void RuntimeOp::pack_args_for_launch(int, const std::vector<DeviceTensor>& inputs,
-                                     const std::vector<DeviceTensor>& params, const DeviceTensor& output,
-                                     const std::vector<std::int64_t>& output_shape, std::int64_t output_row_stride,
-                                     DevicePtr, ArgVisitor& visitor) const {
-  pack_args(inputs, params, output, output_shape, output_row_stride, visitor);
-}
-Dim3 RuntimeOp::grid_for_launch(int, const std::vector<std::int64_t>& output_shape) const {
-  return grid(output_shape);
-}
-Dim3 RuntimeOp::block_for_launch(int) const { return block(); }
-std::int64_t RuntimeOp::forward_output_row_stride(const std::vector<std::int64_t>& output_shape) const {
-  return output_shape.empty() ? 1 : output_shape.back();
-}
-std::optional<std::vector<std::int64_t>> RuntimeOp::compute_concrete_output_shape(
-    const std::vector<std::vector<std::int64_t>>&) const {
-  return std::nullopt;
+KernelArg::KernelArg(const DeviceTensor& t) : KernelArg(Kind::Pointer, &t.ptr, sizeof t.ptr) {}
+KernelArg::KernelArg(std::int32_t v) : KernelArg(Kind::I32, &v, sizeof v) {}
+KernelArg::KernelArg(std::int64_t v) : KernelArg(Kind::I64, &v, sizeof v) {}
+KernelArg::KernelArg(std::uint32_t v) : KernelArg(Kind::U32, &v, sizeof v) {}
+KernelArg::KernelArg(float v) : KernelArg(Kind::F32, &v, sizeof v) {}
+KernelArg::KernelArg(double v) : KernelArg(Kind::F64, &v, sizeof v) {}
+
+const char* KernelArg::kind_name(Kind k) {
+  switch (k) {
+    case Kind::Pointer:
+      return "a pointer";
+    case Kind::I32:
+      return "an i32";
+    case Kind::I64:
+      return "an i64";
+    case Kind::U32:
+      return "a u32";
+    case Kind::F32:
+      return "an f32";
+    case Kind::F64:
+      return "an f64";
+    case Kind::Bytes:
+      return "raw bytes";
+  }
+  return "?";
 }
 
-bool RuntimeOp::supports_train_mode() const { return true; }
+KernelArg ptr(DevicePtr p) { return KernelArg(KernelArg::Kind::Pointer, &p, sizeof p); }
+KernelArg raw_bytes(const void* data, std::size_t n) { return KernelArg(KernelArg::Kind::Bytes, data, n); }
+
+std::vector<void*> KernelArgs::kernel_params() const {
+  std::vector<void*> v;
+  for (const auto& a : args_) v.push_back(const_cast<std::byte*>(a.data().data()));
+  return v;
+}
+
+void RuntimeOp::pack_args(const LaunchTensors&, ArgVisitor&) const {
+  throw Error("RuntimeOp describes no launch: override pack_args() (one launch) or launches()");
+}
+Dim3 RuntimeOp::block() const { return {256, 1, 1}; }
+Dim3 RuntimeOp::grid(const std::vector<std::int64_t>& output_shape) const {
+  const std::int64_t n = numel_of(output_shape), b = std::max<std::int64_t>(1, block().x);
+  return {static_cast<unsigned>((n + b - 1) / b), 1, 1};
+}
+std::vector<Launch> RuntimeOp::launches(const LaunchTensors& t) const {
+  Launch l;
+  l.block = block();
+  l.grid = grid(t.output.shape);
+  pack_args(t, l.args);
+  std::vector<Launch> v;
+  v.push_back(std::move(l));
+  return v;
+}
 bool RuntimeOp::depends_on_run() const { return false; }
-int RuntimeOp::n_launches_for_run(const RunInfo&, const std::vector<std::int64_t>& output_shape) const {
-  return n_launches(output_shape);
-}
-Dim3 RuntimeOp::grid_for_run(const RunInfo&, int launch, const std::vector<std::int64_t>& output_shape) const {
-  return grid_for_launch(launch, output_shape);
-}
-void RuntimeOp::pack_args_for_run(const RunInfo&, int launch, const std::vector<DeviceTensor>& inputs,
-                                  const std::vector<DeviceTensor>& params, const DeviceTensor& output,
-                                  const std::vector<std::int64_t>& output_shape, std::int64_t output_row_stride,
-                                  DevicePtr scratch, ArgVisitor& visitor) const {
-  pack_args_for_launch(launch, inputs, params, output, output_shape, output_row_stride, scratch, visitor);
-}
-bool RuntimeOp::has_backward() const { return false; }
-int RuntimeOp::n_backward_launches(const BackwardTensors&) const { return 1; }
-std::string RuntimeOp::backward_entry_point(int) const { return {}; }
-void RuntimeOp::pack_backward_args(int, const BackwardTensors&, ArgVisitor&) const {
-  throw Error("has_backward() is true but RuntimeOp::pack_backward_args is not overridden");
-}
-Dim3 RuntimeOp::backward_block(int) const { return block(); }
-Dim3 RuntimeOp::backward_grid(int, const BackwardTensors& t) const { return grid(t.grad_output.shape); }
-std::size_t RuntimeOp::backward_dynamic_shared_bytes(int, const BackwardTensors&) const { return 0; }
-std::size_t RuntimeOp::backward_scratch_bytes(const BackwardTensors&) const { return 0; }
+std::size_t RuntimeOp::scratch_bytes(const LaunchTensors&) const { return 0; }
+bool RuntimeOp::supports_train_mode() const { return true; }
+std::vector<Launch> RuntimeOp::backward_launches(const LaunchTensors&) const { return {}; }
+std::size_t RuntimeOp::backward_scratch_bytes(const LaunchTensors&) const { return 0; }
 
 }  // namespace kg

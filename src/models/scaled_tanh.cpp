@@ -62,31 +62,25 @@ class ScaledTanhRuntime final : public RuntimeOp {
  public:
   ScaledTanhRuntime(DType dtype, double a, double s) : dtype_(dtype), a_(a), s_(s) {}
 
-  int n_activation_inputs() const override { return 1; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    v.pointer(inputs.at(0).ptr);
-    v.pointer(output.ptr);
-    v.i64(numel_of(shape));
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.inputs.at(0).ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.output.numel());
     scalars(v);
   }
   Dim3 block() const override { return {kThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return blocks_for(numel_of(shape)); }
 
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors&) const override { return 1; }
-  std::string backward_entry_point(int) const override { return "lenet_scaled_tanh_backward"; }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
-    v.pointer(t.output.ptr);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.empty() ? DevicePtr{0} : t.grad_inputs[0].ptr);
-    v.i64(numel_of(t.grad_output.shape));
-    scalars(v);
-  }
-  Dim3 backward_block(int) const override { return {kThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override {
-    return blocks_for(numel_of(t.grad_output.shape));
+  // One launch; dx is null (the kernel does nothing) when no input gradient is wanted.
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    Launch l;
+    l.entry = "lenet_scaled_tanh_backward";
+    l.block = {kThreads, 1, 1};
+    l.grid = blocks_for(t.grad_output.numel());
+    l.args = {t.output, t.grad_output, ptr(t.grad_inputs.empty() ? DevicePtr{0} : t.grad_inputs[0].ptr),
+              t.grad_output.numel()};
+    scalars(l.args);
+    return {l};
   }
 
  private:
@@ -157,12 +151,14 @@ DType ScaledTanh::infer_output_dtype(const std::vector<DType>& in) const {
   return in[0];
 }
 
-std::optional<Lowered> ScaledTanh::lower() const {
+std::optional<Lowered> ScaledTanh::lower(const LowerContext&) const {
   return Lowered{name(), with_scalar(dtype_, kForwardSource), "lenet_scaled_tanh_forward",
                  std::make_shared<ScaledTanhRuntime>(dtype_, a_, s_)};
 }
 
-std::string ScaledTanh::lower_backward_source() const { return with_scalar(dtype_, kBackwardSource); }
+std::string ScaledTanh::lower_backward_source(const LowerContext&) const {
+  return with_scalar(dtype_, kBackwardSource);
+}
 
 void ScaledTanh::cpu_forward(CpuContext& ctx) const {
   if (dtype_ == DType::F64)

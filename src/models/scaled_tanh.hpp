@@ -21,8 +21,8 @@ class ScaledTanh final : public CustomOp {
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
   DType infer_output_dtype(const std::vector<DType>& in) const override;
 
-  std::optional<Lowered> lower() const override;
-  std::string lower_backward_source() const override;
+  std::optional<Lowered> lower(const LowerContext& ctx) const override;
+  std::string lower_backward_source(const LowerContext& ctx) const override;
 
   void cpu_forward(CpuContext& ctx) const override;
   bool has_cpu_backward() const override { return true; }

@@ -35,12 +35,10 @@
 #include <thread>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define KG_CONV_AVX512 1
-#else
-#define KG_CONV_AVX512 0
-#endif
+// The AVX-512 kernels are compiled for AVX-512F whatever the build's -march and chosen at run
+// time when the CPU has it (util/cpu.hpp).
+#include "util/cpu.hpp"
+#define KG_CONV_AVX512 KG_HAVE_AVX512_PATHS
 
 #include "ops/blas.hpp"
 #include "ops/conv_gpu.hpp"
@@ -99,7 +97,10 @@ void epilogue_row(const Epilogue<T>& ep, std::int64_t o, std::int64_t n, const T
   if (ep.act && !relu) apply_unary<T>(*ep.act, dst, dst, n);
 }
 
+using util::cpu_has_avx512f;
+
 #if KG_CONV_AVX512
+KG_AVX512_BEGIN
 // Lanes [lo, hi) of a 16-lane mask (empty when hi <= lo); lo, hi in [0, 16].
 inline __mmask16 lane_range(std::int64_t lo, std::int64_t hi) {
   if (hi <= lo) return 0;
@@ -142,6 +143,7 @@ inline bool gather_row_avx(const float* row, std::int64_t w, std::int64_t ix0, s
   }
   return true;
 }
+KG_AVX512_END
 #endif
 
 // d[j] = row[ix0 + j * sw] for j in [0, n), 0 where the index falls outside [0, w) or when
@@ -150,7 +152,7 @@ template <class T>
 void gather_row(const T* row, std::int64_t w, std::int64_t ix0, std::int64_t sw, std::int64_t n, T* d) {
 #if KG_CONV_AVX512
   if constexpr (std::is_same_v<T, float>)
-    if (gather_row_avx(row, w, ix0, sw, n, d)) return;
+    if (cpu_has_avx512f() && gather_row_avx(row, w, ix0, sw, n, d)) return;
 #endif
   if (!row) {
     std::fill(d, d + n, T(0));
@@ -368,6 +370,7 @@ void conv_depthwise(const ConvGeom& g, const T* x, const T* w, const Epilogue<T>
 // ---- Direct and Packed: the AVX-512 single-precision kernel ----
 
 #if KG_CONV_AVX512
+KG_AVX512_BEGIN
 namespace avx {
 
 constexpr std::int64_t kMR = 8;     // output channels per kernel call
@@ -988,6 +991,7 @@ void conv_packed(const ConvGeom& g, const float* x, const float* w, const Epilog
 }
 
 }  // namespace avx
+KG_AVX512_END
 #endif
 
 // ---- choosing the algorithm ----
@@ -1000,7 +1004,7 @@ bool algo_available(ConvAlgo algo, DType dtype) {
       return true;
     case ConvAlgo::Direct:
     case ConvAlgo::Packed:
-      return KG_CONV_AVX512 && dtype == DType::F32;
+      return KG_CONV_AVX512 && dtype == DType::F32 && cpu_has_avx512f();
   }
   return false;
 }
@@ -1145,49 +1149,56 @@ void col2im_runs(const ConvGeom& g, T* dx, std::int64_t c0, std::int64_t k0, std
 // the pixels. For few output channels and taps the BLAS spends more time packing its operands
 // than multiplying (each element is used m or n times); this kernel reads them in place, 4 rows
 // of each at a time against 16 accumulator vectors, over 64-byte vectors of pixels.
+#if KG_CONV_AVX512
+KG_AVX512_BEGIN  // 64-byte vectors: AVX-512 registers where the CPU has them (checked by the caller)
+#endif
+template <class T, int MB, int NB>
+void dot_block(std::int64_t i0, std::int64_t j0, std::int64_t kd, const T* a, std::int64_t lda, const T* b,
+               std::int64_t ldb, T* c, std::int64_t ldc) {
+  constexpr int L = 64 / sizeof(T);  // lanes of a vector
+  typedef T Vec __attribute__((vector_size(64)));
+  Vec acc[MB][NB] = {};
+  std::int64_t k = 0;
+  for (; k + L <= kd; k += L) {
+    Vec av[MB], bv[NB];
+    for (int i = 0; i < MB; ++i) std::memcpy(&av[i], a + (i0 + i) * lda + k, sizeof(Vec));
+    for (int j = 0; j < NB; ++j) std::memcpy(&bv[j], b + (j0 + j) * ldb + k, sizeof(Vec));
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j] += av[i] * bv[j];
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      T sum = T(0);
+      for (int l = 0; l < L; ++l) sum += acc[i][j][l];
+      for (std::int64_t kk = k; kk < kd; ++kk) sum += a[(i0 + i) * lda + kk] * b[(j0 + j) * ldb + kk];
+      c[(i0 + i) * ldc + j0 + j] += sum;
+    }
+}
+
+template <class T, int MB>
+void dot_row_block(std::int64_t i0, std::int64_t n, std::int64_t kd, const T* a, std::int64_t lda, const T* b,
+                   std::int64_t ldb, T* c, std::int64_t ldc) {
+  std::int64_t j0 = 0;
+  for (; j0 + 4 <= n; j0 += 4) dot_block<T, MB, 4>(i0, j0, kd, a, lda, b, ldb, c, ldc);
+  for (; j0 < n; ++j0) dot_block<T, MB, 1>(i0, j0, kd, a, lda, b, ldb, c, ldc);
+}
+
 template <class T>
 void dot_rows(std::int64_t m, std::int64_t n, std::int64_t kd, const T* a, std::int64_t lda, const T* b,
               std::int64_t ldb, T* c, std::int64_t ldc) {
-  constexpr int L = 64 / sizeof(T);  // lanes of a vector
-  typedef T Vec __attribute__((vector_size(64)));
-  auto load = [](const T* p) {
-    Vec v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  };
-  auto block = [&]<int MB, int NB>(std::int64_t i0, std::int64_t j0) {
-    Vec acc[MB][NB] = {};
-    std::int64_t k = 0;
-    for (; k + L <= kd; k += L) {
-      Vec av[MB], bv[NB];
-      for (int i = 0; i < MB; ++i) av[i] = load(a + (i0 + i) * lda + k);
-      for (int j = 0; j < NB; ++j) bv[j] = load(b + (j0 + j) * ldb + k);
-      for (int i = 0; i < MB; ++i)
-        for (int j = 0; j < NB; ++j) acc[i][j] += av[i] * bv[j];
-    }
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) {
-        T sum = T(0);
-        for (int l = 0; l < L; ++l) sum += acc[i][j][l];
-        for (std::int64_t kk = k; kk < kd; ++kk) sum += a[(i0 + i) * lda + kk] * b[(j0 + j) * ldb + kk];
-        c[(i0 + i) * ldc + j0 + j] += sum;
-      }
-  };
-  auto rows = [&]<int MB>(std::int64_t i0) {
-    std::int64_t j0 = 0;
-    for (; j0 + 4 <= n; j0 += 4) block.template operator()<MB, 4>(i0, j0);
-    for (; j0 < n; ++j0) block.template operator()<MB, 1>(i0, j0);
-  };
   std::int64_t i0 = 0;
-  for (; i0 + 4 <= m; i0 += 4) rows.template operator()<4>(i0);
-  for (; i0 < m; ++i0) rows.template operator()<1>(i0);
+  for (; i0 + 4 <= m; i0 += 4) dot_row_block<T, 4>(i0, n, kd, a, lda, b, ldb, c, ldc);
+  for (; i0 < m; ++i0) dot_row_block<T, 1>(i0, n, kd, a, lda, b, ldb, c, ldc);
 }
+#if KG_CONV_AVX512
+KG_AVX512_END
+#endif
 
 // The weight gradient's GEMM: dot_rows where the BLAS would mostly pack, else the BLAS.
 template <class T>
 void weight_grad_gemm(std::int64_t og, std::int64_t kdim, std::int64_t cnt, const T* dy, std::int64_t ld_dy,
                       const T* col, std::int64_t ld_col, T* dw) {
-  if (og * kdim <= 4096)
+  if (og * kdim <= 4096 && (!KG_CONV_AVX512 || cpu_has_avx512f()))
     dot_rows(og, kdim, cnt, dy, ld_dy, col, ld_col, dw, kdim);
   else
     gemm(false, true, og, kdim, cnt, T(1), dy, ld_dy, col, ld_col, T(1), dw, kdim);
@@ -1320,7 +1331,7 @@ void conv2d_backward(const ConvGeom& g, const T* x, const T* w, const T* dy, T* 
           bool packed = false;
 #if KG_CONV_AVX512
           if constexpr (std::is_same_v<T, float>) {
-            if (g.sw <= 2) {
+            if (g.sw <= 2 && cpu_has_avx512f()) {
               avx::RunPacker(g, x, grp * cg, runs).pack(0, kdim, col, cnt);
               packed = true;
             }
@@ -1377,6 +1388,31 @@ void conv2d_cpu(const Conv2dOp& op, ConvAlgo algo, CpuContext& ctx) {
   });
 }
 
+namespace {
+
+// The GPU lowering's view of a convolution (conv_gpu.hpp).
+ConvGpuConfig gpu_config(const Conv2dOp& op) {
+  ConvGpuConfig c;
+  c.in_channels = op.in_channels();
+  c.out_channels = op.out_channels();
+  c.kernel = op.kernel();
+  c.options = op.options();
+  c.dtype = op.dtype();
+  return c;
+}
+
+// ... and of a fused one, with its epilogue.
+ConvGpuConfig gpu_config(const FusedConv2dOp& op) {
+  ConvGpuConfig c = gpu_config(op.conv());
+  c.batch_norm = op.spec().batch_norm;
+  c.bn_eps = op.spec().bn_eps;
+  c.residual = op.spec().residual;
+  c.activation = op.spec().activation;
+  return c;
+}
+
+}  // namespace
+
 // ---- nn.conv2d ----
 
 Conv2dOp::Conv2dOp(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel,
@@ -1429,7 +1465,7 @@ DType Conv2dOp::infer_output_dtype(const std::vector<DType>& in) const {
   return t;
 }
 
-std::vector<ParamSpec> Conv2dOp::parameters() const {
+std::vector<ParamSpec> Conv2dOp::parameters(const std::vector<Shape>&) const {
   // PyTorch: kaiming_uniform(a=sqrt(5)) gives U(-1/sqrt(fan_in), 1/sqrt(fan_in)); the bias the same.
   const std::int64_t cg = in_ / opt_.groups;
   const std::int64_t fan_in = cg * kernel_.h * kernel_.w;
@@ -1442,9 +1478,11 @@ std::vector<ParamSpec> Conv2dOp::parameters() const {
 
 void Conv2dOp::cpu_forward(CpuContext& ctx) const { conv2d_cpu(*this, ConvAlgo::Auto, ctx); }
 
-std::optional<Lowered> Conv2dOp::lower() const { return lower_conv2d(*this); }
+std::optional<Lowered> Conv2dOp::lower(const LowerContext&) const {
+  return lower_conv(gpu_config(*this), name());
+}
 
-std::string Conv2dOp::lower_backward_source() const { return conv2d_backward_source(); }
+std::string Conv2dOp::lower_backward_source(const LowerContext&) const { return conv2d_backward_source(); }
 
 void Conv2dOp::cpu_backward(CpuBackwardContext& ctx) const {
   const Tensor& x = ctx.inputs[0];
@@ -1464,7 +1502,9 @@ void Conv2dOp::cpu_backward(CpuBackwardContext& ctx) const {
 FusedConv2dOp::FusedConv2dOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params)
     : conv_(std::move(conv)), spec_(std::move(spec)), params_(std::move(params)) {}
 
-std::optional<Lowered> FusedConv2dOp::lower() const { return lower_fused_conv2d(*this); }
+std::optional<Lowered> FusedConv2dOp::lower(const LowerContext&) const {
+  return lower_conv(gpu_config(*this), name());
+}
 
 std::string FusedConv2dOp::attributes() const {
   std::vector<std::string> parts;

@@ -33,26 +33,8 @@
 // from ops/conv_gpu.cpp: elementwise.cu for an activation's formula, this file up to the
 // "---- entries ----" line, and one entry with the same parameters as those below that calls
 // kg_conv2d_direct, kg_conv2d_gemm or kg_conv2d_tiled with an activation functor.
+#include "conv_shared.cuh"  // KG_CONV_* and KgConvShape, shared with ops/conv_gpu.cpp
 #include "kg_device.cuh"
-
-#define KG_CONV_THREADS 256
-#define KG_CONV_BM 64
-#define KG_CONV_BN 64
-#define KG_CONV_BK 16
-
-// The concrete geometry, passed by value (host: ConvGpuShape in ops/conv_gpu.cpp, same layout).
-struct KgConvShape {
-  long long n, c, h, w;      // input
-  long long o, ho, wo;       // output channels and size
-  long long kh, kw;          // kernel
-  long long sh, sw, ph, pw;  // stride, padding
-  long long dh, dw;          // dilation
-  long long groups;
-  long long ocb;  // direct: output channels per thread (1, 2 or 4)
-  // tiled: output tile rows and columns, input channels staged at a time, output channels per
-  // block (a multiple of OCB), tiles across and channel chunks per group
-  long long tile_h, tile_w, cc, och, tiles_w, tiles_h, chunks;
-};
 
 template <class T>
 struct KgConvEpilogue {
@@ -174,8 +156,8 @@ __device__ __forceinline__ void kg_conv2d_direct(const T* __restrict__ x, const 
 
 // ---- tiled (stride 1, no dilation) ----
 // Grid: x over n × groups × channel chunks × tiles_h × tiles_w blocks. Dynamic shared memory:
-// the input window, cc × (tile_h + KH - 1) × (tile_w + KW - 1), rounded up to 16 bytes, then the
-// weights, cc × KH × KW × och.
+// the input window, cc × (tile_h + KH - 1) × (tile_w + KW - 1), rounded up to KG_CONV_SMEM_ALIGN
+// bytes, then the weights, cc × KH × KW × och.
 
 // n consecutive values from 16-byte aligned shared memory, as one or two vector loads.
 template <int N>
@@ -211,7 +193,8 @@ __device__ __forceinline__ void kg_conv2d_tiled(const T* __restrict__ x, const T
   constexpr int KHW = KH * KW;
   const int th = (int)s.tile_h, tw = (int)s.tile_w, tcb = tw / PX, cc = (int)s.cc, och = (int)s.och;
   const int ih = th + KH - 1, iw = tw + KW - 1;
-  const int xs_elems = (cc * ih * iw * (int)sizeof(T) + 15) / 16 * (16 / (int)sizeof(T));
+  const int xs_elems = (cc * ih * iw * (int)sizeof(T) + KG_CONV_SMEM_ALIGN - 1) / KG_CONV_SMEM_ALIGN *
+                       (KG_CONV_SMEM_ALIGN / (int)sizeof(T));
   T* xs = reinterpret_cast<T*>(kg_conv_smem);
   T* ws = xs + xs_elems;
   const int og = (int)(s.o / s.groups), cg = (int)(s.c / s.groups);

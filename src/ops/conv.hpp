@@ -28,17 +28,17 @@ class Conv2dOp final : public CustomOp {
   std::string attributes() const override;
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
   DType infer_output_dtype(const std::vector<DType>& in) const override;
-  std::vector<ParamSpec> parameters() const override;
+  std::vector<ParamSpec> parameters(const std::vector<Shape>& in) const override;
   void cpu_forward(CpuContext& ctx) const override;
   // The GPU kernel (conv_gpu.cpp).
-  std::optional<Lowered> lower() const override;
+  std::optional<Lowered> lower(const LowerContext& ctx) const override;
   // Gradients of the input, the weight and the bias: im2col and BLAS GEMMs on the CPU; the
   // kernels of conv_backward.cu on the GPU. The backward reads the input (for the weight's
   // gradient) and the weight, never the output.
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {true, false}; }
   void cpu_backward(CpuBackwardContext& ctx) const override;
-  std::string lower_backward_source() const override;
+  std::string lower_backward_source(const LowerContext& ctx) const override;
 
   std::int64_t in_channels() const { return in_; }
   std::int64_t out_channels() const { return out_; }
@@ -98,10 +98,10 @@ class FusedConv2dOp final : public CustomOp {
   std::string attributes() const override;
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
   DType infer_output_dtype(const std::vector<DType>& in) const override;
-  std::vector<ParamSpec> parameters() const override { return params_; }
+  std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override { return params_; }
   void cpu_forward(CpuContext& ctx) const override;
-  // The GPU kernel (conv_gpu.cpp).
-  std::optional<Lowered> lower() const override;
+  // The GPU kernel (conv_gpu.cpp); no lowered backward (inference only).
+  std::optional<Lowered> lower(const LowerContext& ctx) const override;
 
   const Conv2dOp& conv() const { return conv_; }
   const ConvEpilogueSpec& spec() const { return spec_; }

@@ -10,19 +10,8 @@
 //
 // Every loop is a grid-stride loop with 64-bit indices, so one launch covers any size. A kernel
 // whose gradient is not wanted (a null pointer) returns at once.
+#include "conv_shared.cuh"  // KG_CONV_BWD_THREADS and KgConvGradShape, shared with ops/conv_gpu.cpp
 #include "reduce.cuh"
-
-#define KG_CONV_BWD_THREADS 256
-
-// The concrete geometry, passed by value (host: ConvGradShape in ops/conv_gpu.cpp, same layout).
-struct KgConvGradShape {
-  long long n, c, h, w;      // input
-  long long o, ho, wo;       // output channels and size
-  long long kh, kw;          // kernel
-  long long sh, sw, ph, pw;  // stride, padding
-  long long dh, dw;          // dilation
-  long long groups;
-};
 
 // dx[img, c, iy, ix] = sum over the group's output channels o and the taps (ky, kx) that put
 // (iy, ix) under output pixel (oy, ox) of dy[img, o, oy, ox] * w[o, c % cg, ky, kx].

@@ -5,16 +5,16 @@
 #include <limits>
 #include <memory>
 #include <utility>
+#include <vector>
 
-#include "ops/conv.hpp"
+#include "ops/conv_shared.cuh"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
 
-constexpr unsigned kConvThreads = 256;  // KG_CONV_THREADS
-constexpr std::int64_t kTile = 64;      // KG_CONV_BM, KG_CONV_BN
+constexpr unsigned kConvThreads = KG_CONV_THREADS;
 
 // tiled: output columns per thread, most output channels per block, most kernel size, and the
 // shared memory a block may take (the default limit without opting in).
@@ -25,34 +25,10 @@ constexpr std::int64_t kTiledSharedBytes = 48 * 1024;
 // tiled: at small batches, tiles shrink until there are about this many blocks.
 constexpr std::int64_t kTiledMinBlocks = 96;
 
-// KgConvShape in conv.cu, same layout.
-struct ConvGpuShape {
-  std::int64_t n, c, h, w;
-  std::int64_t o, ho, wo;
-  std::int64_t kh, kw;
-  std::int64_t sh, sw, ph, pw;
-  std::int64_t dh, dw;
-  std::int64_t groups;
-  std::int64_t ocb;
-  std::int64_t tile_h, tile_w, cc, och, tiles_w, tiles_h, chunks;
-};
-static_assert(sizeof(ConvGpuShape) == 24 * 8, "must match KgConvShape in conv.cu");
-
-// KgConvGradShape in conv_backward.cu, same layout.
-struct ConvGradShape {
-  std::int64_t n, c, h, w;
-  std::int64_t o, ho, wo;
-  std::int64_t kh, kw;
-  std::int64_t sh, sw, ph, pw;
-  std::int64_t dh, dw;
-  std::int64_t groups;
-};
-static_assert(sizeof(ConvGradShape) == 16 * 8, "must match KgConvGradShape in conv_backward.cu");
-
 // The backward launches, in this order (an unwanted gradient's launch is one idle block): dx, dw
 // by ranges of images, the sum of dw's ranges (idle with one range), db with a bias.
 enum ConvBackwardLaunch { kGradInput, kGradWeight, kGradWeightSum, kGradBias };
-constexpr unsigned kConvBackwardThreads = 256;         // KG_CONV_BWD_THREADS
+constexpr unsigned kConvBackwardThreads = KG_CONV_BWD_THREADS;
 constexpr std::int64_t kConvBackwardMaxBlocks = 65535LL * 32;  // the kernels loop over the rest
 
 // Output channels per thread (direct and tiled): a divisor of the group's count when 4 or 2 is
@@ -111,9 +87,11 @@ TilePlan tile_plan(const ConvGpuConfig& cfg, const std::vector<std::int64_t>& ou
   t.tiles_h = tiles_h();
   // Input channels staged at a time: as many as fit.
   const std::int64_t window = (t.tile_h + kh - 1) * (t.tile_w + kw - 1), weights = kh * kw * t.och;
-  t.cc = std::clamp<std::int64_t>((kTiledSharedBytes / esize - 16) / (window + weights), 1,
+  constexpr std::int64_t align = KG_CONV_SMEM_ALIGN;  // the window's rounding, room left for it
+  t.cc = std::clamp<std::int64_t>((kTiledSharedBytes / esize - align) / (window + weights), 1,
                                   std::max<std::int64_t>(cg, 1));
-  t.shared = static_cast<std::size_t>(ceil_div(t.cc * window * esize, 16) * 16 + t.cc * weights * esize);
+  t.shared =
+      static_cast<std::size_t>(ceil_div(t.cc * window * esize, align) * align + t.cc * weights * esize);
   return t;
 }
 
@@ -126,123 +104,74 @@ class ConvRuntime final : public RuntimeOp {
   ConvRuntime(ConvGpuConfig cfg, ConvGpuAlgo algo, std::string label, bool backward)
       : cfg_(std::move(cfg)), algo_(algo), label_(std::move(label)), backward_(backward) {}
 
-  int n_activation_inputs() const override { return cfg_.residual ? 2 : 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    const std::int64_t o = cfg_.out_channels;
-    std::vector<std::vector<std::int64_t>> p{
-        {o, cfg_.in_channels / cfg_.options.groups, cfg_.kernel.h, cfg_.kernel.w}};
-    if (cfg_.options.bias) p.push_back({o});
-    if (cfg_.batch_norm) p.insert(p.end(), {{o}, {o}, {o}, {o}, {}});
-    return p;
+  // One launch per range of whole images (see kMaxItemsPerLaunch).
+  std::vector<Launch> launches(const LaunchTensors& t) const override {
+    const auto& shape = t.output.shape;
+    const int n = static_cast<int>(std::max<std::int64_t>(ceil_div(shape[0], images_per_launch(shape)), 1));
+    const std::size_t shared = algo_ == ConvGpuAlgo::Tiled ? tile_plan(cfg_, shape).shared : 0;
+    std::vector<Launch> v;
+    for (int l = 0; l < n; ++l) {
+      Launch L;
+      L.grid = forward_grid(l, shape);
+      L.block = {kConvThreads, 1, 1};
+      L.shared_bytes = shared;
+      pack(l, t, L.args);
+      v.push_back(std::move(L));
+    }
+    return v;
   }
-  int n_launches(const std::vector<std::int64_t>& shape) const override {
-    const std::int64_t per = images_per_launch(shape);
-    return static_cast<int>(std::max<std::int64_t>(ceil_div(shape[0], per), 1));
+
+  // ---- backward (conv_backward.cu): dx, dw, the sum of dw's ranges, then db with a bias ----
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    if (!backward_) return {};
+    std::vector<Launch> v;
+    for (int l = kGradInput; l <= (cfg_.options.bias ? kGradBias : kGradWeightSum); ++l) {
+      Launch L;
+      L.entry = backward_entry(l);
+      L.grid = backward_grid(l, t);
+      L.block = {kConvBackwardThreads, 1, 1};
+      pack_backward(l, t, L.args);
+      v.push_back(std::move(L));
+    }
+    return v;
   }
-  std::size_t dynamic_shared_bytes(const std::vector<std::int64_t>& shape) const override {
-    return algo_ == ConvGpuAlgo::Tiled ? tile_plan(cfg_, shape).shared : 0;
+  // Partial weight sums, one per weight element and range of images.
+  std::size_t backward_scratch_bytes(const LaunchTensors& t) const override {
+    const std::int64_t chunks = weight_chunks(t);
+    return chunks > 1 ? static_cast<std::size_t>(weights(t) * chunks) * dtype_size(cfg_.dtype) : 0;
   }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t row_stride,
-                 ArgVisitor& v) const override {
-    pack_args_for_launch(0, inputs, params, output, shape, row_stride, 0, v);
-  }
-  void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
-                            const std::vector<DeviceTensor>& params, const DeviceTensor& output,
-                            const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr,
-                            ArgVisitor& v) const override {
+
+ private:
+  // Arguments of forward launch `launch`: its images' base pointers, then the geometry.
+  void pack(int launch, const LaunchTensors& t, ArgVisitor& v) const {
+    const auto& shape = t.output.shape;
     const auto [first, count] = images_of(launch, shape);
-    const auto& in = inputs[0].shape;
+    const auto& in = t.inputs[0].shape;
     const auto esize = static_cast<DevicePtr>(dtype_size(cfg_.dtype));
     const auto in_image = static_cast<DevicePtr>(in[1] * in[2] * in[3]) * esize;
     const auto out_image = static_cast<DevicePtr>(shape[1] * shape[2] * shape[3]) * esize;
     const auto at = static_cast<DevicePtr>(first);
     const std::size_t bn = cfg_.options.bias ? 2 : 1;
-    v.pointer(inputs[0].ptr + at * in_image);
-    v.pointer(params[0].ptr);
-    v.pointer(cfg_.options.bias ? params[1].ptr : 0);
-    for (std::size_t i = 0; i < 4; ++i) v.pointer(cfg_.batch_norm ? params[bn + i].ptr : 0);
-    v.pointer(cfg_.residual ? inputs[1].ptr + at * out_image : 0);
-    v.pointer(output.ptr + at * out_image);
-    const ConvGpuShape s = geometry(count, in, shape);
+    v.pointer(t.inputs[0].ptr + at * in_image);
+    v.pointer(t.params[0].ptr);
+    v.pointer(cfg_.options.bias ? t.params[1].ptr : 0);
+    for (std::size_t i = 0; i < 4; ++i) v.pointer(cfg_.batch_norm ? t.params[bn + i].ptr : 0);
+    v.pointer(cfg_.residual ? t.inputs[1].ptr + at * out_image : 0);
+    v.pointer(t.output.ptr + at * out_image);
+    const KgConvShape s = geometry(count, in, shape);
     v.bytes(&s, sizeof s);
     v.f64(cfg_.bn_eps);
     v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
   }
-  Dim3 block() const override { return {kConvThreads, 1, 1}; }
-  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return grid_for_launch(0, shape); }
-
-  // ---- backward (conv_backward.cu): dx, dw, then db with a bias ----
-  bool has_backward() const override { return backward_; }
-  int n_backward_launches(const BackwardTensors&) const override { return cfg_.options.bias ? 4 : 3; }
-  std::string backward_entry_point(int launch) const override {
-    const char* what = launch == kGradInput    ? "input"
-                       : launch == kGradWeight ? "weight"
-                       : launch == kGradWeightSum ? "weight_sum"
-                                                  : "bias";
-    return entry_for(util::cat("kg_conv2d_backward_", what), cfg_.dtype);
-  }
-  // Partial weight sums, one per weight element and range of images.
-  std::size_t backward_scratch_bytes(const BackwardTensors& t) const override {
-    const std::int64_t chunks = weight_chunks(t);
-    return chunks > 1 ? static_cast<std::size_t>(weights(t) * chunks) * dtype_size(cfg_.dtype) : 0;
-  }
-  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
-    switch (launch) {
-      case kGradInput:
-        v.pointer(t.grad_output.ptr);
-        v.pointer(t.params[0].ptr);
-        v.pointer(t.grad_inputs[0].ptr);
-        break;
-      case kGradWeight:
-        v.pointer(t.inputs[0].ptr);
-        v.pointer(t.grad_output.ptr);
-        v.pointer(t.grad_params[0].ptr);
-        v.pointer(weight_chunks(t) > 1 ? t.scratch : 0);
-        v.i64(weight_chunks(t));
-        break;
-      case kGradWeightSum:
-        v.pointer(weight_chunks(t) > 1 ? t.scratch : 0);
-        v.pointer(t.grad_params[0].ptr);
-        v.i64(weights(t));
-        v.i64(weight_chunks(t));
-        return;  // no shape
-      default:
-        v.pointer(t.grad_output.ptr);
-        v.pointer(t.grad_params[1].ptr);
-        break;
-    }
-    const ConvGradShape s = grad_geometry(t);
-    v.bytes(&s, sizeof s);
-  }
-  Dim3 backward_block(int) const override { return {kConvBackwardThreads, 1, 1}; }
-  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
-    if (wanted(launch, t).ptr == 0) return {1, 1, 1};
-    const ConvGradShape s = grad_geometry(t);
-    std::int64_t items = 0;
-    switch (launch) {
-      case kGradInput:  // a thread per input element
-        return grid_1d(s.n * s.c * s.h * s.w, kConvBackwardThreads);
-      case kGradWeight:  // a block per weight element and range of images
-        return {static_cast<unsigned>(std::clamp<std::int64_t>(weights(t), 1, kConvBackwardMaxBlocks)),
-                static_cast<unsigned>(weight_chunks(t)), 1};
-      case kGradWeightSum:  // a thread per weight element (one idle block with one range)
-        return weight_chunks(t) > 1 ? grid_1d(weights(t), kConvBackwardThreads) : Dim3{1, 1, 1};
-      default:  // a block per output channel
-        items = s.o;
-        break;
-    }
-    return {static_cast<unsigned>(std::clamp<std::int64_t>(items, 1, kConvBackwardMaxBlocks)), 1, 1};
-  }
-  Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
+  Dim3 forward_grid(int launch, const std::vector<std::int64_t>& shape) const {
     const std::int64_t n = images_of(launch, shape).second;
     const std::int64_t og = shape[1] / cfg_.options.groups;
     switch (algo_) {
       case ConvGpuAlgo::Gemm:
-        return {static_cast<unsigned>(std::max<std::int64_t>(ceil_div(n * shape[2] * shape[3], kTile), 1)),
-                static_cast<unsigned>(std::max<std::int64_t>(ceil_div(og, kTile), 1)),
-                static_cast<unsigned>(cfg_.options.groups)};
+        return {
+            static_cast<unsigned>(std::max<std::int64_t>(ceil_div(n * shape[2] * shape[3], KG_CONV_BN), 1)),
+            static_cast<unsigned>(std::max<std::int64_t>(ceil_div(og, KG_CONV_BM), 1)),
+            static_cast<unsigned>(cfg_.options.groups)};
       case ConvGpuAlgo::Tiled:
         return {static_cast<unsigned>(std::max<std::int64_t>(n * items_per_image(shape), 1)), 1, 1};
       case ConvGpuAlgo::Direct:
@@ -251,7 +180,6 @@ class ConvRuntime final : public RuntimeOp {
     return grid_1d(n * items_per_image(shape), kConvThreads);
   }
 
- private:
   // What one image takes: pixels × channel blocks (direct), pixels (gemm) or blocks (tiled).
   std::int64_t items_per_image(const std::vector<std::int64_t>& shape) const {
     const std::int64_t pixels = shape[2] * shape[3], groups = cfg_.options.groups;
@@ -278,10 +206,10 @@ class ConvRuntime final : public RuntimeOp {
     const std::int64_t per = images_per_launch(shape), first = launch * per;
     return {first, std::clamp<std::int64_t>(shape[0] - first, 0, per)};
   }
-  ConvGpuShape geometry(std::int64_t n, const std::vector<std::int64_t>& in,
-                        const std::vector<std::int64_t>& out) const {
+  KgConvShape geometry(std::int64_t n, const std::vector<std::int64_t>& in,
+                       const std::vector<std::int64_t>& out) const {
     const auto& op = cfg_.options;
-    ConvGpuShape s{};
+    KgConvShape s{};
     s.n = n;
     s.c = in[1];
     s.h = in[2];
@@ -312,15 +240,70 @@ class ConvRuntime final : public RuntimeOp {
     return s;
   }
 
+  std::string backward_entry(int launch) const {
+    const char* what = launch == kGradInput       ? "input"
+                       : launch == kGradWeight    ? "weight"
+                       : launch == kGradWeightSum ? "weight_sum"
+                                                  : "bias";
+    return entry_for(util::cat("kg_conv2d_backward_", what), cfg_.dtype);
+  }
+  void pack_backward(int launch, const LaunchTensors& t, ArgVisitor& v) const {
+    switch (launch) {
+      case kGradInput:
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.params[0].ptr);
+        v.pointer(t.grad_inputs[0].ptr);
+        break;
+      case kGradWeight:
+        v.pointer(t.inputs[0].ptr);
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.grad_params[0].ptr);
+        v.pointer(weight_chunks(t) > 1 ? t.scratch : 0);
+        v.i64(weight_chunks(t));
+        break;
+      case kGradWeightSum:
+        v.pointer(weight_chunks(t) > 1 ? t.scratch : 0);
+        v.pointer(t.grad_params[0].ptr);
+        v.i64(weights(t));
+        v.i64(weight_chunks(t));
+        return;  // no shape
+      default:
+        v.pointer(t.grad_output.ptr);
+        v.pointer(t.grad_params[1].ptr);
+        break;
+    }
+    const KgConvGradShape s = grad_geometry(t);
+    v.bytes(&s, sizeof s);
+  }
+  // An unwanted gradient's launch is one block, which returns at once.
+  Dim3 backward_grid(int launch, const LaunchTensors& t) const {
+    if (wanted(launch, t).ptr == 0) return {1, 1, 1};
+    const KgConvGradShape s = grad_geometry(t);
+    std::int64_t items = 0;
+    switch (launch) {
+      case kGradInput:  // a thread per input element
+        return grid_1d(s.n * s.c * s.h * s.w, kConvBackwardThreads);
+      case kGradWeight:  // a block per weight element and range of images
+        return {static_cast<unsigned>(std::clamp<std::int64_t>(weights(t), 1, kConvBackwardMaxBlocks)),
+                static_cast<unsigned>(weight_chunks(t)), 1};
+      case kGradWeightSum:  // a thread per weight element (one idle block with one range)
+        return weight_chunks(t) > 1 ? grid_1d(weights(t), kConvBackwardThreads) : Dim3{1, 1, 1};
+      default:  // a block per output channel
+        items = s.o;
+        break;
+    }
+    return {static_cast<unsigned>(std::clamp<std::int64_t>(items, 1, kConvBackwardMaxBlocks)), 1, 1};
+  }
+
   // The gradient launch `launch` writes.
-  static const DeviceTensor& wanted(int launch, const BackwardTensors& t) {
+  static const DeviceTensor& wanted(int launch, const LaunchTensors& t) {
     return launch == kGradInput ? t.grad_inputs.at(0) : t.grad_params.at(launch == kGradBias ? 1 : 0);
   }
-  static std::int64_t weights(const BackwardTensors& t) { return numel_of(t.grad_params.at(0).shape); }
+  static std::int64_t weights(const LaunchTensors& t) { return numel_of(t.grad_params.at(0).shape); }
   // Ranges of images the weight gradient is split into: enough blocks to fill a large GPU
   // (about 2048), never more ranges than images, and few enough (image, pixel) pairs in a range
   // for the kernel's 32-bit indices.
-  std::int64_t weight_chunks(const BackwardTensors& t) const {
+  std::int64_t weight_chunks(const LaunchTensors& t) const {
     const auto& out = t.grad_output.shape;
     const std::int64_t n = out.at(0), hwo = out.at(2) * out.at(3), w = std::max<std::int64_t>(weights(t), 1);
     constexpr std::int64_t kMaxItems = std::numeric_limits<std::int32_t>::max();
@@ -333,13 +316,13 @@ class ConvRuntime final : public RuntimeOp {
                             " output pixels are beyond the weight-gradient kernel's 32-bit indices"));
     return chunks;
   }
-  ConvGradShape grad_geometry(const BackwardTensors& t) const {
+  KgConvGradShape grad_geometry(const LaunchTensors& t) const {
     const auto& in = t.inputs.at(0).shape;
     const auto& out = t.grad_output.shape;
     const auto& op = cfg_.options;
-    return ConvGradShape{in[0],        in[1],        in[2],        in[3],       out[1],      out[2],
-                         out[3],       cfg_.kernel.h, cfg_.kernel.w, op.stride.h, op.stride.w, op.padding.h,
-                         op.padding.w, op.dilation.h, op.dilation.w, op.groups};
+    return KgConvGradShape{in[0],        in[1],         in[2],         in[3],       out[1],      out[2],
+                           out[3],       cfg_.kernel.h, cfg_.kernel.w, op.stride.h, op.stride.w, op.padding.h,
+                           op.padding.w, op.dilation.h, op.dilation.w, op.groups};
   }
 
   ConvGpuConfig cfg_;
@@ -350,32 +333,13 @@ class ConvRuntime final : public RuntimeOp {
 
 }  // namespace
 
-ConvGpuConfig conv_gpu_config(const Conv2dOp& op) {
-  ConvGpuConfig c;
-  c.in_channels = op.in_channels();
-  c.out_channels = op.out_channels();
-  c.kernel = op.kernel();
-  c.options = op.options();
-  c.dtype = op.dtype();
-  return c;
-}
-
-ConvGpuConfig conv_gpu_config(const FusedConv2dOp& op) {
-  ConvGpuConfig c = conv_gpu_config(op.conv());
-  c.batch_norm = op.spec().batch_norm;
-  c.bn_eps = op.spec().bn_eps;
-  c.residual = op.spec().residual;
-  c.activation = op.spec().activation;
-  return c;
-}
-
 ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg) {
   const auto& op = cfg.options;
   const std::int64_t og = cfg.out_channels / op.groups;
   const std::int64_t kdim = cfg.in_channels / op.groups * cfg.kernel.h * cfg.kernel.w;
-  // A 64-channel tile at least half full, a reduction of two k slices or more, and a grid z
-  // within the launch limit.
-  if (og >= 32 && kdim >= 32 && op.groups <= 65535) return ConvGpuAlgo::Gemm;
+  // A channel tile at least half full, a reduction of two k slices or more, and a grid z within
+  // the launch limit.
+  if (og >= KG_CONV_BM / 2 && kdim >= 2 * KG_CONV_BK && op.groups <= 65535) return ConvGpuAlgo::Gemm;
   const bool unit = op.stride.h == 1 && op.stride.w == 1 && op.dilation.h == 1 && op.dilation.w == 1;
   if (unit && cfg.kernel.h <= kTiledMaxKernel && cfg.kernel.w <= kTiledMaxKernel) return ConvGpuAlgo::Tiled;
   return ConvGpuAlgo::Direct;
@@ -426,12 +390,6 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   return Lowered{op_name, std::move(source), entry, rt};
 }
 
-std::optional<Lowered> lower_conv2d(const Conv2dOp& op) { return lower_conv(conv_gpu_config(op), op.name()); }
-
 std::string conv2d_backward_source() { return kernel_file("conv_backward.cu"); }
-
-std::optional<Lowered> lower_fused_conv2d(const FusedConv2dOp& op) {
-  return lower_conv(conv_gpu_config(op), op.name());
-}
 
 }  // namespace kg::ops

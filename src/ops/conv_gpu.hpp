@@ -1,5 +1,6 @@
-// The GPU lowering of the convolution family (kernels in src/ops/conv.cu): nn.conv2d and the
-// inference-time nn.fused_conv2d (convolution, folded BatchNorm, residual add, activation).
+// The GPU lowering of the convolution family (kernels in src/ops/conv.cu and conv_backward.cu),
+// from a plain description of the convolution: nn.conv2d and the inference-time nn.fused_conv2d
+// (convolution, folded BatchNorm, residual add, activation) build one in conv.cpp.
 #pragma once
 
 #include <cstdint>
@@ -12,9 +13,6 @@
 
 namespace kg::ops {
 
-class Conv2dOp;
-class FusedConv2dOp;
-
 // What the GPU kernel of a convolution needs to know at lowering: the convolution and, for a
 // fused one, its epilogue.
 struct ConvGpuConfig {
@@ -24,12 +22,9 @@ struct ConvGpuConfig {
   DType dtype = DType::F32;
   bool batch_norm = false;  // parameters after the convolution's: weight, bias, mean, var, count
   double bn_eps = 1e-5;
-  bool residual = false;                // a second activation input added before the activation
+  bool residual = false;                // a second input added before the activation
   std::optional<UnarySpec> activation;  // applied last
 };
-
-ConvGpuConfig conv_gpu_config(const Conv2dOp& op);
-ConvGpuConfig conv_gpu_config(const FusedConv2dOp& op);
 
 // The GPU algorithms (see conv.cu): an implicit GEMM for many output channels per group and
 // deep reductions; otherwise a shared-memory tiled loop for stride 1, no dilation and kernels
@@ -38,15 +33,11 @@ enum class ConvGpuAlgo { Direct, Gemm, Tiled };
 ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg);
 
 // The kernel and RuntimeOp of the convolution `cfg` describes; `op_name` names it in errors
-// and caches.
+// and caches. Without an epilogue, the RuntimeOp also describes the backward launches of
+// conv2d_backward_source().
 Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name);
 
-// Conv2dOp::lower() and FusedConv2dOp::lower().
-std::optional<Lowered> lower_conv2d(const Conv2dOp& op);
-std::optional<Lowered> lower_fused_conv2d(const FusedConv2dOp& op);
-
-// The backward kernels of nn.conv2d (conv_backward.cu); the RuntimeOp of a convolution without
-// a fused epilogue packs and sizes their launches.
+// The backward kernels of nn.conv2d (conv_backward.cu).
 std::string conv2d_backward_source();
 
 }  // namespace kg::ops

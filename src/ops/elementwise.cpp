@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kg/ops.hpp"
+#include "ops/divider.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
@@ -46,14 +47,18 @@ const BinaryEntry& binary_entry(BinaryFn fn) { return kBinaryOps[static_cast<std
 
 // ---- GPU launches ----
 
-constexpr unsigned kGpuThreads = 256;  // KG_EW_THREADS
-constexpr std::int64_t kUnroll = 4;    // KG_UNROLL
+constexpr unsigned kGpuThreads = KG_EW_THREADS;
 
-// One thread per kUnroll 16-byte packs of output (kg_for_each_unrolled over the kernels'
-// vector width), in grid-stride loops.
+// One thread per KG_UNROLL packs of KG_EW_PACK_BYTES bytes of output (kg_for_each_unrolled over
+// the kernels' vector width), in grid-stride loops.
 Dim3 elementwise_grid(const std::vector<std::int64_t>& out, DType dtype) {
-  const auto per_thread = static_cast<std::int64_t>(16 / dtype_size(dtype)) * kUnroll;
+  const auto per_thread = static_cast<std::int64_t>(KG_EW_PACK_BYTES / dtype_size(dtype)) * KG_UNROLL;
   return grid_1d((numel_of(out) + per_thread - 1) / per_thread, kGpuThreads);
+}
+
+// A launch of `entry` with the kernels' block.
+Launch ew_launch(std::string entry, Dim3 grid, KernelArgs args) {
+  return {std::move(entry), grid, {kGpuThreads, 1, 1}, 0, std::move(args)};
 }
 
 // The backward launch of a map: entry(s, dy, dx, n, param), where s is the tensor the derivative
@@ -68,43 +73,30 @@ struct MapBackward {
 // y = f(x) over numel(y) elements: kernel(x, y, n) or, with a scalar, kernel(x, y, n, scalar).
 class MapRuntime final : public RuntimeOp {
  public:
-  MapRuntime(DType dtype, std::optional<double> scalar, std::optional<MapBackward> backward = std::nullopt)
+  MapRuntime(DType dtype, std::optional<double> scalar, MapBackward backward)
       : dtype_(dtype), scalar_(scalar), backward_(std::move(backward)) {}
-  int n_activation_inputs() const override { return 1; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
-    v.i64(numel_of(shape));
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.output.numel());
     if (scalar_) v.f64(*scalar_);
   }
   Dim3 block() const override { return {kGpuThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
 
-  bool has_backward() const override { return backward_.has_value(); }
-  std::string backward_entry_point(int) const override {
-    return backward_ ? backward_->entry : std::string();
-  }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     using S = MapBackward::Saved;
-    v.pointer(backward_->saved == S::Input    ? t.inputs.at(0).ptr
-              : backward_->saved == S::Output ? t.output.ptr
-                                              : DevicePtr{0});
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.i64(numel_of(t.grad_output.shape));
-    v.f64(backward_->param);
-  }
-  Dim3 backward_block(int) const override { return {kGpuThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override {
-    return elementwise_grid(t.grad_output.shape, dtype_);
+    const DevicePtr s = backward_.saved == S::Input    ? t.inputs.at(0).ptr
+                        : backward_.saved == S::Output ? t.output.ptr
+                                                       : DevicePtr{0};
+    return {ew_launch(backward_.entry, elementwise_grid(t.grad_output.shape, dtype_),
+                      {ptr(s), t.grad_output, t.grad_inputs.at(0), t.grad_output.numel(), backward_.param})};
   }
 
  private:
   DType dtype_;
   std::optional<double> scalar_;
-  std::optional<MapBackward> backward_;
+  MapBackward backward_;
 };
 
 // The kernel source of one op: elementwise.cu (elementwise_backward.cu for a backward) without
@@ -123,7 +115,7 @@ const char* c_type(DType t) { return t == DType::F64 ? "double" : "float"; }
 // `scalar_name` appended to both.
 Lowered map_lowering(const std::string& op_name, const std::string& entry, DType dtype,
                      const std::string& body, const char* scalar_name, std::optional<double> scalar,
-                     std::optional<MapBackward> backward = std::nullopt) {
+                     MapBackward backward) {
   const char* t = c_type(dtype);
   std::string params = util::cat("const ", t, "* __restrict__ x, ", t, "* __restrict__ y, long long n");
   std::string args = "x, y, n";
@@ -144,30 +136,14 @@ std::string map_backward_source(const std::string& entry, DType dtype, const std
                       util::cat(body, "(s, dy, dx, n, param)"), "elementwise_backward.cu");
 }
 
-// Laid out as KgReduce in elementwise.cuh: how the backward kernel sums the output's
-// contributions into one operand's gradient (see there).
-struct GpuReduce {
-  FastDiv kept_size[kGpuBroadcastMaxDims];
-  FastDiv red_size[kGpuBroadcastMaxDims];
-  std::int64_t kept_so[kGpuBroadcastMaxDims] = {}, kept_sa[kGpuBroadcastMaxDims] = {},
-               kept_sb[kGpuBroadcastMaxDims] = {};
-  std::int64_t red_so[kGpuBroadcastMaxDims] = {}, red_sa[kGpuBroadcastMaxDims] = {},
-               red_sb[kGpuBroadcastMaxDims] = {};
-  std::int64_t m = 0, r = 0;
-  std::int32_t kept_rank = 0, red_rank = 0;
-  std::int32_t width = 1, splits = 1;
-  std::int64_t chunk = 0;
-};
-static_assert(sizeof(GpuReduce) == 16 * 2 * kGpuBroadcastMaxDims + 8 * 6 * kGpuBroadcastMaxDims + 40,
-              "must match KgReduce in elementwise.cuh");
-
-// The reduction into the gradient of operand `which` (0: a, 1: b) of out = broadcast(a, b).
-GpuReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
-                     const std::vector<std::int64_t>& out, const char* op_name);
+// How the backward kernel sums the output's contributions into the gradient of operand `which`
+// (0: a, 1: b) of out = broadcast(a, b): the KgReduce of elementwise_shared.cuh.
+KgReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                    const std::vector<std::int64_t>& out, const char* op_name);
 
 // Blocks of a reduction's phase 0 (one per `width` elements of the gradient and split) or
 // phase 1 (a thread per element).
-Dim3 reduce_grid(const GpuReduce& p, int phase) {
+Dim3 reduce_grid(const KgReduce& p, int phase) {
   if (phase == 1) return grid_1d(p.m, kGpuThreads);
   const std::int64_t tiles = (p.m + p.width - 1) / p.width;
   return {static_cast<unsigned>(std::clamp<std::int64_t>(tiles * p.splits, 1, 65535LL * 32)), 1, 1};
@@ -180,69 +156,51 @@ class BroadcastRuntime final : public RuntimeOp {
  public:
   BroadcastRuntime(DType dtype, const char* op_name, std::string backward_entry)
       : dtype_(dtype), op_name_(op_name), backward_entry_(std::move(backward_entry)) {}
-  int n_activation_inputs() const override { return 2; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    const GpuBroadcast bc = gpu_broadcast(inputs[0].shape, inputs[1].shape, shape, op_name_);
-    v.pointer(inputs[0].ptr);
-    v.pointer(inputs[1].ptr);
-    v.pointer(output.ptr);
-    v.i64(numel_of(shape));
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    const KgBroadcast bc = gpu_broadcast(t.inputs[0].shape, t.inputs[1].shape, t.output.shape, op_name_);
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.inputs[1].ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.output.numel());
     v.bytes(&bc, sizeof bc);
   }
   Dim3 block() const override { return {kGpuThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
 
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors& t) const override {
-    return static_cast<int>(launches(t).size());
-  }
-  std::string backward_entry_point(int) const override { return backward_entry_; }
-  std::size_t backward_scratch_bytes(const BackwardTensors& t) const override {
+  std::size_t backward_scratch_bytes(const LaunchTensors& t) const override {
     std::size_t bytes = 0;
     for (int which = 0; which < 2; ++which) {
-      const GpuReduce p = plan(which, t);
+      const KgReduce p = plan(which, t);
       if (p.splits > 1)
         bytes = std::max(bytes, static_cast<std::size_t>(p.splits * p.m) * dtype_size(dtype_));
     }
     return bytes;
   }
-  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
-    const auto [which, phase] = launches(t).at(static_cast<std::size_t>(launch));
-    const GpuReduce p = plan(which, t);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.inputs.at(0).ptr);
-    v.pointer(t.inputs.at(1).ptr);
-    v.pointer(t.grad_inputs.at(static_cast<std::size_t>(which)).ptr);
-    v.pointer(p.splits > 1 ? t.scratch : DevicePtr{0});
-    v.bytes(&p, sizeof p);
-    v.i32(which);
-    v.i32(phase);
-  }
-  Dim3 backward_block(int) const override { return {kGpuThreads, 1, 1}; }
-  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
-    const auto [which, phase] = launches(t).at(static_cast<std::size_t>(launch));
-    return reduce_grid(plan(which, t), phase);
-  }
-
- private:
-  GpuReduce plan(int which, const BackwardTensors& t) const {
-    return gpu_reduce(which, t.inputs.at(0).shape, t.inputs.at(1).shape, t.grad_output.shape, op_name_);
-  }
-  // (operand, phase) of each launch: the wanted operands (operand 0 when neither is), phase 1
-  // after phase 0 where the reduction is split.
-  std::vector<std::pair<int, int>> launches(const BackwardTensors& t) const {
-    std::vector<std::pair<int, int>> l;
+  // The wanted operands in order (operand 0 when neither is), phase 1 after phase 0 where the
+  // reduction is split.
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    std::vector<Launch> l;
     for (int which = 0; which < 2; ++which) {
       if (t.grad_inputs.size() > static_cast<std::size_t>(which) &&
           t.grad_inputs[static_cast<std::size_t>(which)].ptr == 0)
         continue;
-      l.emplace_back(which, 0);
-      if (plan(which, t).splits > 1) l.emplace_back(which, 1);
+      const KgReduce p = plan(which, t);
+      l.push_back(reduce_launch(t, which, 0, p));
+      if (p.splits > 1) l.push_back(reduce_launch(t, which, 1, p));
     }
-    if (l.empty()) l.emplace_back(0, 0);
+    if (l.empty()) l.push_back(reduce_launch(t, 0, 0, plan(0, t)));
     return l;
+  }
+
+ private:
+  KgReduce plan(int which, const LaunchTensors& t) const {
+    return gpu_reduce(which, t.inputs.at(0).shape, t.inputs.at(1).shape, t.grad_output.shape, op_name_);
+  }
+  Launch reduce_launch(const LaunchTensors& t, int which, int phase, const KgReduce& p) const {
+    return ew_launch(
+        backward_entry_, reduce_grid(p, phase),
+        {t.grad_output, t.inputs.at(0), t.inputs.at(1), t.grad_inputs.at(static_cast<std::size_t>(which)),
+         ptr(p.splits > 1 ? t.scratch : DevicePtr{0}), raw_bytes(&p, sizeof p), which, phase});
   }
   DType dtype_;
   const char* op_name_;
@@ -253,7 +211,7 @@ class BroadcastRuntime final : public RuntimeOp {
 
 class UnaryOp final : public CustomOp {
  public:
-  UnaryOp(UnarySpec spec, DType dtype) : spec_(spec), dtype_(dtype) {}
+  explicit UnaryOp(UnarySpec spec) : spec_(spec) {}
   std::string name() const override { return unary_entry(spec_.fn).op_name; }
   std::string attributes() const override {
     switch (spec_.fn) {
@@ -275,15 +233,16 @@ class UnaryOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  std::optional<Lowered> lower() const override {
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const DType dtype = ctx.output_dtype;
     const UnaryEntry& e = unary_entry(spec_.fn);
-    MapBackward bwd{backward_entry(), uses_output() ? MapBackward::Saved::Output : MapBackward::Saved::Input,
-                    spec_.param};
-    return map_lowering(name(), entry_for(e.kernel, dtype_), dtype_,
+    MapBackward bwd{backward_entry(dtype),
+                    uses_output() ? MapBackward::Saved::Output : MapBackward::Saved::Input, spec_.param};
+    return map_lowering(name(), entry_for(e.kernel, dtype), dtype,
                         util::cat("kg_unary_entry<", e.device_fn, ">"), "param", spec_.param, std::move(bwd));
   }
-  std::string lower_backward_source() const override {
-    return map_backward_source(backward_entry(), dtype_,
+  std::string lower_backward_source(const LowerContext& ctx) const override {
+    return map_backward_source(backward_entry(ctx.output_dtype), ctx.output_dtype,
                                util::cat("kg_unary_backward_entry<", unary_entry(spec_.fn).device_fn, ">"));
   }
 
@@ -323,11 +282,10 @@ class UnaryOp final : public CustomOp {
 
  private:
   bool uses_output() const { return unary_grad_uses_output(spec_.fn); }
-  std::string backward_entry() const {
-    return entry_for(std::string(unary_entry(spec_.fn).kernel) + "_backward", dtype_);
+  std::string backward_entry(DType dtype) const {
+    return entry_for(std::string(unary_entry(spec_.fn).kernel) + "_backward", dtype);
   }
   UnarySpec spec_;
-  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- dropout ----
@@ -354,60 +312,38 @@ void dropout_range(const T* x, T* y, std::int64_t b, std::int64_t e, std::uint64
 }
 
 // nn.dropout on the GPU. Forward: kernel(x, y, n, seed, threshold, scale, training), one entry
-// for both modes: in a train-mode run (packed per run, RunInfo) the mask drawn from the run's
-// seed, the one cpu_forward draws from ctx.seed; otherwise a copy. Backward:
+// for both modes, described again on every run: in a train-mode run the mask drawn from the
+// run's seed, the one cpu_forward draws from ctx.seed; otherwise a copy. Backward:
 // kg_dropout_backward(dy, dx, n, seed, threshold, scale, training), the forward's mask drawn again
-// from BackwardTensors::seed when `training`.
+// from the forward's seed when `training` and the run trains.
 class DropoutRuntime final : public RuntimeOp {
  public:
   DropoutRuntime(double p, DType dtype, bool training) : p_(p), dtype_(dtype), training_(training) {}
-  int n_activation_inputs() const override { return 1; }
-  // Inference: the copy.
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t stride,
-                 ArgVisitor& v) const override {
-    pack(RunInfo{}, inputs, params, output, shape, stride, v);
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.output.numel());
+    v.i64(static_cast<std::int64_t>(t.seed));  // the kernel takes the bits back as unsigned
+    v.i64(threshold());
+    v.f64(1.0 / (1.0 - p_));
+    v.i32(t.training && p_ > 0.0 ? 1 : 0);
   }
   Dim3 block() const override { return {kGpuThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override { return elementwise_grid(shape, dtype_); }
 
   bool supports_train_mode() const override { return true; }
   bool depends_on_run() const override { return true; }
-  void pack_args_for_run(const RunInfo& run, int, const std::vector<DeviceTensor>& inputs,
-                         const std::vector<DeviceTensor>& params, const DeviceTensor& output,
-                         const std::vector<std::int64_t>& shape, std::int64_t stride, DevicePtr,
-                         ArgVisitor& v) const override {
-    pack(run, inputs, params, output, shape, stride, v);
-  }
 
-  bool has_backward() const override { return true; }
-  std::string backward_entry_point(int) const override { return entry_for("kg_dropout_backward", dtype_); }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.i64(numel_of(t.grad_output.shape));
-    v.i64(static_cast<std::int64_t>(t.seed));  // the kernel takes the bits back as unsigned
-    v.i64(static_cast<std::int64_t>(std::ldexp(p_, 32)));
-    v.f64(1.0 / (1.0 - p_));
-    v.i32(training_ && t.training && p_ > 0.0 ? 1 : 0);
-  }
-  Dim3 backward_block(int) const override { return {kGpuThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override {
-    return elementwise_grid(t.grad_output.shape, dtype_);
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    return {ew_launch(
+        entry_for("kg_dropout_backward", dtype_), elementwise_grid(t.grad_output.shape, dtype_),
+        {t.grad_output, t.grad_inputs.at(0), t.grad_output.numel(), static_cast<std::int64_t>(t.seed),
+         threshold(), 1.0 / (1.0 - p_), training_ && t.training && p_ > 0.0 ? 1 : 0})};
   }
 
  private:
-  void pack(const RunInfo& run, const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-            const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-            ArgVisitor& v) const {
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
-    v.i64(numel_of(shape));
-    v.i64(static_cast<std::int64_t>(run.seed));  // the kernel takes the bits back as unsigned
-    v.i64(static_cast<std::int64_t>(std::ldexp(p_, 32)));
-    v.f64(1.0 / (1.0 - p_));
-    v.i32(run.training && p_ > 0.0 ? 1 : 0);
-  }
+  // Element i is kept when the top 32 bits of its random word are >= p * 2^32.
+  std::int64_t threshold() const { return static_cast<std::int64_t>(std::ldexp(p_, 32)); }
   double p_;
   DType dtype_;
   bool training_;
@@ -415,7 +351,7 @@ class DropoutRuntime final : public RuntimeOp {
 
 class DropoutOp final : public CustomOp {
  public:
-  DropoutOp(double p, DType dtype) : p_(p), dtype_(dtype) {}
+  explicit DropoutOp(double p) : p_(p) {}
   std::string name() const override { return "nn.dropout"; }
   std::string attributes() const override { return "p=" + format_double(p_); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -426,21 +362,22 @@ class DropoutOp final : public CustomOp {
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
   // One GPU entry for both modes, selected per run by its `training` argument (DropoutRuntime).
-  // BackwardTensors has no mode of its own: the backward kernel is built for training and
-  // follows BackwardTensors::training.
-  std::optional<Lowered> lower() const override {
-    const char* t = c_type(dtype_);
-    const std::string entry = entry_for("kg_dropout", dtype_);
+  // The backward kernel is built for training and follows the forward's mode
+  // (LaunchTensors::training).
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const DType dtype = ctx.output_dtype;
+    const char* t = c_type(dtype);
+    const std::string entry = entry_for("kg_dropout", dtype);
     const std::string params = util::cat("const ", t, "* __restrict__ x, ", t,
                                          "* __restrict__ y, long long n, long long seed, "
                                          "long long threshold, double scale, int training");
     return Lowered{name(),
                    entry_source(entry, params, "kg_dropout_entry(x, y, n, seed, threshold, scale, training)"),
-                   entry, dropout_runtime(p_, dtype_, true)};
+                   entry, dropout_runtime(p_, dtype, true)};
   }
-  std::string lower_backward_source() const override {
-    const char* t = c_type(dtype_);
-    return entry_source(entry_for("kg_dropout_backward", dtype_),
+  std::string lower_backward_source(const LowerContext& ctx) const override {
+    const char* t = c_type(ctx.output_dtype);
+    return entry_source(entry_for("kg_dropout_backward", ctx.output_dtype),
                         util::cat("const ", t, "* __restrict__ dy, ", t,
                                   "* __restrict__ dx, long long n, long long seed, long long threshold, "
                                   "double scale, int training"),
@@ -494,7 +431,6 @@ class DropoutOp final : public CustomOp {
 
  private:
   double p_;
-  DType dtype_;
 };
 
 // ---- broadcasting walk ----
@@ -542,9 +478,13 @@ BroadcastPlan plan_broadcast(const std::vector<std::int64_t>& a, const std::vect
   return p;
 }
 
-GpuReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
-                     const std::vector<std::int64_t>& out, const char* op_name) {
-  GpuReduce g;
+KgReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                    const std::vector<std::int64_t>& out, const char* op_name) {
+  KgReduce g{};
+  std::fill(std::begin(g.kept_size), std::end(g.kept_size), kg_divider(1));
+  std::fill(std::begin(g.red_size), std::end(g.red_size), kg_divider(1));
+  g.width = 1;
+  g.splits = 1;
   const std::vector<std::int64_t>& target = which == 0 ? a : b;
   g.m = numel_of(target);
   const std::int64_t n = numel_of(out);
@@ -588,13 +528,13 @@ GpuReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::v
   for (std::size_t i = runs.size(); i-- > 0;) {  // innermost first
     const Run& r = runs[i];
     std::int32_t& k = r.reduced ? g.red_rank : g.kept_rank;
-    if (k >= kGpuBroadcastMaxDims)
+    if (k >= KG_EW_MAX_DIMS)
       throw Error(util::cat(op_name, " backward: the gradient of ", sizes_to_string(target), " from ",
-                            sizes_to_string(out), " needs more than ", kGpuBroadcastMaxDims, " ",
+                            sizes_to_string(out), " needs more than ", KG_EW_MAX_DIMS, " ",
                             r.reduced ? "reduced" : "kept", " dims after merging; the GPU kernel handles ",
-                            kGpuBroadcastMaxDims));
+                            KG_EW_MAX_DIMS));
     const auto u = static_cast<std::size_t>(k++);
-    (r.reduced ? g.red_size : g.kept_size)[u] = fast_div(r.size);
+    (r.reduced ? g.red_size : g.kept_size)[u] = kg_divider(r.size);
     (r.reduced ? g.red_so : g.kept_so)[u] = r.so;
     (r.reduced ? g.red_sa : g.kept_sa)[u] = r.sa;
     (r.reduced ? g.red_sb : g.kept_sb)[u] = r.sb;
@@ -608,8 +548,8 @@ GpuReduce gpu_reduce(int which, const std::vector<std::int64_t>& a, const std::v
   // GPU (about 2048 blocks), keeping at least 64 elements per thread and split.
   const std::int64_t tiles = (g.m + width - 1) / width,
                      groups = static_cast<std::int64_t>(kGpuThreads) / width;
-  const std::int64_t splits =
-      std::clamp<std::int64_t>(std::min((2048 + tiles - 1) / tiles, g.r / (groups * 64)), 1, 4096);
+  const std::int64_t splits = std::clamp<std::int64_t>(
+      std::min<std::int64_t>((2048 + tiles - 1) / tiles, g.r / (groups * 64)), 1, 4096);
   g.chunk = (g.r + splits - 1) / splits;
   g.splits = static_cast<std::int32_t>((g.r + g.chunk - 1) / g.chunk);
   return g;
@@ -750,7 +690,7 @@ void sum_to_shape(const CpuContext& ctx, const T* src, const std::vector<std::in
 
 class BinaryOp final : public CustomOp {
  public:
-  BinaryOp(BinaryFn fn, DType dtype) : fn_(fn), dtype_(dtype) {}
+  explicit BinaryOp(BinaryFn fn) : fn_(fn) {}
   std::string name() const override { return binary_entry(fn_).op_name; }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 2);
@@ -758,22 +698,24 @@ class BinaryOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  std::optional<Lowered> lower() const override {
+  // The kernels of the inputs' (and output's) dtype.
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const DType dtype = ctx.output_dtype;
     const BinaryEntry& e = binary_entry(fn_);
-    const std::string entry = entry_for(e.kernel, dtype_);
-    const char* t = c_type(dtype_);
+    const std::string entry = entry_for(e.kernel, dtype);
+    const char* t = c_type(dtype);
     const std::string params = util::cat("const ", t, "* __restrict__ a, const ", t, "* __restrict__ b, ", t,
                                          "* __restrict__ y, long long n, KgBroadcast bc");
     const std::string call = util::cat("kg_binary_entry<", e.device_fn, ">(a, b, y, n, bc)");
     return Lowered{e.op_name, entry_source(entry, params, call), entry,
-                   std::make_shared<BroadcastRuntime>(dtype_, e.op_name, backward_entry())};
+                   std::make_shared<BroadcastRuntime>(dtype, e.op_name, backward_entry(dtype))};
   }
-  std::string lower_backward_source() const override {
-    const char* t = c_type(dtype_);
+  std::string lower_backward_source(const LowerContext& ctx) const override {
+    const char* t = c_type(ctx.output_dtype);
     const std::string params = util::cat(
         "const ", t, "* __restrict__ dy, const ", t, "* __restrict__ a, const ", t, "* __restrict__ b, ", t,
         "* __restrict__ g, ", t, "* __restrict__ partial, KgReduce p, int which, int phase");
-    return entry_source(backward_entry(), params,
+    return entry_source(backward_entry(ctx.output_dtype), params,
                         util::cat("kg_binary_backward_entry<", binary_entry(fn_).device_fn,
                                   ">(dy, a, b, g, partial, p, which, phase)"),
                         "elementwise_backward.cu");
@@ -865,18 +807,16 @@ class BinaryOp final : public CustomOp {
   }
 
  private:
-  std::string backward_entry() const {
-    return entry_for(std::string(binary_entry(fn_).kernel) + "_backward", dtype_);
+  std::string backward_entry(DType dtype) const {
+    return entry_for(std::string(binary_entry(fn_).kernel) + "_backward", dtype);
   }
   BinaryFn fn_;
-  DType dtype_;  // of both inputs
 };
 
 // x ⊙ s, or s ⊙ x when `reversed` (rsub, rdiv).
 class ScalarOp final : public CustomOp {
  public:
-  ScalarOp(BinaryFn fn, double scalar, bool reversed, DType dtype)
-      : fn_(fn), scalar_(scalar), reversed_(reversed), dtype_(dtype) {}
+  ScalarOp(BinaryFn fn, double scalar, bool reversed) : fn_(fn), scalar_(scalar), reversed_(reversed) {}
   std::string name() const override {
     const BinaryEntry& e = binary_entry(fn_);
     return reversed_ && e.rscalar_op_name ? e.rscalar_op_name : e.scalar_op_name;  // add, mul commute
@@ -888,19 +828,20 @@ class ScalarOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  std::optional<Lowered> lower() const override {
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const DType dtype = ctx.output_dtype;
     const BinaryEntry& e = binary_entry(fn_);
     const bool rev = reversed_ && e.rscalar_kernel;  // add and mul commute
-    MapBackward bwd{backward_entry(), reads_input() ? MapBackward::Saved::Input : MapBackward::Saved::None,
-                    scalar_};
-    return map_lowering(name(), entry_for(rev ? e.rscalar_kernel : e.scalar_kernel, dtype_), dtype_,
+    MapBackward bwd{backward_entry(dtype),
+                    reads_input() ? MapBackward::Saved::Input : MapBackward::Saved::None, scalar_};
+    return map_lowering(name(), entry_for(rev ? e.rscalar_kernel : e.scalar_kernel, dtype), dtype,
                         util::cat("kg_scalar_entry<", e.device_fn, ", ", rev ? "true" : "false", ">"), "s",
                         scalar_, std::move(bwd));
   }
-  std::string lower_backward_source() const override {
+  std::string lower_backward_source(const LowerContext& ctx) const override {
     const BinaryEntry& e = binary_entry(fn_);
     return map_backward_source(
-        backward_entry(), dtype_,
+        backward_entry(ctx.output_dtype), ctx.output_dtype,
         util::cat("kg_scalar_backward_entry<", e.device_fn, ", ", reversed() ? "true" : "false", ">"));
   }
 
@@ -959,26 +900,25 @@ class ScalarOp final : public CustomOp {
   // True for s - x and s / x (add and mul commute: their reversed forms are the plain ones).
   bool reversed() const { return reversed_ && binary_entry(fn_).rscalar_kernel != nullptr; }
   bool reads_input() const { return fn_ == BinaryFn::Div && reversed(); }
-  std::string backward_entry() const {
+  std::string backward_entry(DType dtype) const {
     const BinaryEntry& e = binary_entry(fn_);
-    return entry_for(std::string(reversed() ? e.rscalar_kernel : e.scalar_kernel) + "_backward", dtype_);
+    return entry_for(std::string(reversed() ? e.rscalar_kernel : e.scalar_kernel) + "_backward", dtype);
   }
   BinaryFn fn_;
   double scalar_;
   bool reversed_;
-  DType dtype_;
 };
 
 SymTensor record_unary(const SymTensor& x, UnaryFn fn, double param, const std::string& name) {
-  return x.record_custom(CustomData::make<UnaryOp>(UnarySpec{fn, param}, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<UnaryOp>(UnarySpec{fn, param}), {}, std::nullopt, name);
 }
 
 SymTensor record_binary(const SymTensor& a, const SymTensor& b, BinaryFn fn, const std::string& name) {
-  return a.record_custom(CustomData::make<BinaryOp>(fn, a.dtype()), {b}, std::nullopt, name);
+  return a.record_custom(CustomData::make<BinaryOp>(fn), {b}, std::nullopt, name);
 }
 
 SymTensor record_scalar(const SymTensor& x, double s, BinaryFn fn, bool reversed, const std::string& name) {
-  return x.record_custom(CustomData::make<ScalarOp>(fn, s, reversed, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ScalarOp>(fn, s, reversed), {}, std::nullopt, name);
 }
 
 }  // namespace
@@ -1004,19 +944,20 @@ void apply_unary(const UnarySpec& spec, const T* x, T* y, std::int64_t n) {
 template void apply_unary<float>(const UnarySpec&, const float*, float*, std::int64_t);
 template void apply_unary<double>(const UnarySpec&, const double*, double*, std::int64_t);
 
-GpuBroadcast gpu_broadcast(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
-                           const std::vector<std::int64_t>& out, const char* op_name) {
-  GpuBroadcast g;
+KgBroadcast gpu_broadcast(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                          const std::vector<std::int64_t>& out, const char* op_name) {
+  KgBroadcast g{};
+  std::fill(std::begin(g.size), std::end(g.size), kg_divider(1));
   const std::int64_t n = numel_of(out);
   if (n == 0) return g;  // nothing to write
   const BroadcastPlan p = plan_broadcast(a, b, out);
   const std::size_t rank = p.size.size();
   if (rank == 1 && p.stride_a[0] != 0 && p.stride_b[0] != 0) {
-    g.mode = GpuBroadcastMode::Same;
+    g.mode = KG_BCAST_SAME;
     return g;
   }
   if (rank == 1 && (p.stride_a[0] != 0) != (p.stride_b[0] != 0)) {
-    g.mode = p.stride_a[0] != 0 ? GpuBroadcastMode::ScalarB : GpuBroadcastMode::ScalarA;
+    g.mode = p.stride_a[0] != 0 ? KG_BCAST_SCALAR_B : KG_BCAST_SCALAR_A;
     return g;
   }
   // Per channel: one operand is the whole output; the other steps through one merged dim.
@@ -1028,27 +969,27 @@ GpuBroadcast gpu_broadcast(const std::vector<std::int64_t>& a, const std::vector
     if (nonzero != 1 || part_strides[k] != 1) return false;
     std::int64_t inner = 1;
     for (std::size_t d = k + 1; d < rank; ++d) inner *= p.size[d];
-    g.size[0] = fast_div(inner);
-    g.size[1] = fast_div(p.size[k]);
+    g.size[0] = kg_divider(inner);
+    g.size[1] = kg_divider(p.size[k]);
     return true;
   };
   if (channel(a, p.stride_b)) {
-    g.mode = GpuBroadcastMode::ChannelB;
+    g.mode = KG_BCAST_CHANNEL_B;
     return g;
   }
   if (channel(b, p.stride_a)) {
-    g.mode = GpuBroadcastMode::ChannelA;
+    g.mode = KG_BCAST_CHANNEL_A;
     return g;
   }
-  if (rank > static_cast<std::size_t>(kGpuBroadcastMaxDims))
+  if (rank > static_cast<std::size_t>(KG_EW_MAX_DIMS))
     throw Error(util::cat(op_name, ": broadcasting ", sizes_to_string(a), " with ", sizes_to_string(b),
                           " to ", sizes_to_string(out), " needs ", rank,
-                          " dims after merging; the GPU kernel handles up to ", kGpuBroadcastMaxDims));
-  g.mode = GpuBroadcastMode::General;
+                          " dims after merging; the GPU kernel handles up to ", KG_EW_MAX_DIMS));
+  g.mode = KG_BCAST_GENERAL;
   g.rank = static_cast<std::int32_t>(rank);
   for (std::size_t d = 0; d < rank; ++d) {  // innermost first
     const std::size_t src = rank - 1 - d;
-    g.size[d] = fast_div(p.size[src]);
+    g.size[d] = kg_divider(p.size[src]);
     g.stride_a[d] = p.stride_a[src];
     g.stride_b[d] = p.stride_b[src];
   }
@@ -1081,7 +1022,7 @@ SymTensor tanh(const SymTensor& x, const std::string& name) {
   return ops::record_unary(x, UnaryFn::Tanh, 0.0, name);
 }
 SymTensor dropout(const SymTensor& x, double p, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::DropoutOp>(p, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::DropoutOp>(p), {}, std::nullopt, name);
 }
 
 SymTensor add(const SymTensor& a, const SymTensor& b, const std::string& name) {

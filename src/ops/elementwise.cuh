@@ -15,10 +15,8 @@
 // reductions in a fixed order (no atomics: deterministic).
 #pragma once
 
+#include "elementwise_shared.cuh"
 #include "index.cuh"
-
-#define KG_EW_THREADS 256
-#define KG_EW_MAX_DIMS 8
 
 // ---- scalar formulas ----
 
@@ -118,16 +116,18 @@ __device__ __forceinline__ T kg_scalar_grad(T x, T dy, T s) {
 // ---- contiguous maps with 16-byte accesses ----
 
 template <class T>
-struct alignas(16) KgPack {
-  T v[16 / sizeof(T)];
+struct alignas(KG_EW_PACK_BYTES) KgPack {
+  T v[KG_EW_PACK_BYTES / sizeof(T)];
 };
 
-__device__ __forceinline__ bool kg_aligned16(const void* p) { return ((unsigned long long)p & 15) == 0; }
+__device__ __forceinline__ bool kg_aligned16(const void* p) {
+  return ((unsigned long long)p & (KG_EW_PACK_BYTES - 1)) == 0;
+}
 
 // y[i] = f(x[i]) for i < n.
 template <class T, class Fn>
 __device__ __forceinline__ void kg_map1(const T* __restrict__ x, T* __restrict__ y, kg_index n, const Fn& f) {
-  constexpr int W = 16 / sizeof(T);
+  constexpr int W = KG_EW_PACK_BYTES / sizeof(T);
   kg_index done = 0;
   if (kg_aligned16(x) && kg_aligned16(y)) {
     const KgPack<T>* xp = reinterpret_cast<const KgPack<T>*>(x);
@@ -151,7 +151,7 @@ __device__ __forceinline__ void kg_map1(const T* __restrict__ x, T* __restrict__
 template <class T, class Fn>
 __device__ __forceinline__ void kg_map2(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y,
                                         kg_index n, const Fn& f) {
-  constexpr int W = 16 / sizeof(T);
+  constexpr int W = KG_EW_PACK_BYTES / sizeof(T);
   kg_index done = 0;
   if (kg_aligned16(a) && kg_aligned16(b) && kg_aligned16(y)) {
     const KgPack<T>* ap = reinterpret_cast<const KgPack<T>*>(a);
@@ -218,25 +218,8 @@ struct KgWithScalar {
 };
 
 // ---- broadcasting ----
-
-// How the output's index space maps to the operands (host: ops/elementwise.cpp, which merges the
-// dims first, so that the plain cases below are recognised). Passed by value; 264 bytes.
-enum KgBroadcastMode {
-  KG_BCAST_SAME,       // a[i] ⊙ b[i]
-  KG_BCAST_SCALAR_B,   // a[i] ⊙ b[0]
-  KG_BCAST_SCALAR_A,   // a[0] ⊙ b[i]
-  KG_BCAST_CHANNEL_B,  // a[i] ⊙ b[(i / inner) % c]: inner = size[0].d, c = size[1].d
-  KG_BCAST_CHANNEL_A,  // a[(i / inner) % c] ⊙ b[i]
-  KG_BCAST_GENERAL,    // dims innermost first: size[d], element strides stride_a[d], stride_b[d]
-};
-
-struct KgBroadcast {
-  KgDivider size[KG_EW_MAX_DIMS];
-  long long stride_a[KG_EW_MAX_DIMS];
-  long long stride_b[KG_EW_MAX_DIMS];
-  int rank;
-  int mode;
-};
+// KgBroadcast (elementwise_shared.cuh) says how the output's index space maps to the operands;
+// the host (ops/elementwise.cpp) merges the dims first, so that the plain cases are recognised.
 
 // y[i] = a[...] ⊙ b[i] (or mirrored) where the broadcast operand is indexed by channel.
 template <int F, bool Small, bool ChannelA, class T>
@@ -345,20 +328,8 @@ __device__ __forceinline__ void kg_dropout_mask(const T* __restrict__ src, T* __
 // depend on the schedule. width = KG_EW_THREADS (one thread per element) when nothing is reduced.
 // When X has too few elements to occupy the GPU (a bias's gradient), each reduction is also
 // split into `splits` chunks of `chunk` output elements taken by different blocks: phase 0 writes
-// their sums to partial[split * m + t], phase 1 adds them up per element in split order.
-
-struct KgReduce {
-  KgDivider kept_size[KG_EW_MAX_DIMS];
-  KgDivider red_size[KG_EW_MAX_DIMS];
-  long long kept_so[KG_EW_MAX_DIMS], kept_sa[KG_EW_MAX_DIMS], kept_sb[KG_EW_MAX_DIMS];
-  long long red_so[KG_EW_MAX_DIMS], red_sa[KG_EW_MAX_DIMS], red_sb[KG_EW_MAX_DIMS];
-  long long m;  // elements of X
-  long long r;  // output elements summed into each
-  int kept_rank, red_rank;
-  int width;   // a power of two from 1 to KG_EW_THREADS
-  int splits;  // blocks per reduction (1: phase 0 writes the gradient itself)
-  long long chunk;  // reduction elements per split
-};
+// their sums to partial[split * m + t], phase 1 adds them up per element in split order. The
+// plan is a KgReduce (elementwise_shared.cuh).
 
 // dy ∂(a ⊙ b)/∂a (Which = 0) or ∂/∂b (Which = 1), as PyTorch writes them.
 template <int F, int Which, class T>

@@ -15,7 +15,7 @@
 
 #include "kg/custom_op.hpp"
 #include "kg/runtime_op.hpp"
-#include "ops/fast_div.hpp"
+#include "ops/elementwise_shared.cuh"
 
 namespace kg::ops {
 
@@ -247,10 +247,10 @@ template <class T>
 void apply_unary(const UnarySpec& spec, const T* x, T* y, std::int64_t n);
 
 // The GPU half (RuntimeOp) of nn.dropout with probability p. Its forward launch depends on the
-// run (RunInfo): in train mode the mask the CPU draws from the run's seed, else a copy (also what
-// pack_args packs). `training` selects what its backward launch computes: the forward's mask
-// drawn again from BackwardTensors::seed when BackwardTensors::training, or the identity; the
-// op's lower() builds it for training.
+// run (LaunchTensors::training and seed): in train mode the mask the CPU draws from the run's
+// seed, else a copy. `training` selects what its backward launch computes: the forward's mask
+// drawn again from LaunchTensors::seed when LaunchTensors::training, or the identity; the op's
+// lower() builds it for training.
 std::shared_ptr<RuntimeOp> dropout_runtime(double p, DType dtype, bool training);
 
 // ---- binary ops ----
@@ -314,31 +314,19 @@ decltype(auto) visit_binary(BinaryFn f, Fn&& fn) {
 
 // ---- the GPU's view of a broadcast ----
 
-// How a binary op's GPU kernel walks its operands, for concrete shapes: the host half of
-// KgBroadcast in elementwise.cuh (same layout and mode order, passed by value). The dims are
-// merged as far as possible first, so that the common patterns take a fast path:
-//   Same:     a[i] ⊙ b[i]
-//   ScalarB:  a[i] ⊙ b[0]                  (ScalarA mirrored)
-//   ChannelB: a[i] ⊙ b[(i / inner) % c]    (per-channel and bias patterns; ChannelA mirrored),
-//             with inner = size[0].d and c = size[1].d
-//   General:  up to kGpuBroadcastMaxDims merged dims, innermost first: output index i unravels
-//             into k[d] < size[d].d and reads a[Σ k[d] stride_a[d]], b[Σ k[d] stride_b[d]].
-inline constexpr int kGpuBroadcastMaxDims = 8;
-
-enum class GpuBroadcastMode : std::int32_t { Same, ScalarB, ScalarA, ChannelB, ChannelA, General };
-
-struct GpuBroadcast {
-  FastDiv size[kGpuBroadcastMaxDims];  // the kernel's KgDivider
-  std::int64_t stride_a[kGpuBroadcastMaxDims] = {};
-  std::int64_t stride_b[kGpuBroadcastMaxDims] = {};
-  std::int32_t rank = 0;
-  GpuBroadcastMode mode = GpuBroadcastMode::Same;
-};
-static_assert(sizeof(GpuBroadcast) == 264, "must match KgBroadcast in elementwise.cuh");
-
-// The walk for output = broadcast(a, b) with these concrete shapes. Throws kg::Error (naming
-// `op_name` and the shapes) when the general case needs more than kGpuBroadcastMaxDims dims.
-GpuBroadcast gpu_broadcast(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
-                           const std::vector<std::int64_t>& out, const char* op_name);
+// How a binary op's GPU kernel walks its operands for concrete shapes: the KgBroadcast of
+// elementwise_shared.cuh, passed by value. The dims are merged as far as possible first, so that
+// the common patterns take a fast path:
+//   KG_BCAST_SAME:      a[i] ⊙ b[i]
+//   KG_BCAST_SCALAR_B:  a[i] ⊙ b[0]                (KG_BCAST_SCALAR_A mirrored)
+//   KG_BCAST_CHANNEL_B: a[i] ⊙ b[(i / inner) % c]  (per-channel and bias patterns;
+//                       KG_BCAST_CHANNEL_A mirrored), with inner = size[0].d and c = size[1].d
+//   KG_BCAST_GENERAL:   up to KG_EW_MAX_DIMS merged dims, innermost first: output index i
+//                       unravels into k[d] < size[d].d and reads a[Σ k[d] stride_a[d]],
+//                       b[Σ k[d] stride_b[d]].
+// Throws kg::Error (naming `op_name` and the shapes) when the general case needs more than
+// KG_EW_MAX_DIMS dims.
+KgBroadcast gpu_broadcast(const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                          const std::vector<std::int64_t>& out, const char* op_name);
 
 }  // namespace kg::ops

@@ -1,14 +1,11 @@
 // A tiled GEMM for the built-in kernels: C[m, n] = alpha * sum_k A(m, k) B(k, n) + bias[n],
 // with arbitrary element strides so one kernel serves x·Wᵀ, batched matmul and transposes.
-// 64×64 output tiles, 16-deep k slices in shared memory, 256 threads each computing 4×4.
+// 64×64 output tiles, 16-deep k slices in shared memory, 256 threads each computing 4×4
+// (gemm_shared.cuh, which the host code that sizes the grids includes too).
 #pragma once
 
+#include "gemm_shared.cuh"
 #include "kg_device.cuh"
-
-#define KG_GEMM_BM 64
-#define KG_GEMM_BN 64
-#define KG_GEMM_BK 16
-#define KG_GEMM_THREADS 256
 
 template <class T>
 struct KgGemmArgs {

@@ -1,17 +1,12 @@
 // Index helpers for memory-bound kernels (copies, elementwise normalisation):
 //  - division by a divisor fixed for a launch through a precomputed multiplier (Granlund and
-//    Montgomery's round-up method); the host side is ops/fast_div.hpp, and both lay KgDivider
-//    out the same way (16 bytes, passed by value);
+//    Montgomery's round-up method); KgDivider is laid out in index_shared.cuh, which the host
+//    fills from ops/divider.hpp (16 bytes, passed by value);
 //  - a grid-stride loop that keeps KG_UNROLL loads in flight per thread.
 #pragma once
 
+#include "index_shared.cuh"
 #include "kg_device.cuh"
-
-struct KgDivider {
-  unsigned mul;    // magic multiplier, valid when the divisor and dividends are below 2^31
-  unsigned shift;  // ceil(log2(d))
-  long long d;     // the divisor itself, for the 64-bit path
-};
 
 // n / d for 0 <= n. With Small (every dividend and the divisor below 2^31) it takes a multiply-high,
 // an add and a shift; otherwise it is a plain 64-bit division.
@@ -23,8 +18,6 @@ __device__ __forceinline__ kg_index kg_div(const KgDivider& f, kg_index n) {
   }
   return n / f.d;
 }
-
-#define KG_UNROLL 4
 
 // For every i in [0, total): v = load(i), then store(i, v). Each thread takes KG_UNROLL indices a
 // grid stride apart per round and issues their loads before their stores, so that each thread

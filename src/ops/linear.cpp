@@ -5,6 +5,7 @@
 
 #include "kg/ops.hpp"
 #include "ops/blas.hpp"
+#include "ops/gemm_shared.cuh"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
@@ -14,9 +15,13 @@ namespace {
 // The backward launches (linear_backward.cu), in this order; an unwanted gradient's launch is
 // one idle block.
 enum LinearBackwardLaunch { kGradInput, kGradWeight, kGradBias };
-constexpr std::int64_t kGemmTile = 64;          // KG_GEMM_BM, KG_GEMM_BN
-constexpr std::int64_t kMaxGridYZ = 65535;      // the kernels loop over further tiles
+constexpr std::int64_t kMaxGridYZ = 65535;  // the kernels loop over further tiles
 constexpr std::int64_t kMaxBiasBlocks = 65535LL * 32;
+
+// Tiles of `tile` covering n (at least 1, at most cap).
+unsigned gemm_tiles(std::int64_t n, std::int64_t tile, std::int64_t cap) {
+  return static_cast<unsigned>(std::clamp<std::int64_t>((n + tile - 1) / tile, 1, cap));
+}
 
 // The GPU half: one launch of the tiled GEMM with the bias in its epilogue; the backward takes
 // two GEMM launches and a column reduction.
@@ -24,83 +29,56 @@ class LinearRuntime final : public RuntimeOp {
  public:
   LinearRuntime(std::int64_t in, std::int64_t out, bool bias, DType dtype)
       : in_(in), out_(out), bias_(bias), dtype_(dtype) {}
-  int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    if (bias_) return {{out_, in_}, {out_}};
-    return {{out_, in_}};
-  }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    v.pointer(inputs[0].ptr);
-    v.pointer(params[0].ptr);
-    v.pointer(bias_ ? params[1].ptr : 0);
-    v.pointer(output.ptr);
-    v.i64(rows(shape));
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.inputs.at(0).ptr);
+    v.pointer(t.params.at(0).ptr);
+    v.pointer(bias_ ? t.params.at(1).ptr : 0);
+    v.pointer(t.output.ptr);
+    v.i64(rows(t.output.shape));
     v.i64(in_);
     v.i64(out_);
   }
-  Dim3 block() const override { return {256, 1, 1}; }
+  Dim3 block() const override { return {KG_GEMM_THREADS, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
-    return {static_cast<unsigned>((out_ + 63) / 64), static_cast<unsigned>(std::max<std::int64_t>((rows(shape) + 63) / 64, 1)), 1};
+    return {static_cast<unsigned>((out_ + KG_GEMM_BN - 1) / KG_GEMM_BN),
+            static_cast<unsigned>(std::max<std::int64_t>((rows(shape) + KG_GEMM_BM - 1) / KG_GEMM_BM, 1)), 1};
   }
 
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors&) const override { return bias_ ? 3 : 2; }
-  std::string backward_entry_point(int launch) const override {
-    const char* what = launch == kGradInput ? "input" : launch == kGradWeight ? "weight" : "bias";
-    return entry_for(util::cat("kg_linear_backward_", what), dtype_);
-  }
-  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     const std::int64_t r = rows(t.grad_output.shape);
-    switch (launch) {
-      case kGradInput:
-        v.pointer(t.grad_output.ptr);
-        v.pointer(t.params.at(0).ptr);
-        v.pointer(t.grad_inputs.at(0).ptr);
-        v.i64(r);
-        v.i64(in_);
-        v.i64(out_);
-        break;
-      case kGradWeight:
-        v.pointer(t.inputs.at(0).ptr);
-        v.pointer(t.grad_output.ptr);
-        v.pointer(t.grad_params.at(0).ptr);
-        v.i64(r);
-        v.i64(in_);
-        v.i64(out_);
-        break;
-      default:
-        v.pointer(t.grad_output.ptr);
-        v.pointer(t.grad_params.at(1).ptr);
-        v.i64(r);
-        v.i64(out_);
-        break;
+    std::vector<Launch> ls;
+    for (int l = kGradInput; l <= (bias_ ? kGradBias : kGradWeight); ++l) {
+      const char* what = l == kGradInput ? "input" : l == kGradWeight ? "weight" : "bias";
+      Launch L;
+      L.entry = entry_for(util::cat("kg_linear_backward_", what), dtype_);
+      L.block = {KG_GEMM_THREADS, 1, 1};
+      const DeviceTensor& g =
+          l == kGradInput ? t.grad_inputs.at(0) : t.grad_params.at(l == kGradWeight ? 0 : 1);
+      switch (l) {
+        case kGradInput:  // dx [rows, in]
+          L.grid = {gemm_tiles(in_, KG_GEMM_BN, kMaxBiasBlocks), gemm_tiles(r, KG_GEMM_BM, kMaxGridYZ), 1};
+          L.args = {t.grad_output, t.params.at(0), g, r, in_, out_};
+          break;
+        case kGradWeight:  // dW [out, in]
+          L.grid = {gemm_tiles(in_, KG_GEMM_BN, kMaxBiasBlocks), gemm_tiles(out_, KG_GEMM_BM, kMaxGridYZ), 1};
+          L.args = {t.inputs.at(0), t.grad_output, g, r, in_, out_};
+          break;
+        default:  // db [out]: a block per column
+          L.grid = {static_cast<unsigned>(std::clamp<std::int64_t>(out_, 1, kMaxBiasBlocks)), 1, 1};
+          L.args = {t.grad_output, g, r, out_};
+          break;
+      }
+      if (g.ptr == 0) L.grid = {1, 1, 1};
+      ls.push_back(std::move(L));
     }
-  }
-  Dim3 backward_block(int) const override { return {256, 1, 1}; }
-  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
-    const DeviceTensor& g = launch == kGradInput ? t.grad_inputs.at(0) : t.grad_params.at(launch == kGradWeight ? 0 : 1);
-    if (g.ptr == 0) return {1, 1, 1};
-    auto tiles = [](std::int64_t n, std::int64_t cap) {
-      return static_cast<unsigned>(std::clamp<std::int64_t>((n + kGemmTile - 1) / kGemmTile, 1, cap));
-    };
-    switch (launch) {
-      case kGradInput:  // [rows, in]
-        return {tiles(in_, kMaxBiasBlocks), tiles(rows(t.grad_output.shape), kMaxGridYZ), 1};
-      case kGradWeight:  // [out, in]
-        return {tiles(in_, kMaxBiasBlocks), tiles(out_, kMaxGridYZ), 1};
-      default:  // a block per column
-        return {static_cast<unsigned>(std::clamp<std::int64_t>(out_, 1, kMaxBiasBlocks)), 1, 1};
-    }
+    return ls;
   }
 
  private:
   std::int64_t rows(const std::vector<std::int64_t>& shape) const { return out_ ? numel_of(shape) / out_ : 0; }
   std::int64_t in_, out_;
   bool bias_;
-  DType dtype_;  // of the backward entries
+  DType dtype_;  // of the kernel entries
 };
 
 class LinearOp final : public CustomOp {
@@ -129,7 +107,7 @@ class LinearOp final : public CustomOp {
     return t;
   }
 
-  std::vector<ParamSpec> parameters() const override {
+  std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override {
     // PyTorch: kaiming_uniform(a=sqrt(5)) gives U(-1/sqrt(in), 1/sqrt(in)); the bias the same.
     const double bound = in_ > 0 ? 1.0 / std::sqrt(static_cast<double>(in_)) : 0.0;
     std::vector<ParamSpec> p{{"weight", {out_, in_}, dtype_, ParamInit::uniform(-bound, bound), true}};
@@ -137,11 +115,13 @@ class LinearOp final : public CustomOp {
     return p;
   }
 
-  std::optional<Lowered> lower() const override {
+  std::optional<Lowered> lower(const LowerContext&) const override {
     return Lowered{"nn.linear", kernel_file("linear.cu"), entry_for("kg_linear", dtype_),
                    std::make_shared<LinearRuntime>(in_, out_, bias_, dtype_)};
   }
-  std::string lower_backward_source() const override { return kernel_file("linear_backward.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override {
+    return kernel_file("linear_backward.cu");
+  }
 
   // The input is read for the weight's gradient; the output is never read.
   bool has_cpu_backward() const override { return true; }

@@ -5,6 +5,8 @@
 // An invalid label (outside [0, C)) is an error on the CPU naming the row, the label and C. A
 // kernel cannot raise one: on a GPU (and under emulation) the loss of a batch holding such a
 // label is NaN, and so is that row's gradient.
+#include "ops/loss_shared.cuh"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -16,7 +18,7 @@
 namespace kg::ops {
 namespace {
 
-constexpr unsigned kLossThreads = 256;  // KG_LOSS_THREADS
+constexpr unsigned kLossThreads = KG_LOSS_THREADS;
 
 // The label of row `r` as an integer, whatever its dtype.
 std::int64_t label_at(const Tensor& labels, std::int64_t r) {
@@ -30,38 +32,26 @@ std::string label_suffix(DType t) { return t == DType::I32 ? "_i32" : "_i64"; }
 class CrossEntropyRuntime final : public RuntimeOp {
  public:
   CrossEntropyRuntime(DType dtype, DType label_dtype) : dtype_(dtype), label_dtype_(label_dtype) {}
-  int n_activation_inputs() const override { return 2; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>&, std::int64_t,
-                 ArgVisitor& v) const override {
-    v.pointer(inputs[0].ptr);
-    v.pointer(inputs[1].ptr);
-    v.pointer(output.ptr);
-    v.i64(inputs[0].shape.at(0));
-    v.i64(inputs[0].shape.at(1));
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.inputs[1].ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.inputs[0].shape.at(0));
+    v.i64(t.inputs[0].shape.at(1));
   }
   Dim3 block() const override { return {kLossThreads, 1, 1}; }
   // One block: a deterministic reduction over every row.
   Dim3 grid(const std::vector<std::int64_t>&) const override { return {1, 1, 1}; }
 
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors&) const override { return 1; }
-  std::string backward_entry_point(int) const override {
-    return entry_for("kg_cross_entropy_backward", dtype_) + label_suffix(label_dtype_);
-  }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
-    v.pointer(t.inputs.at(0).ptr);
-    v.pointer(t.inputs.at(1).ptr);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.i64(t.inputs.at(0).shape.at(0));
-    v.i64(t.inputs.at(0).shape.at(1));
-  }
-  Dim3 backward_block(int) const override { return {kLossThreads, 1, 1}; }
   // A warp per row, 8 rows per block; one idle block when the gradient is not wanted.
-  Dim3 backward_grid(int, const BackwardTensors& t) const override {
-    if (t.grad_inputs.at(0).ptr == 0) return {1, 1, 1};
-    return grid_1d(t.inputs.at(0).shape.at(0), kLossThreads / 32);
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    const std::int64_t n = t.inputs.at(0).shape.at(0), c = t.inputs.at(0).shape.at(1);
+    const Dim3 grid = t.grad_inputs.at(0).ptr == 0 ? Dim3{1, 1, 1} : grid_1d(n, kLossThreads / 32);
+    return {{entry_for("kg_cross_entropy_backward", dtype_) + label_suffix(label_dtype_),
+             grid,
+             {kLossThreads, 1, 1},
+             0,
+             {t.inputs.at(0), t.inputs.at(1), t.grad_output, t.grad_inputs.at(0), n, c}}};
   }
 
  private:
@@ -70,7 +60,6 @@ class CrossEntropyRuntime final : public RuntimeOp {
 
 class CrossEntropyOp final : public CustomOp {
  public:
-  CrossEntropyOp(DType dtype, DType label_dtype) : dtype_(dtype), label_dtype_(label_dtype) {}
   std::string name() const override { return "nn.cross_entropy"; }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -95,12 +84,14 @@ class CrossEntropyOp final : public CustomOp {
     return in[0];
   }
 
-  std::optional<Lowered> lower() const override {
+  // The kernels of the logits' dtype (the output's) and the labels'.
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const DType dtype = ctx.output_dtype, label_dtype = ctx.input_dtypes.at(1);
     return Lowered{name(), kernel_file("loss.cu"),
-                   entry_for("kg_cross_entropy", dtype_) + label_suffix(label_dtype_),
-                   std::make_shared<CrossEntropyRuntime>(dtype_, label_dtype_)};
+                   entry_for("kg_cross_entropy", dtype) + label_suffix(label_dtype),
+                   std::make_shared<CrossEntropyRuntime>(dtype, label_dtype)};
   }
-  std::string lower_backward_source() const override { return kernel_file("loss.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override { return kernel_file("loss.cu"); }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -169,7 +160,6 @@ class CrossEntropyOp final : public CustomOp {
         throw Error(util::cat("row ", r, " has label ", l, ", outside [0, ", c, ") for C = ", c, " classes"));
     }
   }
-  DType dtype_, label_dtype_;
 };
 
 // ---- mean squared error ----
@@ -177,33 +167,24 @@ class CrossEntropyOp final : public CustomOp {
 class MseRuntime final : public RuntimeOp {
  public:
   explicit MseRuntime(DType dtype) : dtype_(dtype) {}
-  int n_activation_inputs() const override { return 2; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>&, std::int64_t,
-                 ArgVisitor& v) const override {
-    v.pointer(inputs[0].ptr);
-    v.pointer(inputs[1].ptr);
-    v.pointer(output.ptr);
-    v.i64(numel_of(inputs[0].shape));
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.inputs[1].ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.inputs[0].numel());
   }
   Dim3 block() const override { return {kLossThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>&) const override { return {1, 1, 1}; }
 
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors&) const override { return 1; }
-  std::string backward_entry_point(int) const override { return entry_for("kg_mse_loss_backward", dtype_); }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
-    v.pointer(t.inputs.at(0).ptr);
-    v.pointer(t.inputs.at(1).ptr);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.pointer(t.grad_inputs.at(1).ptr);
-    v.i64(numel_of(t.inputs.at(0).shape));
-  }
-  Dim3 backward_block(int) const override { return {kLossThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override {
-    if (t.grad_inputs.at(0).ptr == 0 && t.grad_inputs.at(1).ptr == 0) return {1, 1, 1};
-    return grid_1d(numel_of(t.inputs.at(0).shape), kLossThreads);
+  // A thread per element; one idle block when neither gradient is wanted.
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    const std::int64_t n = t.inputs.at(0).numel();
+    const bool idle = t.grad_inputs.at(0).ptr == 0 && t.grad_inputs.at(1).ptr == 0;
+    return {{entry_for("kg_mse_loss_backward", dtype_),
+             idle ? Dim3{1, 1, 1} : grid_1d(n, kLossThreads),
+             {kLossThreads, 1, 1},
+             0,
+             {t.inputs.at(0), t.inputs.at(1), t.grad_output, t.grad_inputs.at(0), t.grad_inputs.at(1), n}}};
   }
 
  private:
@@ -212,7 +193,6 @@ class MseRuntime final : public RuntimeOp {
 
 class MseLossOp final : public CustomOp {
  public:
-  explicit MseLossOp(DType dtype) : dtype_(dtype) {}
   std::string name() const override { return "nn.mse_loss"; }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -229,11 +209,11 @@ class MseLossOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  std::optional<Lowered> lower() const override {
-    return Lowered{name(), kernel_file("loss.cu"), entry_for("kg_mse_loss", dtype_),
-                   std::make_shared<MseRuntime>(dtype_)};
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    return Lowered{name(), kernel_file("loss.cu"), entry_for("kg_mse_loss", ctx.output_dtype),
+                   std::make_shared<MseRuntime>(ctx.output_dtype)};
   }
-  std::string lower_backward_source() const override { return kernel_file("loss.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override { return kernel_file("loss.cu"); }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor &p = ctx.inputs[0], &t = ctx.inputs[1];
@@ -282,7 +262,6 @@ class MseLossOp final : public CustomOp {
       throw Error(util::cat("prediction ", sizes_to_string(p.shape()), " and target ",
                             sizes_to_string(t.shape()), " must have the same shape"));
   }
-  DType dtype_;
 };
 
 }  // namespace
@@ -291,13 +270,11 @@ class MseLossOp final : public CustomOp {
 namespace kg {
 
 SymTensor cross_entropy(const SymTensor& logits, const SymTensor& labels, const std::string& name) {
-  return logits.record_custom(CustomData::make<ops::CrossEntropyOp>(logits.dtype(), labels.dtype()), {labels},
-                              std::nullopt, name);
+  return logits.record_custom(CustomData::make<ops::CrossEntropyOp>(), {labels}, std::nullopt, name);
 }
 
 SymTensor mse_loss(const SymTensor& prediction, const SymTensor& target, const std::string& name) {
-  return prediction.record_custom(CustomData::make<ops::MseLossOp>(prediction.dtype()), {target},
-                                  std::nullopt, name);
+  return prediction.record_custom(CustomData::make<ops::MseLossOp>(), {target}, std::nullopt, name);
 }
 
 }  // namespace kg

@@ -6,9 +6,8 @@
 // A label outside [0, C) cannot raise an error inside a kernel: its row's loss is NaN, so the
 // batch's loss is NaN, and the backward writes NaN into that row's gradient. The CPU
 // implementation raises an error naming the row and the label instead.
+#include "loss_shared.cuh"
 #include "reduce.cuh"
-
-#define KG_LOSS_THREADS 256
 
 __device__ __forceinline__ float kg_loss_exp(float v) { return expf(v); }
 __device__ __forceinline__ double kg_loss_exp(double v) { return exp(v); }

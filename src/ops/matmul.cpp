@@ -6,23 +6,15 @@
 
 #include "kg/ops.hpp"
 #include "ops/blas.hpp"
+#include "ops/gemm_shared.cuh"
 #include "ops/gpu_util.hpp"
+#include "ops/matmul_shared.cuh"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
 
-constexpr std::size_t kMaxBatchLevels = 8;  // KG_MATMUL_MAX_LEVELS in matmul.cu
-
-// Laid out as the kernel's KgMatmulBatch.
-struct MatmulBatchArgs {
-  std::int64_t batches = 1;
-  std::int64_t levels = 0;
-  std::int64_t size[kMaxBatchLevels] = {};
-  std::int64_t stride_a[kMaxBatchLevels] = {};
-  std::int64_t stride_b[kMaxBatchLevels] = {};
-};
-static_assert(sizeof(MatmulBatchArgs) == 16 + 3 * 8 * kMaxBatchLevels);
+constexpr std::size_t kMaxBatchLevels = KG_MATMUL_MAX_LEVELS;
 
 // The matrix sizes of C = A B: A as [m, k], B as [k, n] (a 1-D A is one row, a 1-D B one column).
 struct MatmulSizes {
@@ -81,10 +73,17 @@ void check_gpu_levels(const Levels& lv, const std::vector<std::int64_t>& sa, con
                           lv.size.size(), " broadcast batch levels; the GPU kernel handles ", kMaxBatchLevels));
 }
 
-MatmulBatchArgs batch_levels(const std::vector<std::int64_t>& sa, const std::vector<std::int64_t>& sb) {
+// One output batch entry and no levels (the product as one GEMM).
+KgMatmulBatch single_batch() {
+  KgMatmulBatch b{};
+  b.batches = 1;
+  return b;
+}
+
+KgMatmulBatch batch_levels(const std::vector<std::int64_t>& sa, const std::vector<std::int64_t>& sb) {
   const Levels lv = broadcast_levels(sa, sb);
   check_gpu_levels(lv, sa, sb);
-  MatmulBatchArgs batch;
+  KgMatmulBatch batch = single_batch();
   batch.levels = std::ssize(lv.size);
   for (std::size_t l = 0; l < lv.size.size(); ++l) {
     batch.size[l] = lv.size[l];
@@ -113,7 +112,7 @@ GradLevels grad_levels(const Levels& lv, bool grad_a) {
 
 // Output batch entry z and the offsets of the own and the other operand's matrices for (own
 // matrix e, use r): the levels where the own stride is non-zero take their coordinates from e,
-// the others from r (as KgMatmulGradBatch in matmul_backward.cu).
+// the others from r (as kg_matmul_grad_entry in matmul_backward.cu).
 struct GradEntry {
   std::int64_t z = 0, own = 0, other = 0;
 };
@@ -137,17 +136,16 @@ GradEntry grad_entry(const GradLevels& g, std::int64_t e, std::int64_t r) {
   return out;
 }
 
-// KgMatmulGradBatch in matmul_backward.cu, same layout.
-struct MatmulGradBatchArgs {
-  std::int64_t entries = 1, reps = 1, levels = 0;
-  std::int64_t size[kMaxBatchLevels] = {};
-  std::int64_t stride_own[kMaxBatchLevels] = {};
-  std::int64_t stride_other[kMaxBatchLevels] = {};
-};
-static_assert(sizeof(MatmulGradBatchArgs) == 24 + 3 * 8 * kMaxBatchLevels);
+// One matrix used once and no levels (each gradient as one GEMM).
+KgMatmulGradBatch single_grad_batch() {
+  KgMatmulGradBatch g{};
+  g.entries = 1;
+  g.reps = 1;
+  return g;
+}
 
-MatmulGradBatchArgs grad_batch_args(const GradLevels& g) {
-  MatmulGradBatchArgs a;
+KgMatmulGradBatch grad_batch_args(const GradLevels& g) {
+  KgMatmulGradBatch a{};
   a.entries = g.entries;
   a.reps = g.reps;
   a.levels = std::ssize(g.size);
@@ -172,30 +170,25 @@ bool single_gemm(const Levels& lv) {
 // and the whole product is one GEMM of batches * m rows.
 class MatmulRuntime final : public RuntimeOp {
  public:
-  static constexpr unsigned kThreads = 256;  // KG_GEMM_THREADS
-  static constexpr std::int64_t kTile = 64;  // KG_GEMM_BM, KG_GEMM_BN
   static constexpr std::int64_t kMaxGridYZ = 65535;
 
   MatmulRuntime(std::size_t rank_a, std::size_t rank_b, DType dtype)
       : rank_a_(rank_a), rank_b_(rank_b), dtype_(dtype) {}
-  int n_activation_inputs() const override { return 2; }
 
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& out_shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    const auto &sa = inputs[0].shape, &sb = inputs[1].shape;
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    const auto &sa = t.inputs.at(0).shape, &sb = t.inputs.at(1).shape;
     const std::int64_t m = sa.size() >= 2 ? sa[sa.size() - 2] : 1, k = sa.back();
     const std::int64_t n = sb.size() >= 2 ? sb.back() : 1;
-    MatmulBatchArgs batch;
+    KgMatmulBatch batch = single_batch();
     std::int64_t rows = m;
     if (merged()) {
-      rows = m * batch_count(out_shape);
+      rows = m * batch_count(t.output.shape);
     } else {
       batch = batch_levels(sa, sb);
     }
-    v.pointer(inputs[0].ptr);
-    v.pointer(inputs[1].ptr);
-    v.pointer(output.ptr);
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.inputs[1].ptr);
+    v.pointer(t.output.ptr);
     v.i64(rows);
     v.i64(n);
     v.i64(k);
@@ -206,7 +199,7 @@ class MatmulRuntime final : public RuntimeOp {
     v.bytes(&batch, sizeof batch);
   }
 
-  Dim3 block() const override { return {kThreads, 1, 1}; }
+  Dim3 block() const override { return {KG_GEMM_THREADS, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& out_shape) const override {
     const std::int64_t r = std::ssize(out_shape);
     const std::int64_t n = rank_b_ >= 2 ? out_shape.back() : 1;
@@ -216,55 +209,49 @@ class MatmulRuntime final : public RuntimeOp {
       rows *= batches;
       batches = 1;
     }
-    auto tiles = [](std::int64_t v) { return (v + kTile - 1) / kTile; };
-    return {static_cast<unsigned>(std::max<std::int64_t>(tiles(n), 1)),
-            static_cast<unsigned>(std::clamp<std::int64_t>(tiles(rows), 1, kMaxGridYZ)),
+    return {static_cast<unsigned>(std::max<std::int64_t>((n + KG_GEMM_BN - 1) / KG_GEMM_BN, 1)),
+            tiles(rows, KG_GEMM_BM, kMaxGridYZ),
             static_cast<unsigned>(std::clamp<std::int64_t>(batches, 1, kMaxGridYZ))};
   }
 
   // ---- backward (matmul_backward.cu): launch 0 writes dA, launch 1 dB ----
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors&) const override { return 2; }
-  std::string backward_entry_point(int launch) const override {
-    return entry_for(launch == 0 ? "kg_matmul_backward_a" : "kg_matmul_backward_b", dtype_);
-  }
-  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
-    const GradLaunch g = grad_launch(launch, t);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.inputs.at(launch == 0 ? 1 : 0).ptr);  // the other operand
-    v.pointer(t.grad_inputs.at(static_cast<std::size_t>(launch)).ptr);
-    v.i64(g.m);
-    v.i64(g.n);
-    v.i64(g.k);
-    v.bytes(&g.batch, sizeof g.batch);
-  }
-  Dim3 backward_block(int) const override { return {kThreads, 1, 1}; }
-  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
-    if (t.grad_inputs.at(static_cast<std::size_t>(launch)).ptr == 0) return {1, 1, 1};
-    const GradLaunch g = grad_launch(launch, t);
-    // The gradient's matrices: [m, k] for dA, [k, n] for dB.
-    const std::int64_t rows = launch == 0 ? g.m : g.k, cols = launch == 0 ? g.k : g.n;
-    auto tiles = [](std::int64_t v, std::int64_t cap) {
-      return static_cast<unsigned>(std::clamp<std::int64_t>((v + kTile - 1) / kTile, 1, cap));
-    };
-    return {tiles(cols, kMaxGridX), tiles(rows, kMaxGridYZ),
-            static_cast<unsigned>(std::clamp<std::int64_t>(g.batch.entries, 1, kMaxGridYZ))};
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    std::vector<Launch> ls;
+    for (int launch = 0; launch < 2; ++launch) {
+      const GradLaunch g = grad_launch(launch, t);
+      const DeviceTensor& grad = t.grad_inputs.at(static_cast<std::size_t>(launch));
+      const DeviceTensor& other = t.inputs.at(launch == 0 ? 1 : 0);
+      Launch L;
+      L.entry = entry_for(launch == 0 ? "kg_matmul_backward_a" : "kg_matmul_backward_b", dtype_);
+      L.block = {KG_GEMM_THREADS, 1, 1};
+      // The gradient's matrices: [m, k] for dA, [k, n] for dB. Not wanted: one idle block.
+      const std::int64_t rows = launch == 0 ? g.m : g.k, cols = launch == 0 ? g.k : g.n;
+      if (grad.ptr != 0)
+        L.grid = {tiles(cols, KG_GEMM_BN, kMaxGridX), tiles(rows, KG_GEMM_BM, kMaxGridYZ),
+                  static_cast<unsigned>(std::clamp<std::int64_t>(g.batch.entries, 1, kMaxGridYZ))};
+      L.args = {t.grad_output, other, grad, g.m, g.n, g.k, raw_bytes(&g.batch, sizeof g.batch)};
+      ls.push_back(std::move(L));
+    }
+    return ls;
   }
 
  private:
   static constexpr std::int64_t kMaxGridX = 65535LL * 32;  // the kernels loop over further tiles
+  static unsigned tiles(std::int64_t v, std::int64_t tile, std::int64_t cap) {
+    return static_cast<unsigned>(std::clamp<std::int64_t>((v + tile - 1) / tile, 1, cap));
+  }
   // The sizes and batch walk of a backward launch. When the product is one GEMM, so is each
   // gradient: m covers every batch entry's rows and there are no levels.
   struct GradLaunch {
     std::int64_t m, n, k;
-    MatmulGradBatchArgs batch;
+    KgMatmulGradBatch batch;
   };
-  GradLaunch grad_launch(int launch, const BackwardTensors& t) const {
+  GradLaunch grad_launch(int launch, const LaunchTensors& t) const {
     const auto &sa = t.inputs.at(0).shape, &sb = t.inputs.at(1).shape;
     const auto [m, k, n] = matmul_sizes(sa, sb);
     const Levels lv = broadcast_levels(sa, sb);
     check_gpu_levels(lv, sa, sb);
-    if (single_gemm(lv)) return {m * lv.batches(), n, k, MatmulGradBatchArgs{}};
+    if (single_gemm(lv)) return {m * lv.batches(), n, k, single_grad_batch()};
     return {m, n, k, grad_batch_args(grad_levels(lv, launch == 0))};
   }
 
@@ -277,13 +264,12 @@ class MatmulRuntime final : public RuntimeOp {
     return b;
   }
   std::size_t rank_a_, rank_b_;
-  DType dtype_;  // of the backward entries
+  DType dtype_;  // of the kernel entries
 };
 
 class MatmulOp final : public CustomOp {
  public:
-  MatmulOp(std::size_t rank_a, std::size_t rank_b, DType dtype)
-      : rank_a_(rank_a), rank_b_(rank_b), dtype_(dtype) {}
+  MatmulOp(std::size_t rank_a, std::size_t rank_b) : rank_a_(rank_a), rank_b_(rank_b) {}
   std::string name() const override { return "nn.matmul"; }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -313,11 +299,14 @@ class MatmulOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  std::optional<Lowered> lower() const override {
-    return Lowered{"nn.matmul", kernel_file("matmul.cu"), entry_for("kg_matmul", dtype_),
-                   std::make_shared<MatmulRuntime>(rank_a_, rank_b_, dtype_)};
+  // The entries are the output dtype's.
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    return Lowered{"nn.matmul", kernel_file("matmul.cu"), entry_for("kg_matmul", ctx.output_dtype),
+                   std::make_shared<MatmulRuntime>(rank_a_, rank_b_, ctx.output_dtype)};
   }
-  std::string lower_backward_source() const override { return kernel_file("matmul_backward.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override {
+    return kernel_file("matmul_backward.cu");
+  }
 
   // dA = dC Bᵀ and dB = Aᵀ dC per output batch entry, each gradient matrix summed over the
   // entries that share it, in order; a gradient's matrices are spread over the threads.
@@ -437,9 +426,8 @@ class MatmulOp final : public CustomOp {
   }
 
  private:
-  // Operand ranks and dtype at record time: the GPU lowering sizes its grid from them.
+  // Operand ranks at record time: the GPU lowering sizes its grid from them.
   std::size_t rank_a_, rank_b_;
-  DType dtype_;
 };
 
 }  // namespace
@@ -448,7 +436,7 @@ class MatmulOp final : public CustomOp {
 namespace kg {
 
 SymTensor matmul(const SymTensor& a, const SymTensor& b, const std::string& name) {
-  return a.record_custom(CustomData::make<ops::MatmulOp>(a.shape().rank(), b.shape().rank(), a.dtype()), {b},
+  return a.record_custom(CustomData::make<ops::MatmulOp>(a.shape().rank(), b.shape().rank()), {b},
                          std::nullopt, name);
 }
 

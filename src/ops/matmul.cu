@@ -3,18 +3,9 @@
 // split over up to KG_MATMUL_MAX_LEVELS broadcast levels (adjacent dims that broadcast alike are
 // merged on the host), each with its size and the element strides of A and B (0 where that
 // operand is broadcast). Grid: x over n tiles, y over m tiles, z over batch entries; y and z are
-// capped (65535) and the kernel loops over the rest.
+// capped (65535) and the kernel loops over the rest. KgMatmulBatch is matmul_shared.cuh's.
 #include "gemm.cuh"
-
-#define KG_MATMUL_MAX_LEVELS 8
-
-struct KgMatmulBatch {
-  long long batches;  // output batch entries (product of the level sizes)
-  long long levels;
-  long long size[KG_MATMUL_MAX_LEVELS];  // outermost first
-  long long stride_a[KG_MATMUL_MAX_LEVELS];
-  long long stride_b[KG_MATMUL_MAX_LEVELS];
-};
+#include "matmul_shared.cuh"
 
 template <class T>
 __device__ __forceinline__ void kg_matmul(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,

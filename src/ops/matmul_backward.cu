@@ -4,21 +4,10 @@
 // them, accumulated in the tile's registers one entry after the other (a fixed order, so runs
 // repeat bitwise; no atomics). Grid: x over the gradient's column tiles, y over its row tiles,
 // z over its matrices; each is capped and the kernel loops over the rest. A kernel whose
-// gradient is not wanted (a null pointer) returns at once.
+// gradient is not wanted (a null pointer) returns at once. KgMatmulGradBatch, the batch walk
+// seen from one operand, is matmul_shared.cuh's.
 #include "gemm.cuh"
-
-#define KG_MATMUL_MAX_LEVELS 8
-
-// The output batch entries seen from one operand (host: MatmulGradBatchArgs in ops/matmul.cpp,
-// same layout): its matrices (`entries`, over the levels where its own stride is non-zero) and
-// for each the output entries that use it (`reps`, over the other levels). Outermost level
-// first; strides in elements.
-struct KgMatmulGradBatch {
-  long long entries, reps, levels;
-  long long size[KG_MATMUL_MAX_LEVELS];
-  long long stride_own[KG_MATMUL_MAX_LEVELS];
-  long long stride_other[KG_MATMUL_MAX_LEVELS];
-};
+#include "matmul_shared.cuh"
 
 // The output entry z of (matrix e, use r) and the element offsets of the own and other operands.
 __device__ __forceinline__ void kg_matmul_grad_entry(const KgMatmulGradBatch& g, long long e, long long r,

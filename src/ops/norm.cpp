@@ -5,14 +5,16 @@
 #include <cmath>
 
 #include "kg/ops.hpp"
-#include "ops/fast_div.hpp"
+#include "ops/divider.hpp"
 #include "ops/gpu_util.hpp"
+#include "ops/norm_shared.cuh"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
 
-constexpr unsigned kNormThreads = 256;  // KG_NORM_THREADS in norm.cu
+constexpr unsigned kNormThreads = KG_NORM_THREADS;
+constexpr std::int64_t kMaxBlocks = 65535LL * 32;  // grid-stride loops take the rest
 
 // nn.batch_norm2d on the GPU, one kernel entry for both modes (its `training` argument, packed per
 // run): launch 0 computes a per-channel scale and shift (in scratch) from the running statistics
@@ -25,179 +27,146 @@ class BatchNorm2dRuntime final : public RuntimeOp {
  public:
   BatchNorm2dRuntime(std::int64_t channels, double eps, double momentum, DType dtype, bool training)
       : c_(channels), eps_(eps), momentum_(momentum), dtype_(dtype), training_(training) {}
-  int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {{c_}, {c_}, {c_}, {c_}, {}};
-  }
-  DType param_dtype(int i) const override { return i == 4 ? DType::I64 : dtype_; }
-  std::size_t scratch_bytes(const std::vector<std::vector<std::int64_t>>&,
-                            const std::vector<std::int64_t>&) const override {
-    return static_cast<std::size_t>(2 * c_) * dtype_size(dtype_);
-  }
-  int n_launches(const std::vector<std::int64_t>&) const override { return 2; }
-  void pack_args(const std::vector<DeviceTensor>&, const std::vector<DeviceTensor>&, const DeviceTensor&,
-                 const std::vector<std::int64_t>&, std::int64_t, ArgVisitor&) const override {
-    throw Error("nn.batch_norm2d: its launches need the scratch buffer; pack them with pack_args_for_launch");
-  }
-  // Inference.
-  void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
-                            const std::vector<DeviceTensor>& params, const DeviceTensor& output,
-                            const std::vector<std::int64_t>& shape, std::int64_t stride, DevicePtr scratch,
-                            ArgVisitor& v) const override {
-    pack_args_for_run(RunInfo{}, launch, inputs, params, output, shape, stride, scratch, v);
-  }
-  Dim3 block() const override { return {kNormThreads, 1, 1}; }
-  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
-    return grid_1d((numel_of(shape) + kUnroll - 1) / kUnroll, kNormThreads);  // kg_for_each_unrolled
-  }
-  Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
-    return launch == 0 ? grid_1d(c_, kNormThreads) : grid(shape);
+  std::size_t scratch_bytes(const LaunchTensors&) const override {
+    return static_cast<std::size_t>(KG_BN_SCALE_SHIFT * c_) * dtype_size(dtype_);
   }
 
   bool supports_train_mode() const override { return true; }
   bool depends_on_run() const override { return true; }
-  Dim3 grid_for_run(const RunInfo& run, int launch, const std::vector<std::int64_t>& shape) const override {
-    if (run.training && launch == 0)
-      return {static_cast<unsigned>(std::clamp<std::int64_t>(c_, 1, 65535LL * 32)), 1, 1};  // a block per channel
-    return grid_for_launch(launch, shape);
-  }
-  void pack_args_for_run(const RunInfo& run, int launch, const std::vector<DeviceTensor>& inputs,
-                         const std::vector<DeviceTensor>& params, const DeviceTensor& output,
-                         const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr scratch,
-                         ArgVisitor& v) const override {
-    if (run.training && shape.at(0) * shape.at(2) * shape.at(3) <= 1)
+  std::vector<Launch> launches(const LaunchTensors& t) const override {
+    const auto& shape = t.output.shape;
+    if (t.training && shape.at(0) * shape.at(2) * shape.at(3) <= 1)
       throw Error(util::cat("nn.batch_norm2d: training mode needs more than 1 value per channel, got input ",
                             sizes_to_string(shape)));
-    v.pointer(inputs[0].ptr);
-    for (int i = 0; i < 5; ++i) v.pointer(params.at(static_cast<std::size_t>(i)).ptr);
-    v.pointer(output.ptr);
-    v.pointer(scratch);
-    v.i64(numel_of(shape));
-    v.i64(c_);
-    v.f64(eps_);
-    v.f64(momentum_);
-    v.i32(run.training ? 1 : 0);
-    v.i32(launch);
-    const FastDiv hw = fast_div(shape[2] * shape[3]), c = fast_div(c_);
-    v.bytes(&hw, sizeof hw);
-    v.bytes(&c, sizeof c);
+    std::vector<Launch> ls(2);
+    for (int phase = 0; phase < 2; ++phase) {
+      Launch& L = ls[static_cast<std::size_t>(phase)];
+      L.block = {kNormThreads, 1, 1};
+      if (phase == 1)
+        L.grid = elementwise_grid(shape);
+      else if (t.training)
+        L.grid = channel_blocks();
+      else
+        L.grid = grid_1d(c_, kNormThreads);  // a thread per channel
+      L.args.pointer(t.inputs.at(0).ptr);
+      for (std::size_t i = 0; i < 5; ++i) L.args.pointer(t.params.at(i).ptr);
+      L.args.pointer(t.output.ptr);
+      L.args.pointer(t.scratch);
+      L.args.i64(numel_of(shape));
+      L.args.i64(c_);
+      L.args.f64(eps_);
+      L.args.f64(momentum_);
+      L.args.i32(t.training ? 1 : 0);
+      L.args.i32(phase);
+      const KgDivider hw = kg_divider(shape[2] * shape[3]), c = kg_divider(c_);
+      L.args.bytes(&hw, sizeof hw);
+      L.args.bytes(&c, sizeof c);
+    }
+    return ls;
   }
 
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors& t) const override { return t.grad_inputs.at(0).ptr ? 2 : 1; }
-  std::string backward_entry_point(int) const override {
-    return entry_for("kg_batch_norm2d_backward", dtype_);
+  std::size_t backward_scratch_bytes(const LaunchTensors&) const override {
+    return static_cast<std::size_t>(KG_BN_COEFS * c_) * dtype_size(dtype_);
   }
-  std::size_t backward_scratch_bytes(const BackwardTensors&) const override {
-    return static_cast<std::size_t>(4 * c_) * dtype_size(dtype_);
-  }
-  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     const auto& shape = t.grad_output.shape;
-    v.pointer(t.inputs.at(0).ptr);
-    v.pointer(t.params.at(0).ptr);
-    v.pointer(t.params.at(2).ptr);
-    v.pointer(t.params.at(3).ptr);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.pointer(t.grad_params.at(0).ptr);
-    v.pointer(t.grad_params.at(1).ptr);
-    v.pointer(t.scratch);
-    v.i64(shape.at(0));
-    v.i64(c_);
-    v.f64(eps_);
-    v.i32(training_ && t.training ? 1 : 0);
-    v.i32(launch);
-    const FastDiv hw = fast_div(shape.at(2) * shape.at(3)), c = fast_div(c_);
-    v.bytes(&hw, sizeof hw);
-    v.bytes(&c, sizeof c);
-  }
-  Dim3 backward_block(int) const override { return {kNormThreads, 1, 1}; }
-  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
-    if (launch == 0) return {static_cast<unsigned>(std::clamp<std::int64_t>(c_, 1, 65535LL * 32)), 1, 1};
-    return grid(t.grad_output.shape);
+    std::vector<Launch> ls(t.grad_inputs.at(0).ptr ? 2 : 1);
+    for (std::size_t phase = 0; phase < ls.size(); ++phase) {
+      Launch& L = ls[phase];
+      L.entry = entry_for("kg_batch_norm2d_backward", dtype_);
+      L.block = {kNormThreads, 1, 1};
+      L.grid = phase == 0 ? channel_blocks() : elementwise_grid(shape);
+      const KgDivider hw = kg_divider(shape.at(2) * shape.at(3)), c = kg_divider(c_);
+      L.args = {t.inputs.at(0),
+                t.params.at(0),
+                t.params.at(2),
+                t.params.at(3),
+                t.grad_output,
+                t.grad_inputs.at(0),
+                t.grad_params.at(0),
+                t.grad_params.at(1),
+                ptr(t.scratch),
+                shape.at(0),
+                c_,
+                eps_,
+                static_cast<std::int32_t>(training_ && t.training ? 1 : 0),
+                static_cast<std::int32_t>(phase),
+                raw_bytes(&hw, sizeof hw),
+                raw_bytes(&c, sizeof c)};
+    }
+    return ls;
   }
 
  private:
+  // A block per channel.
+  Dim3 channel_blocks() const {
+    return {static_cast<unsigned>(std::clamp<std::int64_t>(c_, 1, kMaxBlocks)), 1, 1};
+  }
+  // kg_for_each_unrolled over every element.
+  static Dim3 elementwise_grid(const std::vector<std::int64_t>& shape) {
+    return grid_1d((numel_of(shape) + KG_UNROLL - 1) / KG_UNROLL, kNormThreads);
+  }
   std::int64_t c_;
   double eps_, momentum_;
   DType dtype_;
   bool training_;
 };
 
-// nn.layer_norm on the GPU: one warp per row up to 1024 elements (8 rows per block), else one
-// block per row.
+// nn.layer_norm on the GPU: one warp per row up to KG_LN_WARP_MAX elements (KG_NORM_THREADS / 32
+// rows per block), else one block per row.
 // Backward (norm_backward.cu): launch 0 as the forward's rows, writing dx and each row's mean and
 // 1/std (in scratch, affine only); launch 1 (affine, when dw or db is wanted) sums dw and db over
-// the rows in blocks of 32 columns.
+// the rows in blocks of KG_LN_COLS columns.
 class LayerNormRuntime final : public RuntimeOp {
  public:
-  static constexpr std::int64_t kCols = 32;  // KG_LN_COLS
-
   LayerNormRuntime(std::vector<std::int64_t> normalized_shape, double eps, bool affine, DType dtype)
       : shape_(std::move(normalized_shape)),
         inner_(numel_of(shape_)),
         eps_(eps),
         affine_(affine),
         dtype_(dtype) {}
-  int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    if (!affine_) return {};
-    return {shape_, shape_};
-  }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    v.pointer(inputs[0].ptr);
-    v.pointer(affine_ ? params[0].ptr : 0);
-    v.pointer(affine_ ? params[1].ptr : 0);
-    v.pointer(output.ptr);
-    v.i64(rows(shape));
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    v.pointer(t.inputs.at(0).ptr);
+    v.pointer(affine_ ? t.params.at(0).ptr : 0);
+    v.pointer(affine_ ? t.params.at(1).ptr : 0);
+    v.pointer(t.output.ptr);
+    v.i64(rows(t.output.shape));
     v.i64(inner_);
     v.f64(eps_);
   }
   Dim3 block() const override { return {kNormThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     const std::int64_t r = rows(shape);
-    // KG_LN_WARP_MAX in norm.cu: shorter rows take a warp each.
-    const std::int64_t blocks = inner_ <= 1024 ? (r + kNormThreads / 32 - 1) / (kNormThreads / 32) : r;
-    return {static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, 65535LL * 32)), 1, 1};
+    // Shorter rows take a warp each.
+    constexpr std::int64_t kRowsPerBlock = kNormThreads / 32;
+    const std::int64_t blocks = inner_ <= KG_LN_WARP_MAX ? (r + kRowsPerBlock - 1) / kRowsPerBlock : r;
+    return {static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, kMaxBlocks)), 1, 1};
   }
 
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors& t) const override {
-    return affine_ && (t.grad_params.at(0).ptr || t.grad_params.at(1).ptr) ? 2 : 1;
+  std::size_t backward_scratch_bytes(const LaunchTensors& t) const override {
+    return affine_ ? static_cast<std::size_t>(KG_LN_STATS * rows(t.grad_output.shape)) * dtype_size(dtype_)
+                   : 0;
   }
-  std::string backward_entry_point(int launch) const override {
-    return entry_for(launch == 0 ? "kg_layer_norm_backward" : "kg_layer_norm_param_backward", dtype_);
-  }
-  std::size_t backward_scratch_bytes(const BackwardTensors& t) const override {
-    return affine_ ? static_cast<std::size_t>(2 * rows(t.grad_output.shape)) * dtype_size(dtype_) : 0;
-  }
-  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     const DevicePtr stats = affine_ ? t.scratch : 0;
-    v.pointer(t.inputs.at(0).ptr);
-    if (launch == 0) {
-      v.pointer(affine_ ? t.params.at(0).ptr : 0);
-      v.pointer(t.grad_output.ptr);
-      v.pointer(t.grad_inputs.at(0).ptr);
-      v.pointer(stats);
-    } else {
-      v.pointer(t.grad_output.ptr);
-      v.pointer(stats);
-      v.pointer(t.grad_params.at(0).ptr);
-      v.pointer(t.grad_params.at(1).ptr);
+    const std::int64_t r = rows(t.grad_output.shape);
+    std::vector<Launch> ls(1);
+    ls[0].entry = entry_for("kg_layer_norm_backward", dtype_);
+    ls[0].block = block();
+    ls[0].grid = grid(t.grad_output.shape);
+    const DevicePtr w = affine_ ? t.params.at(0).ptr : 0;
+    ls[0].args = {t.inputs.at(0), ptr(w), t.grad_output, t.grad_inputs.at(0), ptr(stats), r, inner_, eps_};
+    if (affine_ && (t.grad_params.at(0).ptr || t.grad_params.at(1).ptr)) {
+      Launch L;
+      L.entry = entry_for("kg_layer_norm_param_backward", dtype_);
+      L.block = block();
+      const std::int64_t col_blocks = (inner_ + KG_LN_COLS - 1) / KG_LN_COLS;
+      L.grid = {static_cast<unsigned>(std::clamp<std::int64_t>(col_blocks, 1, kMaxBlocks)), 1, 1};
+      const DeviceTensor &dw = t.grad_params.at(0), &db = t.grad_params.at(1);
+      L.args = {t.inputs.at(0), t.grad_output, ptr(stats), dw, db, r, inner_};
+      ls.push_back(std::move(L));
     }
-    v.i64(rows(t.grad_output.shape));
-    v.i64(inner_);
-    if (launch == 0) v.f64(eps_);
-  }
-  Dim3 backward_block(int) const override { return {kNormThreads, 1, 1}; }
-  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
-    if (launch == 0) return grid(t.grad_output.shape);
-    return {static_cast<unsigned>(std::clamp<std::int64_t>((inner_ + kCols - 1) / kCols, 1, 65535LL * 32)), 1,
-            1};
+    return ls;
   }
 
  private:
@@ -237,7 +206,7 @@ DType BatchNorm2dOp::infer_output_dtype(const std::vector<DType>& in) const {
   return t;
 }
 
-std::vector<ParamSpec> BatchNorm2dOp::parameters() const {
+std::vector<ParamSpec> BatchNorm2dOp::parameters(const std::vector<Shape>&) const {
   return {
       {"weight", {channels_}, dtype_, ParamInit::constant(1.0), true},
       {"bias", {channels_}, dtype_, ParamInit::constant(0.0), true},
@@ -247,13 +216,15 @@ std::vector<ParamSpec> BatchNorm2dOp::parameters() const {
   };
 }
 
-// One entry for both modes, selected per run (BatchNorm2dRuntime::pack_args_for_run).
-std::optional<Lowered> BatchNorm2dOp::lower() const {
+// One entry for both modes, selected per run (BatchNorm2dRuntime::launches).
+std::optional<Lowered> BatchNorm2dOp::lower(const LowerContext&) const {
   return Lowered{"nn.batch_norm2d", kernel_file("norm.cu"), entry_for("kg_batch_norm2d", dtype_),
                  batch_norm2d_runtime(channels_, eps_, dtype_, true, momentum_)};
 }
 
-std::string BatchNorm2dOp::lower_backward_source() const { return kernel_file("norm_backward.cu"); }
+std::string BatchNorm2dOp::lower_backward_source(const LowerContext&) const {
+  return kernel_file("norm_backward.cu");
+}
 
 std::shared_ptr<RuntimeOp> batch_norm2d_runtime(std::int64_t channels, double eps, DType dtype, bool training,
                                                 double momentum) {
@@ -451,17 +422,19 @@ class LayerNormOp final : public CustomOp {
     return t;
   }
 
-  std::vector<ParamSpec> parameters() const override {
+  std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override {
     if (!affine_) return {};
     return {{"weight", shape_, dtype_, ParamInit::constant(1.0), true},
             {"bias", shape_, dtype_, ParamInit::constant(0.0), true}};
   }
 
-  std::optional<Lowered> lower() const override {
+  std::optional<Lowered> lower(const LowerContext&) const override {
     return Lowered{"nn.layer_norm", kernel_file("norm.cu"), entry_for("kg_layer_norm", dtype_),
                    std::make_shared<LayerNormRuntime>(shape_, eps_, affine_, dtype_)};
   }
-  std::string lower_backward_source() const override { return kernel_file("norm_backward.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override {
+    return kernel_file("norm_backward.cu");
+  }
 
   bool has_cpu_backward() const override { return true; }
   // Reads the input (the statistics are computed again), not the output.

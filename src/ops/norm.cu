@@ -1,8 +1,8 @@
-// nn.batch_norm2d (running or batch statistics) and nn.layer_norm on the GPU.
+// nn.batch_norm2d (running or batch statistics) and nn.layer_norm on the GPU. The block size,
+// the row strategies and the scratch layouts are norm_shared.cuh's.
 #include "index.cuh"
+#include "norm_shared.cuh"
 #include "reduce.cuh"
-
-#define KG_NORM_THREADS 256
 
 __device__ __forceinline__ float kg_sqrt(float v) { return sqrtf(v); }
 __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
@@ -128,8 +128,6 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
 // the row, the second one re-reading it from cache), then scaled and shifted elementwise when
 // w and b are given. Rows of up to KG_LN_WARP_MAX elements take one warp each (8 rows per block);
 // longer rows one block each.
-
-#define KG_LN_WARP_MAX 1024
 
 template <class T>
 __device__ __forceinline__ void kg_layer_norm_write(const T* __restrict__ src, T* __restrict__ dst,

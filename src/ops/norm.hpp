@@ -25,12 +25,12 @@ class BatchNorm2dOp final : public CustomOp {
   std::string attributes() const override;
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
   DType infer_output_dtype(const std::vector<DType>& in) const override;
-  std::vector<ParamSpec> parameters() const override;
+  std::vector<ParamSpec> parameters(const std::vector<Shape>& input_shapes) const override;
   // The GPU kernel (src/ops/norm.cu): one entry for both modes (the running statistics, or in
   // train mode the batch's with the running ones updated). Its backward kernels
   // (norm_backward.cu) follow the forward's mode.
-  std::optional<Lowered> lower() const override;
-  std::string lower_backward_source() const override;
+  std::optional<Lowered> lower(const LowerContext& ctx) const override;
+  std::string lower_backward_source(const LowerContext& ctx) const override;
   // Training mode normalises with the batch statistics and updates the running ones as PyTorch
   // does: running = (1 - momentum) running + momentum batch (the unbiased variance), and
   // num_batches_tracked + 1.
@@ -52,11 +52,11 @@ class BatchNorm2dOp final : public CustomOp {
   DType dtype_;  // of the float parameters: the input's
 };
 
-// The GPU half (RuntimeOp) of nn.batch_norm2d. Its forward depends on the run (RunInfo): the
-// running statistics in inference; in train mode the batch's, updating the running ones with
-// `momentum` and num_batches_tracked. `training` selects the statistics of its backward when
-// BackwardTensors::training: the batch's (recomputed from the saved input) or the running ones;
-// the op's lower() builds it for training.
+// The GPU half (RuntimeOp) of nn.batch_norm2d. Its forward depends on the run
+// (LaunchTensors::training): the running statistics in inference; in train mode the batch's,
+// updating the running ones with `momentum` and num_batches_tracked. `training` selects the
+// statistics of its backward when LaunchTensors::training: the batch's (recomputed from the
+// saved input) or the running ones; the op's lower() builds it for training.
 std::shared_ptr<RuntimeOp> batch_norm2d_runtime(std::int64_t channels, double eps, DType dtype, bool training,
                                                 double momentum = 0.1);
 

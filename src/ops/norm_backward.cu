@@ -1,10 +1,10 @@
 // The backward of nn.batch_norm2d and nn.layer_norm on the GPU. Every sum is a block or warp
 // tree in a fixed order (no atomics): the gradients do not depend on the schedule. An entry
-// skips each gradient whose pointer is null.
+// skips each gradient whose pointer is null. The block size, the row strategies and the scratch
+// layouts are norm_shared.cuh's.
 #include "index.cuh"
+#include "norm_shared.cuh"
 #include "reduce.cuh"
-
-#define KG_NORM_THREADS 256
 
 __device__ __forceinline__ float kg_sqrt(float v) { return sqrtf(v); }
 __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
@@ -62,10 +62,10 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_stats(
       if (db) db[ch] = (T)sdy;
       if (dw) dw[ch] = (T)sdyx;
       const double a = (double)w[ch] * rstd;
-      coef[4 * ch] = (T)a;
-      coef[4 * ch + 1] = training ? (T)(-a * rstd * sdyx / (double)m) : T(0);
-      coef[4 * ch + 2] = (T)mean;
-      coef[4 * ch + 3] = training ? (T)(-a * sdy / (double)m) : T(0);
+      coef[KG_BN_COEFS * ch] = (T)a;
+      coef[KG_BN_COEFS * ch + 1] = training ? (T)(-a * rstd * sdyx / (double)m) : T(0);
+      coef[KG_BN_COEFS * ch + 2] = (T)mean;
+      coef[KG_BN_COEFS * ch + 3] = training ? (T)(-a * sdy / (double)m) : T(0);
     }
   }
 }
@@ -80,7 +80,7 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_dx(const T* __restrict_
       [&](kg_index i) {
         const kg_index plane = kg_div<Small>(hw_div, i);
         const kg_index ch = plane - kg_div<Small>(c_div, plane) * c;
-        const T* k = coef + 4 * ch;
+        const T* k = coef + KG_BN_COEFS * ch;
         return k[0] * dy[i] + k[1] * (x[i] - k[2]) + k[3];
       },
       [&](kg_index i, T v) { dx[i] = v; });
@@ -140,9 +140,6 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
 // only) sums dw and db per column: blocks of 32 adjacent columns whose 8 groups of threads split
 // the rows, their partial sums meeting in shared memory.
 
-#define KG_LN_WARP_MAX 1024
-#define KG_LN_COLS 32
-
 // One row: the sums (mean, var) and (Σ g, Σ g x̂) over lanes j0, j0 + step, ...; `sum` reduces
 // over those lanes (a warp or the block).
 template <class T, class Sum>
@@ -164,8 +161,8 @@ __device__ __forceinline__ void kg_layer_norm_backward_row(const T* __restrict__
   }
   const T rstd = T(1) / kg_sqrt(sum(v) / n + (T)eps);
   if (stats && j0 == 0) {
-    stats[2 * r] = mean;
-    stats[2 * r + 1] = rstd;
+    stats[KG_LN_STATS * r] = mean;
+    stats[KG_LN_STATS * r + 1] = rstd;
   }
   if (!dx) return;
   T sg = T(0), sgx = T(0);
@@ -230,7 +227,7 @@ __device__ __forceinline__ void kg_layer_norm_param_backward(const T* __restrict
       for (kg_index r = group; r < rows; r += groups) {
         const T g = dy[r * inner + j];
         sb += g;
-        sw += g * ((x[r * inner + j] - stats[2 * r]) * stats[2 * r + 1]);
+        sw += g * ((x[r * inner + j] - stats[KG_LN_STATS * r]) * stats[KG_LN_STATS * r + 1]);
       }
     part_w[threadIdx.x] = sw;
     part_b[threadIdx.x] = sb;

@@ -12,59 +12,68 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "kg/ops.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
+#include "ops/pool_shared.cuh"
+#include "util/cpu.hpp"
 
 namespace kg::ops {
 namespace {
 
 std::string size2_text(Size2 s) { return s.h == s.w ? util::cat(s.h) : util::cat(s.h, "x", s.w); }
 
+#if KG_HAVE_AVX512_PATHS
+KG_AVX512_BEGIN
+inline __mmask16 pool_lanes(std::int64_t count) {
+  return static_cast<__mmask16>(count >= 16 ? 0xFFFFu : count <= 0 ? 0u : (1u << count) - 1u);
+}
+
+// max_taps for f32 with stride 1 or 2: the maximum of a window stays in a register across its
+// taps; the loads are masked so that no element past the last one used is read.
+void max_taps_avx512(float* out, const float* src, std::int64_t taps, std::int64_t tap_step, std::int64_t stride,
+                     std::int64_t n) {
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (std::int64_t j = 0; j < n; j += 16) {
+    const std::int64_t left = n - j;
+    const __mmask16 used = pool_lanes(left);
+    // The stride-2 lanes need 2 * left - 1 consecutive elements.
+    const __mmask16 lo_used = pool_lanes(2 * left - 1), hi_used = pool_lanes(2 * left - 17);
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (std::int64_t t = 0; t < taps; ++t) {
+      const float* p = src + t * tap_step + j * stride;
+      // Plain loads where every lane is used: masked ones are much slower on memory that
+      // misses the cache.
+      __m512 v;
+      if (stride == 1)
+        v = left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(used, p);
+      else if (left > 16)
+        v = _mm512_permutex2var_ps(_mm512_loadu_ps(p), evens, _mm512_loadu_ps(p + 16));
+      else
+        v = _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(lo_used, p), evens, _mm512_maskz_loadu_ps(hi_used, p + 16));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      // (The zero-masked max avoids GCC 12's false -Wmaybe-uninitialized on the plain one.)
+      m = t == 0 ? v : _mm512_maskz_max_ps(0xFFFF, m, v);
+    }
+    m = _mm512_mask_mov_ps(m, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+    _mm512_mask_storeu_ps(out + j, used, m);
+  }
+}
+KG_AVX512_END
+#endif
+
 // out[j] = the largest of src[t * tap_step + j * stride] over the taps t, for j < n; NaN when
-// any is NaN (PyTorch's max pooling propagates NaN). Vectorised for f32 with stride 1 or 2 (the
-// maximum of a window stays in a register across its taps); the loads are masked so that no
-// element past the last one used is read.
+// any is NaN (PyTorch's max pooling propagates NaN). Vectorised for f32 with stride 1 or 2 where
+// the CPU has AVX-512.
 template <class T>
 void max_taps(T* out, const T* src, std::int64_t taps, std::int64_t tap_step, std::int64_t stride,
               std::int64_t n) {
-#if defined(__AVX512F__)
+#if KG_HAVE_AVX512_PATHS
   if constexpr (std::is_same_v<T, float>) {
-    if (stride <= 2) {
-      const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-      auto lanes = [](std::int64_t count) {
-        return static_cast<__mmask16>(count >= 16 ? 0xFFFFu : count <= 0 ? 0u : (1u << count) - 1u);
-      };
-      for (std::int64_t j = 0; j < n; j += 16) {
-        const std::int64_t left = n - j;
-        const __mmask16 used = lanes(left);
-        // The stride-2 lanes need 2 * left - 1 consecutive elements.
-        const __mmask16 lo_used = lanes(2 * left - 1), hi_used = lanes(2 * left - 17);
-        __m512 m = _mm512_setzero_ps();
-        __mmask16 nan = 0;
-        for (std::int64_t t = 0; t < taps; ++t) {
-          const float* p = src + t * tap_step + j * stride;
-          // Plain loads where every lane is used: masked ones are much slower on memory that
-          // misses the cache.
-          __m512 v;
-          if (stride == 1)
-            v = left >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(used, p);
-          else if (left > 16)
-            v = _mm512_permutex2var_ps(_mm512_loadu_ps(p), evens, _mm512_loadu_ps(p + 16));
-          else
-            v = _mm512_permutex2var_ps(_mm512_maskz_loadu_ps(lo_used, p), evens,
-                                       _mm512_maskz_loadu_ps(hi_used, p + 16));
-          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-          // (The zero-masked max avoids GCC 12's false -Wmaybe-uninitialized on the plain one.)
-          m = t == 0 ? v : _mm512_maskz_max_ps(0xFFFF, m, v);
-        }
-        m = _mm512_mask_mov_ps(m, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-        _mm512_mask_storeu_ps(out + j, used, m);
-      }
+    if (stride <= 2 && util::cpu_has_avx512f()) {
+      max_taps_avx512(out, src, taps, tap_step, stride, n);
       return;
     }
   }
@@ -128,15 +137,7 @@ Size2 default_stride(Size2 stride, Size2 kernel) {
 
 // ---- the GPU half ----
 
-constexpr unsigned kPoolThreads = 256;  // KG_POOL_THREADS in pool.cu
-
-// KgPoolShape in pool.cu, same layout.
-struct PoolGpuShape {
-  std::int64_t planes;
-  std::int64_t h, w, ho, wo;
-  std::int64_t kh, kw, sh, sw, ph, pw, dh, dw;
-};
-static_assert(sizeof(PoolGpuShape) == 13 * 8, "must match KgPoolShape in pool.cu");
+constexpr unsigned kPoolThreads = KG_POOL_THREADS;
 
 // One launch over [N, C, H, W] → [N, C, H', W'] of the pool.cu entry for `kind`; the backward
 // is one launch of pool_backward.cu's entry "<stem>_backward", a thread per input element.
@@ -147,21 +148,11 @@ class PoolRuntime final : public RuntimeOp {
   PoolRuntime(Kind kind, Window w, bool count_include_pad, std::string stem, DType dtype)
       : kind_(kind), w_(w), count_include_pad_(count_include_pad), stem_(std::move(stem)), dtype_(dtype) {}
 
-  int n_activation_inputs() const override { return 1; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    const auto& in = inputs[0].shape;
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
-    if (kind_ == Kind::Global) {
-      v.i64(in[0] * in[1]);
-      v.i64(in[2] * in[3]);
-      return;
-    }
-    const PoolGpuShape s = gpu_shape(in, shape);
-    v.bytes(&s, sizeof s);
-    if (kind_ == Kind::Avg) v.i32(count_include_pad_ ? 1 : 0);
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    const auto& in = t.inputs.at(0).shape;
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
+    pack_geometry(in, t.output.shape, v);
   }
   Dim3 block() const override { return {kPoolThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
@@ -169,46 +160,51 @@ class PoolRuntime final : public RuntimeOp {
     return grid_1d(numel_of(shape), kPoolThreads);
   }
 
-  bool has_backward() const override { return true; }
-  std::string backward_entry_point(int) const override { return entry_for(stem_ + "_backward", dtype_); }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
-    const auto& in = t.inputs.at(0).shape;
-    if (kind_ == Kind::Max) v.pointer(t.inputs[0].ptr);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    const DeviceTensor& dx = t.grad_inputs.at(0);
+    Launch L;
+    L.entry = entry_for(stem_ + "_backward", dtype_);
+    L.block = {kPoolThreads, 1, 1};
+    // Not wanted: one idle block (the kernel returns at once).
+    if (dx.ptr != 0) L.grid = grid_1d(numel_of(t.inputs.at(0).shape), kPoolThreads);
+    if (kind_ == Kind::Max) L.args.pointer(t.inputs[0].ptr);
+    L.args.pointer(t.grad_output.ptr);
+    L.args.pointer(dx.ptr);
+    pack_geometry(t.inputs[0].shape, t.grad_output.shape, L.args);
+    std::vector<Launch> ls;
+    ls.push_back(std::move(L));
+    return ls;
+  }
+
+ private:
+  // What follows the pointers, forward and backward: the planes and their size for the global
+  // average, else the geometry (and count_include_pad for the average).
+  void pack_geometry(const std::vector<std::int64_t>& in, const std::vector<std::int64_t>& out,
+                     ArgVisitor& v) const {
     if (kind_ == Kind::Global) {
       v.i64(in[0] * in[1]);
       v.i64(in[2] * in[3]);
       return;
     }
-    const PoolGpuShape s = gpu_shape(in, t.grad_output.shape);
+    const KgPoolShape s{in[0] * in[1], in[2],         in[3],        out[2],      out[3],
+                        w_.kernel.h,   w_.kernel.w,   w_.stride.h,  w_.stride.w, w_.padding.h,
+                        w_.padding.w,  w_.dilation.h, w_.dilation.w};
     v.bytes(&s, sizeof s);
     if (kind_ == Kind::Avg) v.i32(count_include_pad_ ? 1 : 0);
-  }
-  Dim3 backward_block(int) const override { return {kPoolThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override {
-    if (t.grad_inputs.at(0).ptr == 0) return {1, 1, 1};  // not wanted: the kernel returns at once
-    return grid_1d(numel_of(t.inputs.at(0).shape), kPoolThreads);
-  }
-
- private:
-  PoolGpuShape gpu_shape(const std::vector<std::int64_t>& in, const std::vector<std::int64_t>& out) const {
-    return PoolGpuShape{in[0] * in[1], in[2],        in[3],        out[2],        out[3],
-                        w_.kernel.h,   w_.kernel.w,  w_.stride.h,  w_.stride.w,   w_.padding.h,
-                        w_.padding.w,  w_.dilation.h, w_.dilation.w};
   }
 
   Kind kind_;
   Window w_;
   bool count_include_pad_;
   std::string stem_;  // of the forward entry; the backward's adds "_backward"
-  DType dtype_;
+  DType dtype_;       // of the kernel entries
 };
 
-Lowered pool_lowering(const std::string& op_name, const char* stem, DType dtype, PoolRuntime::Kind kind,
-                      Window w, bool count_include_pad = false) {
-  return Lowered{op_name, kernel_file("pool.cu"), entry_for(stem, dtype),
-                 std::make_shared<PoolRuntime>(kind, w, count_include_pad, stem, dtype)};
+// The lowering of one pooling op, its entries those of the node's dtype.
+Lowered pool_lowering(const LowerContext& ctx, const std::string& op_name, const char* stem,
+                      PoolRuntime::Kind kind, Window w, bool count_include_pad = false) {
+  return Lowered{op_name, kernel_file("pool.cu"), entry_for(stem, ctx.output_dtype),
+                 std::make_shared<PoolRuntime>(kind, w, count_include_pad, stem, ctx.output_dtype)};
 }
 
 // The backward kernels of the whole family.
@@ -218,7 +214,7 @@ std::string pool_backward_source() { return kernel_file("pool_backward.cu"); }
 
 class MaxPool2dOp final : public CustomOp {
  public:
-  MaxPool2dOp(Window w, DType dtype) : w_(w), dtype_(dtype) {}
+  explicit MaxPool2dOp(Window w) : w_(w) {}
   std::string name() const override { return "nn.max_pool2d"; }
   std::string attributes() const override { return w_.text(); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -226,8 +222,8 @@ class MaxPool2dOp final : public CustomOp {
     return w_.out_shape(in);
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
-  std::optional<Lowered> lower() const override {
-    return pool_lowering(name(), "kg_max_pool2d", dtype_, PoolRuntime::Kind::Max, w_);
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    return pool_lowering(ctx, name(), "kg_max_pool2d", PoolRuntime::Kind::Max, w_);
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -288,7 +284,7 @@ class MaxPool2dOp final : public CustomOp {
   // last NaN (PyTorch's rule). Reads the input again to find it.
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {true, false}; }
-  std::string lower_backward_source() const override { return pool_backward_source(); }
+  std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
@@ -335,15 +331,13 @@ class MaxPool2dOp final : public CustomOp {
 
  private:
   Window w_;
-  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- nn.avg_pool2d ----
 
 class AvgPool2dOp final : public CustomOp {
  public:
-  AvgPool2dOp(Window w, bool count_include_pad, DType dtype)
-      : w_(w), count_include_pad_(count_include_pad), dtype_(dtype) {}
+  AvgPool2dOp(Window w, bool count_include_pad) : w_(w), count_include_pad_(count_include_pad) {}
   std::string name() const override { return "nn.avg_pool2d"; }
   std::string attributes() const override {
     return w_.text() + (count_include_pad_ ? "" : " count_include_pad=false");
@@ -353,8 +347,8 @@ class AvgPool2dOp final : public CustomOp {
     return w_.out_shape(in);
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
-  std::optional<Lowered> lower() const override {
-    return pool_lowering(name(), "kg_avg_pool2d", dtype_, PoolRuntime::Kind::Avg, w_, count_include_pad_);
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    return pool_lowering(ctx, name(), "kg_avg_pool2d", PoolRuntime::Kind::Avg, w_, count_include_pad_);
   }
 
   void cpu_forward(CpuContext& ctx) const override {
@@ -385,7 +379,7 @@ class AvgPool2dOp final : public CustomOp {
   // divisor. Needs no saved tensor.
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {false, false}; }
-  std::string lower_backward_source() const override { return pool_backward_source(); }
+  std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
@@ -429,14 +423,12 @@ class AvgPool2dOp final : public CustomOp {
 
   Window w_;
   bool count_include_pad_;
-  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- nn.global_avg_pool ----
 
 class GlobalAvgPoolOp final : public CustomOp {
  public:
-  explicit GlobalAvgPoolOp(DType dtype) : dtype_(dtype) {}
   std::string name() const override { return "nn.global_avg_pool"; }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 1);
@@ -447,8 +439,8 @@ class GlobalAvgPoolOp final : public CustomOp {
     return Shape{x[0], x[1], Dim(1), Dim(1)};
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
-  std::optional<Lowered> lower() const override {
-    return pool_lowering(name(), "kg_global_avg_pool", dtype_, PoolRuntime::Kind::Global,
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    return pool_lowering(ctx, name(), "kg_global_avg_pool", PoolRuntime::Kind::Global,
                          Window{1, 1, 0, 1, false});
   }
 
@@ -479,7 +471,7 @@ class GlobalAvgPoolOp final : public CustomOp {
  // dx = dy / (H * W) over each plane. Needs no saved tensor.
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {false, false}; }
-  std::string lower_backward_source() const override { return pool_backward_source(); }
+  std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
@@ -493,16 +485,13 @@ class GlobalAvgPoolOp final : public CustomOp {
       });
     });
   }
-
- private:
-  DType dtype_;  // the input's, for the kernel entry
 };
 
 // ---- nn.upsample_nearest2d ----
 
 class UpsampleNearest2dOp final : public CustomOp {
  public:
-  UpsampleNearest2dOp(Size2 scale, DType dtype) : scale_(scale), dtype_(dtype) {}
+  explicit UpsampleNearest2dOp(Size2 scale) : scale_(scale) {}
   std::string name() const override { return "nn.upsample_nearest2d"; }
   std::string attributes() const override { return "scale=" + size2_text(scale_); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -517,9 +506,9 @@ class UpsampleNearest2dOp final : public CustomOp {
     return Shape{x[0], x[1], scaled(x[2], scale_.h), scaled(x[3], scale_.w)};
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
-  std::optional<Lowered> lower() const override {
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
     // The kernel reads the scale factors from the window's kernel size.
-    return pool_lowering(name(), "kg_upsample_nearest2d", dtype_, PoolRuntime::Kind::Upsample,
+    return pool_lowering(ctx, name(), "kg_upsample_nearest2d", PoolRuntime::Kind::Upsample,
                          Window{scale_, 1, 0, 1, false});
   }
 
@@ -550,7 +539,7 @@ class UpsampleNearest2dOp final : public CustomOp {
  // dx = the sum of dy over the block each input element was copied to. Needs no saved tensor.
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {false, false}; }
-  std::string lower_backward_source() const override { return pool_backward_source(); }
+  std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
@@ -580,7 +569,6 @@ class UpsampleNearest2dOp final : public CustomOp {
 
  private:
   Size2 scale_;
-  DType dtype_;  // the input's, for the kernel entry
 };
 
 }  // namespace
@@ -591,23 +579,21 @@ namespace kg {
 SymTensor max_pool2d(const SymTensor& x, Size2 kernel, Size2 stride, Size2 padding, Size2 dilation,
                      bool ceil_mode, const std::string& name) {
   ops::Window w{kernel, ops::default_stride(stride, kernel), padding, dilation, ceil_mode};
-  return x.record_custom(CustomData::make<ops::MaxPool2dOp>(w, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::MaxPool2dOp>(w), {}, std::nullopt, name);
 }
 
 SymTensor avg_pool2d(const SymTensor& x, Size2 kernel, Size2 stride, Size2 padding, bool ceil_mode,
                      bool count_include_pad, const std::string& name) {
   ops::Window w{kernel, ops::default_stride(stride, kernel), padding, Size2(1), ceil_mode};
-  return x.record_custom(CustomData::make<ops::AvgPool2dOp>(w, count_include_pad, x.dtype()), {},
-                         std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::AvgPool2dOp>(w, count_include_pad), {}, std::nullopt, name);
 }
 
 SymTensor global_avg_pool(const SymTensor& x, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::GlobalAvgPoolOp>(x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::GlobalAvgPoolOp>(), {}, std::nullopt, name);
 }
 
 SymTensor upsample_nearest2d(const SymTensor& x, Size2 scale_factor, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::UpsampleNearest2dOp>(scale_factor, x.dtype()), {},
-                         std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::UpsampleNearest2dOp>(scale_factor), {}, std::nullopt, name);
 }
 
 }  // namespace kg

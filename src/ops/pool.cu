@@ -3,17 +3,9 @@
 // grid-stride loop; consecutive threads take consecutive output columns) and
 // nn.global_avg_pool (one warp per plane, summed with shuffles). The window arithmetic is that
 // of the CPU implementations in ops/pool.cpp, including their NaN rule and divisors.
+// KG_POOL_THREADS and the geometry passed by value, KgPoolShape, are pool_shared.cuh's.
 #include "kg_device.cuh"
-
-#define KG_POOL_THREADS 256
-
-// The concrete geometry, passed by value (host: PoolGpuShape in ops/pool.cpp, same layout).
-// Upsampling reads its scale factors from kh and kw.
-struct KgPoolShape {
-  long long planes;  // N * C
-  long long h, w, ho, wo;
-  long long kh, kw, sh, sw, ph, pw, dh, dw;
-};
+#include "pool_shared.cuh"
 
 // a / b and a % b, in 32 bits when every value involved fits (Small).
 template <bool Small>

@@ -8,22 +8,14 @@
 // - avg_pool2d: each covering window adds dy / its divisor (count_include_pad or not).
 // - global_avg_pool: dy of the plane / (H * W).
 // - upsample_nearest2d: the sum of dy over the scale_h × scale_w block the element was copied to.
+// The block size and the geometry (KgPoolShape, that of the forward) are pool_shared.cuh's.
 #include "kg_device.cuh"
-
-#define KG_POOL_BWD_THREADS 256
-
-// The concrete geometry (host: PoolGpuShape in ops/pool.cpp; the layout of pool.cu's
-// KgPoolShape). Upsampling reads its scale factors from kh and kw.
-struct KgPoolGradShape {
-  long long planes;  // N * C
-  long long h, w, ho, wo;
-  long long kh, kw, sh, sw, ph, pw, dh, dw;
-};
+#include "pool_shared.cuh"
 
 // Runs body(i, plane, iy, ix) for every input element i of the planes; nothing when dx is null
 // (not wanted).
 template <class T, class Body>
-__device__ __forceinline__ void kg_pool_grad_for_each(T* dx, const KgPoolGradShape& s, const Body& body) {
+__device__ __forceinline__ void kg_pool_grad_for_each(T* dx, const KgPoolShape& s, const Body& body) {
   if (!dx) return;
   const long long hw = s.h * s.w, total = s.planes * hw;
   for (long long i = kg_thread_index(); i < total; i += kg_grid_stride()) {
@@ -49,7 +41,7 @@ __device__ __forceinline__ void kg_pool_windows(long long pos, long long n, long
 
 template <class T>
 __device__ __forceinline__ void kg_max_pool2d_backward(const T* __restrict__ x, const T* __restrict__ dy,
-                                                       T* __restrict__ dx, const KgPoolGradShape& s) {
+                                                       T* __restrict__ dx, const KgPoolShape& s) {
   kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
     const T* src = x + pl * s.h * s.w;
     const long long self = iy * s.w + ix;
@@ -84,7 +76,7 @@ __device__ __forceinline__ void kg_max_pool2d_backward(const T* __restrict__ x, 
 
 template <class T>
 __device__ __forceinline__ void kg_avg_pool2d_backward(const T* __restrict__ dy, T* __restrict__ dx,
-                                                       const KgPoolGradShape& s, int count_include_pad) {
+                                                       const KgPoolShape& s, int count_include_pad) {
   kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
     T acc = T(0);
     kg_pool_windows(iy, s.ho, s.kh, s.sh, s.ph, 1, [&](long long oy, long long) {
@@ -109,7 +101,7 @@ __device__ __forceinline__ void kg_avg_pool2d_backward(const T* __restrict__ dy,
 
 template <class T>
 __device__ __forceinline__ void kg_upsample_nearest2d_backward(const T* __restrict__ dy, T* __restrict__ dx,
-                                                               const KgPoolGradShape& s) {
+                                                               const KgPoolShape& s) {
   kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
     const T* src = dy + (pl * s.ho + iy * s.kh) * s.wo + ix * s.kw;
     T acc = T(0);
@@ -130,44 +122,44 @@ __device__ __forceinline__ void kg_global_avg_pool_backward(const T* __restrict_
 
 // ---- entries ----
 
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_max_pool2d_backward_f32(const float* __restrict__ x, const float* __restrict__ dy, float* __restrict__ dx,
-                               KgPoolGradShape s) {
+                               KgPoolShape s) {
   kg_max_pool2d_backward<float>(x, dy, dx, s);
 }
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_max_pool2d_backward_f64(const double* __restrict__ x, const double* __restrict__ dy,
-                               double* __restrict__ dx, KgPoolGradShape s) {
+                               double* __restrict__ dx, KgPoolShape s) {
   kg_max_pool2d_backward<double>(x, dy, dx, s);
 }
 
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
-    kg_avg_pool2d_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, KgPoolGradShape s,
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_avg_pool2d_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, KgPoolShape s,
                                int count_include_pad) {
   kg_avg_pool2d_backward<float>(dy, dx, s, count_include_pad);
 }
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
-    kg_avg_pool2d_backward_f64(const double* __restrict__ dy, double* __restrict__ dx, KgPoolGradShape s,
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_avg_pool2d_backward_f64(const double* __restrict__ dy, double* __restrict__ dx, KgPoolShape s,
                                int count_include_pad) {
   kg_avg_pool2d_backward<double>(dy, dx, s, count_include_pad);
 }
 
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
-    kg_upsample_nearest2d_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, KgPoolGradShape s) {
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_upsample_nearest2d_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, KgPoolShape s) {
   kg_upsample_nearest2d_backward<float>(dy, dx, s);
 }
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_upsample_nearest2d_backward_f64(const double* __restrict__ dy, double* __restrict__ dx,
-                                       KgPoolGradShape s) {
+                                       KgPoolShape s) {
   kg_upsample_nearest2d_backward<double>(dy, dx, s);
 }
 
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_global_avg_pool_backward_f32(const float* __restrict__ dy, float* __restrict__ dx, long long planes,
                                     long long hw) {
   kg_global_avg_pool_backward<float>(dy, dx, planes, hw);
 }
-extern "C" __global__ void __launch_bounds__(KG_POOL_BWD_THREADS)
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_global_avg_pool_backward_f64(const double* __restrict__ dy, double* __restrict__ dx, long long planes,
                                     long long hw) {
   kg_global_avg_pool_backward<double>(dy, dx, planes, hw);

@@ -1,19 +1,22 @@
 // Shape ops. nn.flatten and nn.reshape are views of their input's bytes; nn.permute (also
 // transpose), nn.concat and nn.slice copy into a new buffer.
+#include "ops/shape_ops_shared.cuh"
+
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <numeric>
 
 #include "kg/ops.hpp"
-#include "ops/fast_div.hpp"
+#include "ops/divider.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 
 namespace kg::ops {
 namespace {
 
-constexpr unsigned kCopyThreads = 256;  // KG_COPY_THREADS in shape_ops.cu
+constexpr unsigned kCopyThreads = KG_COPY_THREADS;
 
 // The copy kernel for a dtype, by element width: "<stem>_u8" ... "<stem>_u64".
 std::string width_entry(const std::string& stem, DType t) {
@@ -192,10 +195,9 @@ void dispatch_width(std::size_t width, F&& fn) {
 
 class PermuteOp final : public CustomOp {
  public:
-  PermuteOp(std::vector<std::int64_t> dims, DType dtype) : dims_(std::move(dims)), dtype_(dtype) {}
+  explicit PermuteOp(std::vector<std::int64_t> dims) : dims_(std::move(dims)) {}
   // transpose(dim0, dim1): the permutation is built once the rank is known.
-  PermuteOp(std::int64_t dim0, std::int64_t dim1, DType dtype)
-      : transpose_(true), t0_(dim0), t1_(dim1), dtype_(dtype) {}
+  PermuteOp(std::int64_t dim0, std::int64_t dim1) : transpose_(true), t0_(dim0), t1_(dim1) {}
   std::string name() const override { return "nn.permute"; }
   std::string attributes() const override {
     return transpose_ ? util::cat("transpose=", t0_, ",", t1_) : util::cat("dims=", sizes_to_string(dims_));
@@ -235,8 +237,10 @@ class PermuteOp final : public CustomOp {
     return out;
   }
 
-  std::optional<Lowered> lower() const override;
-  std::string lower_backward_source() const override { return kernel_file("shape_ops.cu"); }
+  std::optional<Lowered> lower(const LowerContext& ctx) const override;
+  std::string lower_backward_source(const LowerContext&) const override {
+    return kernel_file("shape_ops.cu");
+  }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
@@ -261,9 +265,8 @@ class PermuteOp final : public CustomOp {
   PermuteOp inverse(std::size_t rank) const {
     std::vector<std::int64_t> dims;
     for (std::size_t d : inverse_perm(rank)) dims.push_back(static_cast<std::int64_t>(d));
-    return PermuteOp(std::move(dims), dtype_);
+    return PermuteOp(std::move(dims));
   }
-  DType dtype() const { return dtype_; }
 
  private:
   // dst = x permuted by p (output dim i is x's dim p[i]).
@@ -313,57 +316,37 @@ class PermuteOp final : public CustomOp {
   std::vector<std::int64_t> dims_;
   bool transpose_ = false;
   std::int64_t t0_ = 0, t1_ = 0;
-  DType dtype_;  // the input's, recorded to pick the kernel's element width
 };
 
-constexpr std::size_t kPermuteMaxDims = 8;  // KG_PERMUTE_MAX_DIMS
-constexpr std::int64_t kTile = 32;          // KG_TILE
-constexpr std::int64_t kTiledMin = 16;      // both tiled dims at least this long
+constexpr std::int64_t kTiledMin = 16;  // both tiled dims at least this long
 
-// Laid out as the kernel's KgPermuteArgs.
-struct PermuteArgs {
-  std::int64_t total = 0;
-  std::int64_t rank = 0;
-  std::int64_t tiled_p = -1;
-  FastDiv tiles_a, tiles_b;
-  FastDiv size[kPermuteMaxDims] = {};
-  std::int64_t src_stride[kPermuteMaxDims] = {};
-  std::int64_t dst_stride[kPermuteMaxDims] = {};
-};
-static_assert(sizeof(PermuteArgs) == 24 + 32 + 32 * kPermuteMaxDims);
-
-// nn.permute on the GPU: see shape_ops.cu for the gather and tiled paths.
+// nn.permute on the GPU: see shape_ops.cu for the gather and tiled paths. `dtype` picks the
+// kernel's element width.
 class PermuteRuntime final : public RuntimeOp {
  public:
-  explicit PermuteRuntime(PermuteOp op) : op_(std::move(op)) {}
-  int n_activation_inputs() const override { return 1; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    const PermuteArgs args = plan(shape);
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
+  PermuteRuntime(PermuteOp op, DType dtype) : op_(std::move(op)), dtype_(dtype) {}
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    const KgPermuteArgs args = plan(t.output.shape);
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
     v.bytes(&args, sizeof args);
   }
   Dim3 block() const override { return {kCopyThreads, 1, 1}; }
 
   // Backward: the same copy kernel with the inverse permutation, dy -> dx.
-  bool has_backward() const override { return true; }
-  std::string backward_entry_point(int) const override { return width_entry("kg_permute", op_.dtype()); }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
-    const PermuteArgs args = inverse(t).plan(t.grad_inputs.at(0).shape);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.bytes(&args, sizeof args);
-  }
-  Dim3 backward_block(int) const override { return {kCopyThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override {
-    return inverse(t).grid(t.grad_inputs.at(0).shape);
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    const PermuteRuntime inv = inverse(t);
+    const KgPermuteArgs args = inv.plan(t.grad_inputs.at(0).shape);
+    return {{width_entry("kg_permute", dtype_),
+             inv.grid(t.grad_inputs.at(0).shape),
+             {kCopyThreads, 1, 1},
+             0,
+             {t.grad_output, t.grad_inputs.at(0), raw_bytes(&args, sizeof args)}}};
   }
 
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
-    const PermuteArgs a = plan(shape);
-    if (a.tiled_p < 0) return grid_1d((a.total + kUnroll - 1) / kUnroll, kCopyThreads);
+    const KgPermuteArgs a = plan(shape);
+    if (a.tiled_p < 0) return grid_1d((a.total + KG_UNROLL - 1) / KG_UNROLL, kCopyThreads);
     const std::int64_t tiles =
         a.tiles_a.d * a.tiles_b.d * (a.total / (a.size[a.tiled_p].d * a.size[a.rank - 1].d));
     return {static_cast<unsigned>(std::clamp<std::int64_t>(tiles, 1, 65535LL * 32)), 1, 1};
@@ -371,7 +354,7 @@ class PermuteRuntime final : public RuntimeOp {
 
   // The copy as the kernel sees it, from the output shape: size-1 dims dropped, output dims that
   // are adjacent in the input too merged, and the path chosen.
-  PermuteArgs plan(const std::vector<std::int64_t>& out_shape) const {
+  KgPermuteArgs plan(const std::vector<std::int64_t>& out_shape) const {
     const std::size_t r = out_shape.size();
     const std::vector<std::size_t> p = op_.perm(r);
     std::vector<std::int64_t> in_shape(r), in_stride(r);
@@ -397,15 +380,18 @@ class PermuteRuntime final : public RuntimeOp {
       size.push_back(1);
       src.push_back(1);
     }
-    if (size.size() > kPermuteMaxDims)
+    if (size.size() > static_cast<std::size_t>(KG_PERMUTE_MAX_DIMS))
       throw Error(util::cat("nn.permute: output ", sizes_to_string(out_shape), " needs ", size.size(),
-                            " dims after merging; the GPU kernel handles ", kPermuteMaxDims));
-    PermuteArgs a;
+                            " dims after merging; the GPU kernel handles ", KG_PERMUTE_MAX_DIMS));
+    KgPermuteArgs a{};
+    a.tiled_p = -1;
+    a.tiles_a = a.tiles_b = kg_divider(1);
+    std::fill(std::begin(a.size), std::end(a.size), kg_divider(1));
     a.rank = std::ssize(size);
     a.total = numel_of(out_shape);
     std::int64_t dst = 1;
     for (std::size_t i = size.size(); i-- > 0;) {
-      a.size[i] = fast_div(size[i]);
+      a.size[i] = kg_divider(size[i]);
       a.src_stride[i] = src[i];
       a.dst_stride[i] = dst;
       dst *= size[i];
@@ -416,22 +402,23 @@ class PermuteRuntime final : public RuntimeOp {
         if (src[i] == 1 && size[i] >= kTiledMin) a.tiled_p = static_cast<std::int64_t>(i);
     }
     if (a.tiled_p >= 0) {
-      a.tiles_a = fast_div((size[static_cast<std::size_t>(a.tiled_p)] + kTile - 1) / kTile);
-      a.tiles_b = fast_div((size.back() + kTile - 1) / kTile);
+      a.tiles_a = kg_divider((size[static_cast<std::size_t>(a.tiled_p)] + KG_TILE - 1) / KG_TILE);
+      a.tiles_b = kg_divider((size.back() + KG_TILE - 1) / KG_TILE);
     }
     return a;
   }
 
  private:
-  PermuteRuntime inverse(const BackwardTensors& t) const {
-    return PermuteRuntime(op_.inverse(t.grad_inputs.at(0).shape.size()));
+  PermuteRuntime inverse(const LaunchTensors& t) const {
+    return PermuteRuntime(op_.inverse(t.grad_inputs.at(0).shape.size()), dtype_);
   }
   PermuteOp op_;
+  DType dtype_;
 };
 
-std::optional<Lowered> PermuteOp::lower() const {
-  return Lowered{"nn.permute", kernel_file("shape_ops.cu"), width_entry("kg_permute", dtype_),
-                 std::make_shared<PermuteRuntime>(*this)};
+std::optional<Lowered> PermuteOp::lower(const LowerContext& ctx) const {
+  return Lowered{"nn.permute", kernel_file("shape_ops.cu"), width_entry("kg_permute", ctx.output_dtype),
+                 std::make_shared<PermuteRuntime>(*this, ctx.output_dtype)};
 }
 
 // Copies `total` output bytes in parallel blocks; `piece(p, &src, &avail)` gives the source of
@@ -453,41 +440,42 @@ void parallel_gather(CpuContext& ctx, std::byte* dst, std::int64_t total, const 
 
 // ---- nn.concat ----
 
-constexpr std::size_t kConcatMax = 16;  // KG_CONCAT_MAX
-
-// Laid out as the kernel's KgConcatArgs.
-struct ConcatArgs {
-  std::uint64_t src[kConcatMax] = {};
-  std::int64_t chunk[kConcatMax] = {};
-  std::int64_t offset[kConcatMax] = {};
-  FastDiv chunk_div[kConcatMax] = {};
-  std::int64_t outer = 0;
-  std::int64_t row = 0;
-};
-static_assert(sizeof(ConcatArgs) == 16 + 40 * kConcatMax);
+constexpr std::size_t kConcatMax = KG_CONCAT_MAX;
 
 // nn.concat on the GPU: one launch per 16 inputs; within a launch, blockIdx.y picks the input.
 // The backward launches are laid out the same way, kg_concat_backward(dy, args) with args.src
 // naming the input gradients.
 class ConcatRuntime final : public RuntimeOp {
  public:
-  ConcatRuntime(std::int64_t dim, std::size_t n_inputs, DType dtype)
-      : dim_(dim), n_inputs_(n_inputs), dtype_(dtype) {}
-  int n_activation_inputs() const override { return static_cast<int>(n_inputs_); }
-  int n_launches(const std::vector<std::int64_t>&) const override {
-    return static_cast<int>((n_inputs_ + kConcatMax - 1) / kConcatMax);
+  ConcatRuntime(std::int64_t dim, DType dtype) : dim_(dim), dtype_(dtype) {}
+  std::vector<Launch> launches(const LaunchTensors& t) const override {
+    return copies("", t.inputs, t.output);
   }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>& params,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t row_stride,
-                 ArgVisitor& v) const override {
-    pack_args_for_launch(0, inputs, params, output, shape, row_stride, 0, v);
+  // The forward's launches with the gradients in the inputs' places: (dy, args).
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    return copies(width_entry("kg_concat_backward", dtype_), t.grad_inputs, t.grad_output);
   }
-  void pack_args_for_launch(int launch, const std::vector<DeviceTensor>& inputs,
-                            const std::vector<DeviceTensor>&, const DeviceTensor& output,
-                            const std::vector<std::int64_t>& shape, std::int64_t, DevicePtr,
-                            ArgVisitor& v) const override {
+
+ private:
+  // entry(out, args) per kConcatMax inputs, `out` being the output (forward) or dy (backward).
+  std::vector<Launch> copies(const std::string& entry, const std::vector<DeviceTensor>& inputs,
+                             const DeviceTensor& out) const {
+    std::vector<Launch> l;
+    for (std::size_t first = 0; first < inputs.size(); first += kConcatMax) {
+      const KgConcatArgs a = pack(first, inputs, out.shape);
+      const std::size_t count = std::min(kConcatMax, inputs.size() - first);
+      // The blocks of each input stride over its elements; 1024 blocks fill the GPU.
+      const Dim3 grid{grid_1d((numel_of(out.shape) + KG_UNROLL - 1) / KG_UNROLL, kCopyThreads, 1024).x,
+                      static_cast<unsigned>(count), 1};
+      l.push_back({entry, grid, {kCopyThreads, 1, 1}, 0, {out, raw_bytes(&a, sizeof a)}});
+    }
+    return l;
+  }
+  KgConcatArgs pack(std::size_t first, const std::vector<DeviceTensor>& inputs,
+                    const std::vector<std::int64_t>& shape) const {
     const auto d = static_cast<std::size_t>(normalize_dim(dim_, shape.size()));
-    ConcatArgs a;
+    KgConcatArgs a{};
+    std::fill(std::begin(a.chunk_div), std::end(a.chunk_div), kg_divider(1));
     std::int64_t inner = 1;
     a.outer = 1;
     for (std::size_t i = 0; i < shape.size(); ++i) {
@@ -495,7 +483,6 @@ class ConcatRuntime final : public RuntimeOp {
       if (i > d) inner *= shape[i];
     }
     a.row = shape[d] * inner;
-    const std::size_t first = static_cast<std::size_t>(launch) * kConcatMax;
     std::int64_t offset = 0;
     for (std::size_t k = 0; k < inputs.size() && k < first + kConcatMax; ++k) {
       const std::int64_t chunk = inputs[k].shape[d] * inner;
@@ -504,45 +491,19 @@ class ConcatRuntime final : public RuntimeOp {
         a.src[j] = inputs[k].ptr;
         a.chunk[j] = chunk;
         a.offset[j] = offset;
-        a.chunk_div[j] = fast_div(chunk);
+        a.chunk_div[j] = kg_divider(chunk);
       }
       offset += chunk;
     }
-    v.pointer(output.ptr);
-    v.bytes(&a, sizeof a);
+    return a;
   }
-  Dim3 block() const override { return {kCopyThreads, 1, 1}; }
-  Dim3 grid(const std::vector<std::int64_t>& shape) const override { return grid_for_launch(0, shape); }
-  Dim3 grid_for_launch(int launch, const std::vector<std::int64_t>& shape) const override {
-    const std::size_t first = static_cast<std::size_t>(launch) * kConcatMax;
-    const std::size_t count = std::min(kConcatMax, n_inputs_ - std::min(first, n_inputs_));
-    // The blocks of each input stride over its elements; 1024 blocks fill the GPU.
-    return {grid_1d((numel_of(shape) + kUnroll - 1) / kUnroll, kCopyThreads, 1024).x,
-            static_cast<unsigned>(std::max<std::size_t>(count, 1)), 1};
-  }
-
-  bool has_backward() const override { return true; }
-  int n_backward_launches(const BackwardTensors&) const override { return n_launches({}); }
-  std::string backward_entry_point(int) const override { return width_entry("kg_concat_backward", dtype_); }
-  void pack_backward_args(int launch, const BackwardTensors& t, ArgVisitor& v) const override {
-    // The forward's packing with the gradients in the inputs' places: (dy, args).
-    pack_args_for_launch(launch, t.grad_inputs, {}, t.grad_output, t.grad_output.shape, 0, 0, v);
-  }
-  Dim3 backward_block(int) const override { return {kCopyThreads, 1, 1}; }
-  Dim3 backward_grid(int launch, const BackwardTensors& t) const override {
-    return grid_for_launch(launch, t.grad_output.shape);
-  }
-
- private:
   std::int64_t dim_;
-  std::size_t n_inputs_;
   DType dtype_;
 };
 
 class ConcatOp final : public CustomOp {
  public:
-  ConcatOp(std::int64_t dim, std::size_t n_inputs, DType dtype)
-      : dim_(dim), n_inputs_(n_inputs), dtype_(dtype) {}
+  explicit ConcatOp(std::int64_t dim) : dim_(dim) {}
   std::string name() const override { return "nn.concat"; }
   std::string attributes() const override { return util::cat("dim=", dim_); }
 
@@ -594,11 +555,13 @@ class ConcatOp final : public CustomOp {
     return CustomOp::infer_output_dtype(in);
   }
 
-  std::optional<Lowered> lower() const override {
-    return Lowered{"nn.concat", kernel_file("shape_ops.cu"), width_entry("kg_concat", dtype_),
-                   std::make_shared<ConcatRuntime>(dim_, n_inputs_, dtype_)};
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    return Lowered{"nn.concat", kernel_file("shape_ops.cu"), width_entry("kg_concat", ctx.output_dtype),
+                   std::make_shared<ConcatRuntime>(dim_, ctx.output_dtype)};
   }
-  std::string lower_backward_source() const override { return kernel_file("shape_ops.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override {
+    return kernel_file("shape_ops.cu");
+  }
 
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {false, false}; }  // shapes only
@@ -662,8 +625,6 @@ class ConcatOp final : public CustomOp {
 
  private:
   std::int64_t dim_;
-  std::size_t n_inputs_;  // recorded: the GPU lowering sizes its launches from it
-  DType dtype_;
 };
 
 // ---- nn.slice ----
@@ -680,20 +641,18 @@ class SliceRuntime final : public RuntimeOp {
  public:
   SliceRuntime(std::int64_t dim, std::int64_t start, std::int64_t step, DType dtype)
       : dim_(dim), start_(start), step_(step), dtype_(dtype) {}
-  int n_activation_inputs() const override { return 1; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    const auto& in = inputs[0].shape;
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    const auto& in = t.inputs[0].shape;
+    const auto& shape = t.output.shape;
     const auto d = static_cast<std::size_t>(normalize_dim(dim_, in.size()));
     std::int64_t inner = 1;
     for (std::size_t i = d + 1; i < in.size(); ++i) inner *= in[i];
     const std::int64_t size = in[d], len = shape[d], begin = clamp_bound(start_, size);
     // A step-1 slice takes len * inner contiguous elements per outer index.
     const std::int64_t run = step_ == 1 ? len * inner : inner, per = step_ == 1 ? 1 : len;
-    const FastDiv run_div = fast_div(run), per_div = fast_div(per);
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
+    const KgDivider run_div = kg_divider(run), per_div = kg_divider(per);
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
     v.i64(numel_of(shape));
     v.bytes(&run_div, sizeof run_div);
     v.bytes(&per_div, sizeof per_div);
@@ -703,29 +662,24 @@ class SliceRuntime final : public RuntimeOp {
   }
   Dim3 block() const override { return {kCopyThreads, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
-    return grid_1d((numel_of(shape) + kUnroll - 1) / kUnroll, kCopyThreads);
+    return grid_1d((numel_of(shape) + KG_UNROLL - 1) / KG_UNROLL, kCopyThreads);
   }
 
-  bool has_backward() const override { return true; }
-  std::string backward_entry_point(int) const override { return width_entry("kg_slice_backward", dtype_); }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     const auto& in = t.grad_inputs.at(0).shape;
     const auto d = static_cast<std::size_t>(normalize_dim(dim_, in.size()));
     std::int64_t inner = 1;
     for (std::size_t i = d + 1; i < in.size(); ++i) inner *= in[i];
     const std::int64_t size = in[d], len = t.grad_output.shape.at(d);
-    const FastDiv inner_div = fast_div(inner), size_div = fast_div(size), step_div = fast_div(step_);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.i64(numel_of(in));
-    v.bytes(&inner_div, sizeof inner_div);
-    v.bytes(&size_div, sizeof size_div);
-    v.bytes(&step_div, sizeof step_div);
-    v.i64(clamp_bound(start_, size));
-    v.i64(len);
+    const KgDivider inner_div = kg_divider(inner), size_div = kg_divider(size), step_div = kg_divider(step_);
+    return {{width_entry("kg_slice_backward", dtype_),
+             grid(in),
+             {kCopyThreads, 1, 1},
+             0,
+             {t.grad_output, t.grad_inputs.at(0), numel_of(in), raw_bytes(&inner_div, sizeof inner_div),
+              raw_bytes(&size_div, sizeof size_div), raw_bytes(&step_div, sizeof step_div),
+              clamp_bound(start_, size), len}}};
   }
-  Dim3 backward_block(int) const override { return {kCopyThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override { return grid(t.grad_inputs.at(0).shape); }
 
  private:
   std::int64_t dim_, start_, step_;
@@ -734,8 +688,8 @@ class SliceRuntime final : public RuntimeOp {
 
 class SliceOp final : public CustomOp {
  public:
-  SliceOp(std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step, DType dtype)
-      : dim_(dim), start_(start), end_(end), step_(step), dtype_(dtype) {}
+  SliceOp(std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step)
+      : dim_(dim), start_(start), end_(end), step_(step) {}
   std::string name() const override { return "nn.slice"; }
   std::string attributes() const override {
     return util::cat("dim=", dim_, " start=", start_, " end=", end_, " step=", step_);
@@ -761,11 +715,13 @@ class SliceOp final : public CustomOp {
     return out;
   }
 
-  std::optional<Lowered> lower() const override {
-    return Lowered{"nn.slice", kernel_file("shape_ops.cu"), width_entry("kg_slice", dtype_),
-                   std::make_shared<SliceRuntime>(dim_, start_, step_, dtype_)};
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    return Lowered{"nn.slice", kernel_file("shape_ops.cu"), width_entry("kg_slice", ctx.output_dtype),
+                   std::make_shared<SliceRuntime>(dim_, start_, step_, ctx.output_dtype)};
   }
-  std::string lower_backward_source() const override { return kernel_file("shape_ops.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override {
+    return kernel_file("shape_ops.cu");
+  }
 
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {false, false}; }  // shapes only
@@ -852,7 +808,6 @@ class SliceOp final : public CustomOp {
   }
 
   std::int64_t dim_, start_, end_, step_;
-  DType dtype_;  // the input's, recorded to pick the kernel's element width
 };
 
 }  // namespace
@@ -869,23 +824,22 @@ SymTensor reshape(const SymTensor& x, const std::vector<std::int64_t>& sizes, co
 }
 
 SymTensor transpose(const SymTensor& x, std::int64_t dim0, std::int64_t dim1, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::PermuteOp>(dim0, dim1, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::PermuteOp>(dim0, dim1), {}, std::nullopt, name);
 }
 
 SymTensor permute(const SymTensor& x, const std::vector<std::int64_t>& dims, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::PermuteOp>(dims, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::PermuteOp>(dims), {}, std::nullopt, name);
 }
 
 SymTensor concat(const std::vector<SymTensor>& xs, std::int64_t dim, const std::string& name) {
   if (xs.empty()) throw Error("[nn.concat] needs at least one tensor, got none");
-  return xs[0].record_custom(CustomData::make<ops::ConcatOp>(dim, xs.size(), xs[0].dtype()),
-                             {xs.begin() + 1, xs.end()}, std::nullopt, name);
+  return xs[0].record_custom(CustomData::make<ops::ConcatOp>(dim), {xs.begin() + 1, xs.end()}, std::nullopt,
+                             name);
 }
 
 SymTensor slice(const SymTensor& x, std::int64_t dim, std::int64_t start, std::int64_t end, std::int64_t step,
                 const std::string& name) {
-  return x.record_custom(CustomData::make<ops::SliceOp>(dim, start, end, step, x.dtype()), {}, std::nullopt,
-                         name);
+  return x.record_custom(CustomData::make<ops::SliceOp>(dim, start, end, step), {}, std::nullopt, name);
 }
 
 }  // namespace kg

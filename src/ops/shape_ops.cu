@@ -6,10 +6,10 @@
 // (kg_slice_backward). Every kernel does nothing when given a null destination (a gradient
 // nobody needs).
 // Index math divides through KgDivider (32-bit multiply-high when the tensor has fewer than 2^31
-// elements, plain 64-bit division otherwise).
+// elements, plain 64-bit division otherwise). The block size and the argument structs are
+// shape_ops_shared.cuh's.
 #include "index.cuh"
-
-#define KG_COPY_THREADS 256
+#include "shape_ops_shared.cuh"
 
 // ---- nn.permute ----
 // The host merges dims that stay adjacent and drops size-1 dims, then picks one of two paths:
@@ -18,19 +18,7 @@
 //   tiled (tiled_p = the output dim that is the input's last): 32×32 tiles through shared
 //     memory, read along the input's last dim and written along the output's last dim, for
 //     each entry of the other dims.
-
-#define KG_PERMUTE_MAX_DIMS 8
-#define KG_TILE 32
-
-struct KgPermuteArgs {
-  long long total;                            // elements
-  long long rank;                             // dims after merging, 1..KG_PERMUTE_MAX_DIMS
-  long long tiled_p;                          // see above
-  KgDivider tiles_a, tiles_b;                 // tiled: tiles along dim tiled_p and the last dim
-  KgDivider size[KG_PERMUTE_MAX_DIMS];        // output dims, outermost first
-  long long src_stride[KG_PERMUTE_MAX_DIMS];  // input elements per step along each output dim
-  long long dst_stride[KG_PERMUTE_MAX_DIMS];  // output elements per step along each output dim
-};
+// The copy is described by a KgPermuteArgs.
 
 template <class E, bool Small>
 __device__ __forceinline__ void kg_permute_gather(const E* __restrict__ src, E* __restrict__ dst,
@@ -132,18 +120,7 @@ extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
 // ---- nn.concat ----
 // The output is [outer, row]; input k fills columns offset[k] .. offset[k] + chunk[k] of each
 // row. One launch copies up to KG_CONCAT_MAX inputs, blockIdx.y choosing the input; its blocks
-// stride over that input's outer * chunk elements, read contiguously.
-
-#define KG_CONCAT_MAX 16
-
-struct KgConcatArgs {
-  unsigned long long src[KG_CONCAT_MAX];  // input addresses
-  long long chunk[KG_CONCAT_MAX];         // elements of input k per outer index
-  long long offset[KG_CONCAT_MAX];        // where they start in an output row
-  KgDivider chunk_div[KG_CONCAT_MAX];
-  long long outer;
-  long long row;
-};
+// stride over that input's outer * chunk elements, read contiguously (a KgConcatArgs).
 
 template <class E, bool Small>
 __device__ __forceinline__ void kg_concat_copy(const E* __restrict__ src, E* __restrict__ dst, kg_index n,

@@ -1,4 +1,6 @@
 // nn.softmax and nn.log_softmax over one dim, numerically stable (the max is subtracted).
+#include "ops/softmax_shared.cuh"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -34,18 +36,14 @@ SoftmaxExtents softmax_extents(const std::vector<std::int64_t>& shape, std::int6
 // takes the same layout: kernel(y, dy, dx, outer, n, inner).
 class SoftmaxRuntime final : public RuntimeOp {
  public:
-  static constexpr unsigned kThreads = 256;       // KG_SOFTMAX_THREADS
-  static constexpr std::int64_t kWarpMax = 1024;  // KG_SOFTMAX_WARP_MAX
+  static constexpr unsigned kThreads = KG_SOFTMAX_THREADS;
 
   SoftmaxRuntime(std::int64_t dim, std::string backward_entry)
       : dim_(dim), backward_entry_(std::move(backward_entry)) {}
-  int n_activation_inputs() const override { return 1; }
-  void pack_args(const std::vector<DeviceTensor>& inputs, const std::vector<DeviceTensor>&,
-                 const DeviceTensor& output, const std::vector<std::int64_t>& shape, std::int64_t,
-                 ArgVisitor& v) const override {
-    const SoftmaxExtents e = softmax_extents(shape, dim_);
-    v.pointer(inputs[0].ptr);
-    v.pointer(output.ptr);
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    const SoftmaxExtents e = softmax_extents(t.output.shape, dim_);
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
     v.i64(e.outer);
     v.i64(e.n);
     v.i64(e.inner);
@@ -54,31 +52,27 @@ class SoftmaxRuntime final : public RuntimeOp {
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     const SoftmaxExtents e = softmax_extents(shape, dim_);
     if (e.inner > 1) {
-      // Blocks of `width` adjacent columns: a power of two from 2 to 32 (kg_softmax_width).
+      // Blocks of `width` adjacent columns: a power of two from 2 to KG_SOFTMAX_COLUMNS
+      // (kg_softmax_width).
       std::int64_t width = 2;
-      while (width < 32 && width < e.inner) width *= 2;
+      while (width < KG_SOFTMAX_COLUMNS && width < e.inner) width *= 2;
       const std::int64_t blocks = e.outer * ((e.inner + width - 1) / width);
       return {static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, 65535LL * 32)), 1, 1};
     }
-    const std::int64_t rows_per_block = e.n <= kWarpMax ? kThreads / 32 : 1;
+    const std::int64_t rows_per_block = e.n <= KG_SOFTMAX_WARP_MAX ? kThreads / 32 : 1;
     return {static_cast<unsigned>(
                 std::clamp<std::int64_t>((e.outer + rows_per_block - 1) / rows_per_block, 1, 65535LL * 32)),
             1, 1};
   }
 
-  bool has_backward() const override { return true; }
-  std::string backward_entry_point(int) const override { return backward_entry_; }
-  void pack_backward_args(int, const BackwardTensors& t, ArgVisitor& v) const override {
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     const SoftmaxExtents e = softmax_extents(t.grad_output.shape, dim_);
-    v.pointer(t.output.ptr);
-    v.pointer(t.grad_output.ptr);
-    v.pointer(t.grad_inputs.at(0).ptr);
-    v.i64(e.outer);
-    v.i64(e.n);
-    v.i64(e.inner);
+    return {{backward_entry_,
+             grid(t.grad_output.shape),
+             {kThreads, 1, 1},
+             0,
+             {t.output, t.grad_output, t.grad_inputs.at(0), e.outer, e.n, e.inner}}};
   }
-  Dim3 backward_block(int) const override { return {kThreads, 1, 1}; }
-  Dim3 backward_grid(int, const BackwardTensors& t) const override { return grid(t.grad_output.shape); }
 
  private:
   std::int64_t dim_;
@@ -87,7 +81,7 @@ class SoftmaxRuntime final : public RuntimeOp {
 
 class SoftmaxOp final : public CustomOp {
  public:
-  SoftmaxOp(std::int64_t dim, bool log, DType dtype) : dim_(dim), log_(log), dtype_(dtype) {}
+  SoftmaxOp(std::int64_t dim, bool log) : dim_(dim), log_(log) {}
   std::string name() const override { return log_ ? "nn.log_softmax" : "nn.softmax"; }
   std::string attributes() const override { return util::cat("dim=", dim_); }
 
@@ -99,13 +93,16 @@ class SoftmaxOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
 
-  std::optional<Lowered> lower() const override {
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const DType dtype = ctx.output_dtype;
     return Lowered{name(), kernel_file("softmax.cu"),
-                   entry_for(log_ ? "kg_log_softmax" : "kg_softmax", dtype_),
+                   entry_for(log_ ? "kg_log_softmax" : "kg_softmax", dtype),
                    std::make_shared<SoftmaxRuntime>(
-                       dim_, entry_for(log_ ? "kg_log_softmax_backward" : "kg_softmax_backward", dtype_))};
+                       dim_, entry_for(log_ ? "kg_log_softmax_backward" : "kg_softmax_backward", dtype))};
   }
-  std::string lower_backward_source() const override { return kernel_file("softmax_backward.cu"); }
+  std::string lower_backward_source(const LowerContext&) const override {
+    return kernel_file("softmax_backward.cu");
+  }
 
   bool has_cpu_backward() const override { return true; }
   // Both derivatives are functions of the output.
@@ -280,7 +277,6 @@ class SoftmaxOp final : public CustomOp {
 
   std::int64_t dim_;
   bool log_;
-  DType dtype_;  // the input's, recorded to pick the kernel
 };
 
 }  // namespace
@@ -289,11 +285,11 @@ class SoftmaxOp final : public CustomOp {
 namespace kg {
 
 SymTensor softmax(const SymTensor& x, std::int64_t dim, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, false, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, false), {}, std::nullopt, name);
 }
 
 SymTensor log_softmax(const SymTensor& x, std::int64_t dim, const std::string& name) {
-  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, true, x.dtype()), {}, std::nullopt, name);
+  return x.record_custom(CustomData::make<ops::SoftmaxOp>(dim, true), {}, std::nullopt, name);
 }
 
 }  // namespace kg

@@ -4,10 +4,9 @@
 //   inner == 1, n <= KG_SOFTMAX_WARP_MAX: one warp per row, 8 rows per block;
 //   inner == 1, longer rows: one block per row;
 //   inner > 1: blocks of up to 32 adjacent columns (o, j), the block's threads splitting n.
+// The block size and these limits are softmax_shared.cuh's.
 #include "reduce.cuh"
-
-#define KG_SOFTMAX_THREADS 256
-#define KG_SOFTMAX_WARP_MAX 1024
+#include "softmax_shared.cuh"
 
 __device__ __forceinline__ float kg_exp(float v) { return expf(v); }
 __device__ __forceinline__ double kg_exp(double v) { return exp(v); }
@@ -38,7 +37,7 @@ __device__ __forceinline__ void kg_softmax_write(const T* __restrict__ src, T* _
 // column; the groups' partial maxima and sums meet in shared memory.
 __device__ __forceinline__ int kg_softmax_width(kg_index inner) {
   int w = 2;
-  while (w < 32 && w < inner) w *= 2;
+  while (w < KG_SOFTMAX_COLUMNS && w < inner) w *= 2;
   return w;
 }
 

@@ -82,7 +82,7 @@ void plan_training(const Graph& graph, Plan& plan, int loss_node, const std::str
                             "' to the loss '", loss_name,
                             "': training would leave that parameter's gradient wrong. Implement "
                             "CustomOp::cpu_backward (CPU) or lower_backward_source() with "
-                            "RuntimeOp::has_backward() (GPU and emulation)"));
+                            "RuntimeOp::backward_launches() (GPU and emulation)"));
     BackwardStep b;
     b.step = at(step_index, n.id);
     b.node = n.id;

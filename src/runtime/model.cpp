@@ -1,16 +1,19 @@
+#include "kg/model.hpp"
+
 #include <algorithm>
 #include <map>
 #include <set>
 
 #include "backend/cpu/executor.hpp"
+#include "backend/cuda/executor.hpp"
+#include "kg/cuda.hpp"
 #include "kg/error.hpp"
-#include "kg/model.hpp"
+#include "lower/dry_run.hpp"
+#include "lower/lowering.hpp"
 #include "passes/dead_nodes.hpp"
 #include "passes/passes.hpp"
-#include "runtime/loaded_model_impl.hpp"
-#include "backend/cuda/executor.hpp"
-#include "lower/lowering.hpp"
 #include "runtime/autograd.hpp"
+#include "runtime/loaded_model_impl.hpp"
 #include "runtime/plan_builder.hpp"
 #include "runtime/shape_binding.hpp"
 #include "util/str.hpp"
@@ -36,17 +39,15 @@ Device Device::parse(const std::string& s) {
   throw Error("unknown device '" + s + "' (expected cpu, cuda, cuda:N or auto)");
 }
 
-std::string Device::to_string() const {
-  return kind == Kind::Cpu ? "cpu" : util::cat("cuda:", index);
-}
+std::string Device::to_string() const { return kind == Kind::Cpu ? "cpu" : util::cat("cuda:", index); }
 
 std::string MemoryPlan::to_string() const {
-  return util::cat("activations ", util::format_bytes(arena_bytes), " in ", buffers,
-                   " buffers (", util::format_bytes(unshared_bytes), " without reuse), parameters ",
-                   util::format_bytes(param_bytes),
-                   grad_bytes ? ", parameter gradients " + util::format_bytes(grad_bytes) : std::string(),
-                   optimizer_bytes ? ", optimizer state " + util::format_bytes(optimizer_bytes) : std::string(),
-                   ", peak ", util::format_bytes(peak_bytes));
+  return util::cat(
+      "activations ", util::format_bytes(arena_bytes), " in ", buffers, " buffers (",
+      util::format_bytes(unshared_bytes), " without reuse), parameters ", util::format_bytes(param_bytes),
+      grad_bytes ? ", parameter gradients " + util::format_bytes(grad_bytes) : std::string(),
+      optimizer_bytes ? ", optimizer state " + util::format_bytes(optimizer_bytes) : std::string(), ", peak ",
+      util::format_bytes(peak_bytes));
 }
 
 // ---- Model ----
@@ -87,8 +88,7 @@ std::vector<ParamInfo> Model::parameters() const {
   std::vector<ParamInfo> out;
   for (int id : live_) {
     const Node& n = graph_->node(id);
-    for (const auto& p : n.params)
-      out.push_back({p.name, p.shape, p.dtype, p.trainable, id});
+    for (const auto& p : n.params) out.push_back({p.name, p.shape, p.dtype, p.trainable, id});
   }
   return out;
 }
@@ -114,28 +114,36 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
   } else if (!options.loss.empty()) {
     throw Error("LoadOptions::loss names '" + options.loss + "' but the model was lowered for inference");
   }
-  if (device.kind == Device::Kind::Cuda) {
-    lower::LoweredGraph lowered = lower::lower_model(*this);
-    std::map<int, const lower::Executable*> by_node;
-    for (const auto& e : lowered.executables) by_node[e.node] = &e;
-    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, [&](const Node& n) {
-      auto it = by_node.find(n.id);
-      return it != by_node.end() && it->second->runtime_op && it->second->runtime_op->has_backward() &&
-             !it->second->backward_source.empty();
-    });
+  // Lowering happens here, for every device: with the concrete shapes, for the GPU's
+  // architecture or for the emulator.
+  const bool cuda = device.kind == Device::Kind::Cuda;
+  lower::LowerTarget target;
+  target.concrete = bound.node_shapes;
+  target.sm = cuda ? cuda::device_arch(device.index) : 0;
+  target.require_all = cuda || options.checked;
+  lower::LoweredGraph lowered = lower::lower_model(*this, target);
+  std::map<int, const lower::Executable*> by_node;
+  for (const auto& e : lowered.executables) by_node[e.node] = &e;
+  auto lowered_backward = [&](const Node& n) {
+    auto it = by_node.find(n.id);
+    return it != by_node.end() && it->second->lowered && !it->second->backward_source.empty();
+  };
+  if (cuda) {
+    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, lowered_backward);
     impl->cuda = cuda::make_executor(device.index, *graph_, lowered, impl->plan, options);
   } else {
-    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, [](const Node& n) {
-      const CustomOp& op = n.op->op();
-      if (op.has_cpu_backward()) return true;
-      std::optional<Lowered> l = op.lower();
-      return l && l->runtime_op && l->runtime_op->has_backward() && !op.lower_backward_source().empty();
+    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, [&](const Node& n) {
+      return n.op->op().has_cpu_backward() || lowered_backward(n);
     });
+    // Every lowered op's launches are checked against its kernels' CUDA signatures, whether or
+    // not the cpu runs them.
+    lower::check_lowered(*graph_, lowered, impl->plan);
     runtime::Plan& plan = impl->plan;
-    runtime::place_in_arena(plan, *graph_, [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); },
-                            {});
-    impl->arena = Tensor::empty(DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(plan.memory.arena_bytes, 1))});
-    impl->executor = std::make_unique<cpu::Executor>(options.threads);
+    runtime::place_in_arena(plan, *graph_,
+                            [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); }, {});
+    impl->arena = Tensor::empty(
+        DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(plan.memory.arena_bytes, 1))});
+    impl->executor = std::make_unique<cpu::Executor>(options.threads, std::move(lowered), options.checked);
   }
   if (impl->plan.training.enabled) init_training_state(*impl);
   return LoadedModel(impl);

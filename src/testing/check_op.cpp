@@ -15,6 +15,7 @@
 #include "kg/model.hpp"
 #include "kg/runtime_op.hpp"
 #include "kg/testing.hpp"
+#include "lower/lowering.hpp"
 #include "testing/check_util.hpp"
 #include "util/str.hpp"
 
@@ -100,8 +101,9 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
   const Node& node = model->graph().node(node_id);
 
   std::optional<Lowered> lowered;
+  const LowerContext lower_ctx = lower::lower_context(*model, node_id, {});
   if (!op->is_view()) {
-    if (!rep.guard("lower", [&] { lowered = op->lower(); })) return;
+    if (!rep.guard("lower", [&] { lowered = op->lower(lower_ctx); })) return;
     if (lowered && !lowered->runtime_op) {
       rep.fail("lower", "lower() returned no RuntimeOp");
       return;
@@ -151,13 +153,6 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
           if (auto why = shape_mismatch(node.shape, out_shape, batch, input_shapes); !why.empty())
             throw Error(util::cat("infer_output_shape gives ", sizes_to_string(out_shape), " for inputs ",
                                   sizes_text(shapes), ": ", why, " (", node.shape.to_string(), ")"));
-          if (lowered)
-            if (auto real = lowered->runtime_op->compute_concrete_output_shape(shapes);
-                real && *real != out_shape)
-              throw Error(util::cat("infer_output_shape gives ", sizes_to_string(out_shape), " for inputs ",
-                                    sizes_text(shapes),
-                                    " but the kernel (RuntimeOp::compute_concrete_output_shape) writes ",
-                                    sizes_to_string(*real)));
           rep.pass(at + ", shape",
                    util::cat("inputs ", sizes_text(shapes), " -> ", sizes_to_string(out_shape), " (declared ",
                              node.shape.to_string(), ")"));
@@ -253,14 +248,37 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
       ref = "the cpu device";
     }
 
+    // The user's reference, when given: the CPU (or the emulated kernel) is compared with it, and
+    // the other paths with the CPU.
+    if (o.reference) {
+      if (!rep.guard(at + ", reference", [&] {
+            std::map<std::string, Tensor> short_params;
+            for (const auto& spec : node.params)
+              short_params[spec.name.substr(node.name.size() + 1)] = params.at(spec.name);
+            const Tensor r = o.reference(inputs, short_params);
+            if (r.shape() != out_shape)
+              throw Error(util::cat("CheckOpOptions::reference returned ", sizes_to_string(r.shape()),
+                                    " but the output is ", sizes_to_string(out_shape)));
+            const Comparison c = compare(want, r.to(want.dtype()), o.rtol, o.atol, ref, "the reference");
+            if (!c.ok) throw Error(c.text);
+            rep.pass(at + ", reference", c.text);
+          }))
+        continue;
+    } else if (!have_cpu && batch == o.batch_sizes.front()) {
+      rep.skip("reference",
+               "the op has no CPU implementation and no CheckOpOptions::reference: the emulated and GPU "
+               "runs are compared with each other only, not with an independent value");
+    }
+
     // The lowered kernel through the emulator, checked, then reruns.
+    bool emulator_failed = false;
     const std::string emu_at = at + ", emulator";
     if (!o.emulate) {
       rep.skip(emu_at, "off (CheckOpOptions::emulate)");
     } else if (!lowered) {
       rep.skip(emu_at, "the op has no lowering (CustomOp::lower() returns nothing)");
     } else {
-      rep.guard(emu_at, [&] {
+      emulator_failed = !rep.guard(emu_at, [&] {
         Tensor got = emu::run_model(*model, inputs, params, /*checked=*/true).at(0);
         std::int64_t first = -1;
         if (const std::int64_t n = count_nan(got, &first); n > 0 && count_nan(want, &first) == 0)
@@ -289,10 +307,14 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
       rep.skip(gpu_at, "the op has no lowering (CustomOp::lower() returns nothing)");
     } else if (!Device::cuda_available()) {
       rep.skip(gpu_at, "no usable GPU on this machine");
+    } else if (emulator_failed) {
+      // A kernel that faults on a GPU leaves the CUDA context unusable for the rest of the process.
+      rep.skip(gpu_at, "not run: the emulator found the kernel broken (see above)");
     } else {
       rep.guard(gpu_at, [&] {
         LoadOptions lo;
         lo.poison_buffers = true;
+        lo.checked = true;  // a fault or a stray write is reported against the op
         LoadedModel gpu = model->load(Device::cuda(), shapes, lo);
         gpu.load_state_dict(params, false);
         Tensor got = gpu.forward(inputs).at(0);
@@ -318,12 +340,8 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
   // The backward, at the largest batch size.
   if (op->is_view()) {
     rep.skip("gradient check", "a view op: the runtime aliases its gradient (no backward)");
-  } else if (!op->has_cpu_backward() && !(lowered && lowered->runtime_op->has_backward())) {
-    rep.skip("gradient check",
-             op->lower_backward_source().empty()
-                 ? "the op has no backward (no CPU backward, lower_backward_source() is empty)"
-                 : "the op has no CPU backward (CustomOp::has_cpu_backward() is false) and "
-                   "its RuntimeOp no backward launches (has_backward() is false)");
+  } else if (!op->has_cpu_backward() && !(lowered && !op->lower_backward_source(lower_ctx).empty())) {
+    rep.skip("gradient check", "the op has no backward (no CPU backward, lower_backward_source() is empty)");
   } else {
     std::int64_t batch = 1;
     for (const std::int64_t b : o.batch_sizes) batch = std::max(batch, b);

@@ -14,6 +14,7 @@
 #include <span>
 
 #include "backend/emu/executor.hpp"
+#include "compile/compiler.hpp"
 #include "graph/no_cpu_impl.hpp"
 #include "kg/cuda.hpp"
 #include "kg/error.hpp"
@@ -21,7 +22,7 @@
 #include "kg/model.hpp"
 #include "kg/runtime_op.hpp"
 #include "kg/testing.hpp"
-#include "lower/launch_check.hpp"
+#include "lower/launch_plan.hpp"
 #include "testing/check_util.hpp"
 #include "util/half.hpp"
 #include "util/str.hpp"
@@ -62,8 +63,6 @@ Tensor poisoned(DType dtype, const std::vector<std::int64_t>& shape, unsigned ch
 // the backward did not ask to keep, and for a gradient nobody wants).
 Tensor no_data(const Tensor& t) { return Tensor::wrap(nullptr, t.dtype(), t.shape()); }
 
-std::string dim3_text(Dim3 d) { return util::cat("(", d.x, ", ", d.y, ", ", d.z, ")"); }
-
 // The float dtype the check runs in: f64 stays, every other float dtype becomes `to`.
 std::vector<DType> with_float(const std::vector<DType>& dtypes, DType to) {
   std::vector<DType> r = dtypes;
@@ -83,7 +82,56 @@ struct Setup {
   std::vector<std::string> names;  // their full dotted names
   std::vector<Tensor> params;
   Tensor grad_output;
+  LowerContext context;  // what lower() is told (emulator target; sm_90 for the NVRTC check)
 };
+
+// Replays typed arguments into a visitor (for the by-hand kernel launcher).
+void replay(const KernelArgs& args, ArgVisitor& v) {
+  for (const auto& a : args.args()) {
+    const auto* d = a.data().data();
+    switch (a.kind()) {
+      case KernelArg::Kind::Pointer: {
+        DevicePtr p;
+        std::memcpy(&p, d, sizeof p);
+        v.pointer(p);
+        break;
+      }
+      case KernelArg::Kind::I32: {
+        std::int32_t x;
+        std::memcpy(&x, d, sizeof x);
+        v.i32(x);
+        break;
+      }
+      case KernelArg::Kind::I64: {
+        std::int64_t x;
+        std::memcpy(&x, d, sizeof x);
+        v.i64(x);
+        break;
+      }
+      case KernelArg::Kind::U32: {
+        std::uint32_t x;
+        std::memcpy(&x, d, sizeof x);
+        v.u32(x);
+        break;
+      }
+      case KernelArg::Kind::F32: {
+        float x;
+        std::memcpy(&x, d, sizeof x);
+        v.f32(x);
+        break;
+      }
+      case KernelArg::Kind::F64: {
+        double x;
+        std::memcpy(&x, d, sizeof x);
+        v.f64(x);
+        break;
+      }
+      case KernelArg::Kind::Bytes:
+        v.bytes(d, a.data().size());
+        break;
+    }
+  }
+}
 
 // Records `op` on inputs of `shapes` × `dtypes`. Throws kg::Error when the op refuses them.
 Setup record(const CustomOp& op, const CustomData& data, const std::vector<std::vector<std::int64_t>>& shapes,
@@ -102,7 +150,17 @@ Setup record(const CustomOp& op, const CustomData& data, const std::vector<std::
                           " has a dynamic dim although every input size is known"));
   s.out_shape = node.shape.sizes();
   s.out_dtype = node.dtype;
-  s.specs = op.parameters();
+  std::vector<Shape> in_shapes;
+  for (const auto& v : shapes) in_shapes.push_back(Shape::of(v));
+  s.specs = op.parameters(in_shapes);
+  s.context.node = node.name;
+  s.context.input_dtypes = dtypes;
+  s.context.output_dtype = node.dtype;
+  s.context.input_shapes = in_shapes;
+  s.context.output_shape = node.shape;
+  s.context.concrete_input_shapes = shapes;
+  s.context.concrete_output_shape = s.out_shape;
+  s.context.mode = LoweringMode::Training;
   for (std::size_t k = 0; k < s.specs.size(); ++k)
     s.names.push_back(k < node.params.size() ? node.params[k].name : s.specs[k].name);
   return s;
@@ -149,18 +207,6 @@ std::vector<Tensor> convert(const std::vector<Tensor>& ts, const std::vector<DTy
 
 // Which forward tensors the backward gets: their data, NaN-filled stand-ins, or none.
 enum class Given { Data, Poison, Null };
-
-// The only `.entry` of a PTX module, for a backward launch whose entry point is "".
-std::string only_ptx_entry(const std::string& ptx, const std::string& label) {
-  static const std::regex entry(R"(\.visible\s+\.entry\s+([A-Za-z_$][A-Za-z0-9_$]*)\s*\()");
-  std::vector<std::string> names;
-  for (auto it = std::sregex_iterator(ptx.begin(), ptx.end(), entry); it != std::sregex_iterator(); ++it)
-    names.push_back((*it)[1].str());
-  if (names.size() != 1)
-    throw Error(util::cat(label, " backward_entry_point() is empty and the backward module has ",
-                          names.size(), " entries (", util::join(names, ", "), "); name one"));
-  return names.front();
-}
 
 // Memory for one lowered backward run: host copies (emulator) or device buffers (GPU).
 class BackwardMemory {
@@ -287,7 +333,7 @@ class GradChecker {
   void check_ptx(const Setup& s, const Lowered& lowered);
   // The backward's tensors in `mem`: inputs and output as the runtime passes them (address 0
   // for those not kept), gradients NaN-filled (address 0 for those not wanted), scratch.
-  BackwardTensors backward_tensors(BackwardMemory& mem, const Setup& s, const RuntimeOp& rt) const;
+  LaunchTensors backward_tensors(BackwardMemory& mem, const Setup& s, const RuntimeOp& rt) const;
 
   Reporter rep_;
   const CustomData& data_;
@@ -344,14 +390,15 @@ void GradChecker::run() {
     // Without a CPU backward, a lowered backward is compared with finite differences.
     bool lowered_backward = false;
     try {
-      auto l = op_.lower();
-      lowered_backward = l && l->runtime_op && l->runtime_op->has_backward();
+      const Setup s0 = record(op_, data_, shapes_, dtypes_);
+      auto l = op_.lower(s0.context);
+      lowered_backward = l && l->runtime_op && !op_.lower_backward_source(s0.context).empty();
     } catch (const std::exception&) {
     }
     if (!lowered_backward) {
       rep_.skip(at("gradients"),
                 "the op has no CPU backward (CustomOp::has_cpu_backward() is false) and no lowered "
-                "backward (RuntimeOp::has_backward() is false)");
+                "backward (lower_backward_source() is empty)");
       return;
     }
   }
@@ -622,7 +669,7 @@ void GradChecker::check_lowered(const Setup& s, Setup& fd) {
   const std::string emu_at = at("emulator");
   const std::string gpu_at = at("gpu");
   std::optional<Lowered> lowered;
-  if (!rep_.guard(at("lower"), [&] { lowered = op_.lower(); })) return;
+  if (!rep_.guard(at("lower"), [&] { lowered = op_.lower(s.context); })) return;
   auto skip_both = [&](const std::string& why) {
     rep_.skip(emu_at, why);
     rep_.skip(gpu_at, why);
@@ -632,13 +679,8 @@ void GradChecker::check_lowered(const Setup& s, Setup& fd) {
     rep_.fail(at("lower"), "lower() returned no RuntimeOp");
     return;
   }
-  if (!lowered->runtime_op->has_backward())
-    return skip_both("the lowered op has no backward (RuntimeOp::has_backward() is false)");
-  if (op_.lower_backward_source().empty()) {
-    rep_.fail(at("lower"),
-              "RuntimeOp::has_backward() is true but CustomOp::lower_backward_source() is empty");
-    return;
-  }
+  if (op_.lower_backward_source(s.context).empty())
+    return skip_both("the lowered op has no backward (lower_backward_source() is empty)");
   const bool emulate = o_.emulate, gpu = o_.gpu && Device::cuda_available();
   if (!emulate && !gpu) {
     rep_.skip(emu_at, "off (GradCheckOptions::emulate)");
@@ -677,10 +719,9 @@ void GradChecker::check_lowered(const Setup& s, Setup& fd) {
     rep_.skip(gpu_at, o_.gpu ? "no usable GPU on this machine" : "off (GradCheckOptions::gpu)");
 }
 
-BackwardTensors GradChecker::backward_tensors(BackwardMemory& mem, const Setup& s,
-                                              const RuntimeOp& rt) const {
+LaunchTensors GradChecker::backward_tensors(BackwardMemory& mem, const Setup& s, const RuntimeOp& rt) const {
   const std::size_t n_in = s.inputs.size();
-  BackwardTensors t;
+  LaunchTensors t;
   t.seed = op_seed_;
   t.training = o_.training;
   const Tensor y = forward(s, s.inputs, s.params);
@@ -708,38 +749,37 @@ BackwardTensors GradChecker::backward_tensors(BackwardMemory& mem, const Setup& 
 void GradChecker::check_ptx(const Setup& s, const Lowered& lowered) {
   const std::string stage = at("nvrtc");
   if (cuda::compile_archs().empty()) {
-    rep_.skip(stage, "this build has no NVRTC");
+    rep_.skip(stage, "NVRTC is not available: " + compile::Compiler::unavailable_reason());
     return;
   }
   const RuntimeOp& rt = *lowered.runtime_op;
-  const std::string source = op_.lower_backward_source();
+  LowerContext ctx = s.context;
+  ctx.sm = 90;
+  const std::string source = op_.lower_backward_source(ctx);
   const std::string name = lowered.name + ".backward";
   rep_.guard(stage, [&] {
     BackwardMemory mem(false);
-    const BackwardTensors t = backward_tensors(mem, s, rt);
-    const int launches = rt.n_backward_launches(t);
-    if (launches < 1) throw Error(util::cat(s.label, " n_backward_launches gives ", launches));
+    const LaunchTensors t = backward_tensors(mem, s, rt);
+    const lower::KernelModule module = lower::make_module(name, source, "", 0);
+    const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward");
     std::set<std::string> entries;
-    for (int l = 0; l < launches; ++l) {
+    for (std::size_t l = 0; l < launches.size(); ++l) {
       const std::string label = util::cat(s.label, " backward launch ", l);
-      const Dim3 grid = rt.backward_grid(l, t);
-      if (grid.x == 0 || grid.y == 0 || grid.z == 0)
-        throw Error(util::cat(label, ": backward_grid gives ", dim3_text(grid),
-                              ", a zero dimension (the launch would do nothing)"));
-      std::string entry = rt.backward_entry_point(l);
-      if (entry.empty()) entry = only_ptx_entry(cuda::compile_ptx(name, source), label);
-      entries.insert(entry);
+      const Launch& L = launches[l].launch;
+      entries.insert(launches[l].entry);
       try {
-        cuda::Kernel::compile_for_arch(name, source, entry, 90)
-            .check(grid, rt.backward_block(l), [&](ArgVisitor& v) { rt.pack_backward_args(l, t, v); });
+        cuda::Kernel::compile_for_arch(name, source, launches[l].entry, 90)
+            .check(L.grid, L.block, [&](ArgVisitor& v) { replay(L.args, v); });
       } catch (const Error& err) {
         throw Error(util::cat(label, ": ", err.what()));
       }
     }
     rep_.pass(
         stage,
-        util::cat(launches, " backward launch(es) of ", entries.size(),
-                  " kernel(s) compiled for sm_90 and checked against the PTX (arguments, block, grid)"));
+        util::cat(
+            launches.size(), " backward launch(es) of ", entries.size(),
+            " kernel(s) compiled for sm_90 and checked against the CUDA signature and the PTX (arguments, "
+            "block, grid)"));
   });
 }
 
@@ -747,46 +787,36 @@ std::optional<std::vector<Tensor>> GradChecker::run_lowered(const Setup& s, cons
                                                             bool gpu) {
   const std::string stage = at(gpu ? "gpu" : "emulator");
   const RuntimeOp& rt = *lowered.runtime_op;
-  const std::string source = op_.lower_backward_source();
+  const std::string source = op_.lower_backward_source(s.context);
   const std::string name = lowered.name + ".backward";
   const std::size_t n_in = s.inputs.size();
   std::optional<std::vector<Tensor>> result;
   rep_.guard(stage, [&] {
     BackwardMemory mem(gpu);
-    const BackwardTensors t = backward_tensors(mem, s, rt);
-    const int launches = rt.n_backward_launches(t);
-    if (launches < 1) throw Error(util::cat(s.label, " n_backward_launches gives ", launches));
+    const LaunchTensors t = backward_tensors(mem, s, rt);
+    const lower::KernelModule module = lower::make_module(name, source, "", 0);
+    const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward");
     std::map<std::string, cuda::Kernel> kernels;
-    for (int l = 0; l < launches; ++l) {
+    for (std::size_t l = 0; l < launches.size(); ++l) {
       const std::string label = util::cat(s.label, " backward launch ", l);
-      const Dim3 grid = rt.backward_grid(l, t);
-      if (grid.x == 0 || grid.y == 0 || grid.z == 0)
-        throw Error(util::cat(label, ": backward_grid gives ", dim3_text(grid),
-                              ", a zero dimension (the launch would do nothing)"));
-      const Dim3 block = rt.backward_block(l);
-      const std::size_t shared = rt.backward_dynamic_shared_bytes(l, t);
-      const std::string entry = rt.backward_entry_point(l);
+      const Launch& L = launches[l].launch;
+      const std::string& entry = launches[l].entry;
       if (gpu) {
         auto it = kernels.find(entry);
-        if (it == kernels.end()) {
-          const std::string e =
-              entry.empty() ? only_ptx_entry(cuda::compile_ptx(name, source), label) : entry;
-          it = kernels.emplace(entry, cuda::Kernel::compile(name, source, e)).first;
-        }
+        if (it == kernels.end())
+          it = kernels.emplace(entry, cuda::Kernel::compile(name, source, entry)).first;
         try {
           it->second.launch(
-              grid, block, [&](ArgVisitor& v) { rt.pack_backward_args(l, t, v); }, shared);
+              L.grid, L.block, [&](ArgVisitor& v) { replay(L.args, v); }, L.shared_bytes);
         } catch (const Error& err) {
           throw Error(util::cat(label, ": ", err.what()));
         }
       } else {
-        lower::ArgPack pack;
-        rt.pack_backward_args(l, t, pack);
         emu::LaunchOptions lo;
         lo.checked = true;
         lo.buffers = mem.host_buffers();
         lo.label = label;
-        emu::launch(name, source, entry, grid, block, shared, pack, lo);
+        emu::launch(name, source, entry, L.grid, L.block, L.shared_bytes, L.args, lo);
       }
     }
     if (gpu) cuda::synchronize();

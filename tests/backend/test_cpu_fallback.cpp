@@ -1,6 +1,6 @@
 // A custom op without a CPU implementation runs on the cpu device through the CUDA emulator: the
-// seed's detect_decode with its cpu_forward taken away matches the real op and a naive reference;
-// a kernel with several launches, scratch, a padded output row stride and op-declared
+// seed's detect_decode with its cpu_forward taken away matches the real op and a naive reference,
+// with the parameters it declares once; a kernel with several launches, scratch and op-declared
 // parameters; and the errors when there is nothing to run or the RuntimeOp is wrong.
 #include <gtest/gtest.h>
 
@@ -28,7 +28,10 @@ class DecodeWithoutCpu final : public kg::CustomOp {
   kg::DType infer_output_dtype(const std::vector<kg::DType>& in) const override {
     return op_->infer_output_dtype(in);
   }
-  std::optional<kg::Lowered> lower() const override { return op_->lower(); }
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>& in) const override {
+    return op_->parameters(in);
+  }
+  std::optional<kg::Lowered> lower(const kg::LowerContext& ctx) const override { return op_->lower(ctx); }
 
  private:
   std::shared_ptr<const yolo::DetectDecodeOp> op_;
@@ -78,7 +81,30 @@ TEST(CpuFallback, DecodeWithoutCpuForwardRunsThroughTheEmulator) {
   for (std::int64_t batch : {1, 5}) {
     SCOPED_TRACE("batch " + std::to_string(batch));
     kg::LoadedModel m = model.load(kg::Device::cpu(), {{batch, 4, h * w}}, poisoned());
-    EXPECT_EQ(m.parameters().size(), 0u);  // the anchors are the RuntimeOp's, created by the fallback
+    // The anchors are declared once, in CustomOp::parameters: the emulated node and the native
+    // one own the same buffers under their own names, with the same shapes and values, on the cpu
+    // as the model reports them.
+    const auto sd = m.state_dict();
+    ASSERT_EQ(sd.size(), 6u);
+    const std::vector<kg::ParamInfo> declared = model.parameters(), loaded = m.parameters();
+    ASSERT_EQ(declared.size(), 6u);
+    ASSERT_EQ(loaded.size(), declared.size());
+    for (std::size_t i = 0; i < declared.size(); ++i) {
+      const kg::ParamInfo& p = declared[i];
+      EXPECT_EQ(loaded[i].name, p.name);
+      EXPECT_EQ(loaded[i].shape, p.shape);
+      EXPECT_FALSE(p.trainable) << p.name;
+      ASSERT_TRUE(sd.count(p.name)) << p.name;
+      EXPECT_EQ(sd.at(p.name).shape(), (std::vector<std::int64_t>{h * w})) << p.name;
+    }
+    for (const char* name : {"anchor_x", "anchor_y", "strides"}) {
+      const std::string a = std::string("head.decode.") + name, b = std::string("native.") + name;
+      ASSERT_TRUE(sd.count(a) && sd.count(b)) << name;
+      for (std::int64_t i = 0; i < h * w; ++i) ASSERT_EQ(sd.at(a).item(i), sd.at(b).item(i)) << name << " " << i;
+    }
+    EXPECT_EQ(sd.at("head.decode.anchor_x").item(8), 1.5);  // anchor 8 is cell (1, 1) of a 7-wide map
+    EXPECT_EQ(sd.at("head.decode.anchor_y").item(8), 1.5);
+    EXPECT_EQ(sd.at("head.decode.strides").item(8), stride);
     for (int run = 0; run < 2; ++run) {    // the second run takes the cached kernel
       kg::Tensor in = kg_test::random_tensor(rng, kg::DType::F32, {batch, 4, h * w}, -2.0, 2.0);
       auto out = m.forward({in});
@@ -108,62 +134,42 @@ TEST(CpuFallback, ProfileNamesTheEmulatedNode) {
   EXPECT_EQ(m.profile()[0].op, "test.decode_gpu_only");
 }
 
-// y[r, c] = 2 x[r, c] + bias[c] in two launches of one kernel: phase 0 writes the doubled
-// values to scratch, phase 1 adds the bias into an output whose rows are padded to C + 3
-// elements. The bias is the op's own parameter.
-const char* kPadSource = R"(
+// y[r, c] = scale x[r, c] + bias[c] in two launches of one kernel: phase 0 writes the scaled
+// values to scratch, phase 1 adds the bias into the output. The bias is the op's own parameter.
+const char* kTwoPhaseSource = R"(
 extern "C" __global__ void __launch_bounds__(64)
-    pad_double(int phase, const float* x, float* scratch, const float* bias, float* y, long long rows,
-               int cols, long long stride) {
+    two_phase(int phase, const float* x, float* scratch, const float* bias, float* y, long long rows,
+              int cols, float scale) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= rows * cols) return;
   if (phase == 0) {
-    scratch[i] = 2.f * x[i];
+    scratch[i] = scale * x[i];
     return;
   }
-  const long long r = i / cols;
-  const int c = (int)(i % cols);
-  y[r * stride + c] = scratch[i] + bias[c];
+  y[i] = scratch[i] + bias[i % cols];
 }
 )";
 
-enum class PadBug { None, ParamShape, ArgCount };
+enum class PadBug { None, BadInitSize, ArgCount };
 
-class PadRuntime final : public kg::RuntimeOp {
+class TwoPhaseRuntime final : public kg::RuntimeOp {
  public:
-  explicit PadRuntime(PadBug bug) : bug_(bug) {}
-  int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>& out) const override {
-    return {{out.back() + (bug_ == PadBug::ParamShape ? 1 : 0)}};
+  explicit TwoPhaseRuntime(PadBug bug) : bug_(bug) {}
+  std::vector<kg::Launch> launches(const kg::LaunchTensors& t) const override {
+    const std::int64_t cols = t.output.shape.back(), rows = t.output.numel() / cols;
+    const kg::Dim3 grid{static_cast<unsigned>((t.output.numel() + 63) / 64), 1, 1};
+    std::vector<kg::Launch> v;
+    for (std::int32_t phase : {0, 1}) {
+      kg::Launch l{"", grid, {64, 1, 1}, 0,
+                   {phase, t.inputs[0], kg::ptr(t.scratch), t.params[0], t.output, rows,
+                    static_cast<std::int32_t>(cols)}};
+      if (bug_ != PadBug::ArgCount || phase == 0) l.args.add(2.0f);
+      v.push_back(std::move(l));
+    }
+    return v;
   }
-  void pack_args(const std::vector<kg::DeviceTensor>&, const std::vector<kg::DeviceTensor>&,
-                 const kg::DeviceTensor&, const std::vector<std::int64_t>&, std::int64_t,
-                 kg::ArgVisitor&) const override {}
-  int n_launches(const std::vector<std::int64_t>&) const override { return 2; }
-  void pack_args_for_launch(int launch, const std::vector<kg::DeviceTensor>& in,
-                            const std::vector<kg::DeviceTensor>& params, const kg::DeviceTensor& out,
-                            const std::vector<std::int64_t>& shape, std::int64_t row_stride,
-                            kg::DevicePtr scratch, kg::ArgVisitor& v) const override {
-    v.i32(launch);
-    v.pointer(in[0].ptr);
-    v.pointer(scratch);
-    v.pointer(params[0].ptr);
-    v.pointer(out.ptr);
-    v.i64(kg::numel_of(shape) / shape.back());
-    v.i32(static_cast<std::int32_t>(shape.back()));
-    if (bug_ != PadBug::ArgCount || launch == 0) v.i64(row_stride);
-  }
-  kg::Dim3 block() const override { return {64, 1, 1}; }
-  kg::Dim3 grid(const std::vector<std::int64_t>& shape) const override {
-    return {static_cast<unsigned>((kg::numel_of(shape) + 63) / 64), 1, 1};
-  }
-  std::size_t scratch_bytes(const std::vector<std::vector<std::int64_t>>&,
-                            const std::vector<std::int64_t>& out) const override {
-    return static_cast<std::size_t>(kg::numel_of(out)) * sizeof(float);
-  }
-  std::int64_t forward_output_row_stride(const std::vector<std::int64_t>& out) const override {
-    return out.back() + 3;
+  std::size_t scratch_bytes(const kg::LaunchTensors& t) const override {
+    return static_cast<std::size_t>(t.output.numel()) * sizeof(float);
   }
 
  private:
@@ -172,36 +178,46 @@ class PadRuntime final : public kg::RuntimeOp {
 
 class PadOp final : public kg::CustomOp {
  public:
-  explicit PadOp(std::int64_t cols, PadBug bug = PadBug::None) : cols_(cols), bug_(bug) {}
-  std::string name() const override { return "test.pad_double"; }
+  explicit PadOp(PadBug bug = PadBug::None) : bug_(bug) {}
+  std::string name() const override { return "test.two_phase"; }
   kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
-  std::vector<kg::ParamSpec> parameters() const override {
-    return {{"bias", {cols_}, kg::DType::F32, kg::ParamInit::uniform(-1, 1), true}};
+  // The bias follows the input's last dim (static).
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>& in) const override {
+    const std::int64_t cols = in.at(0)[1].size();
+    if (bug_ == PadBug::BadInitSize)
+      return {{"bias", {cols}, kg::DType::F32,
+               kg::ParamInit::from_values(std::vector<float>(static_cast<std::size_t>(cols + 1), 0.f)), true}};
+    return {{"bias", {cols}, kg::DType::F32, kg::ParamInit::uniform(-1, 1), true}};
   }
-  std::optional<kg::Lowered> lower() const override {
-    return kg::Lowered{"test.pad_double", kPadSource, "pad_double", std::make_shared<PadRuntime>(bug_)};
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    return kg::Lowered{"test.two_phase", kTwoPhaseSource, "two_phase", std::make_shared<TwoPhaseRuntime>(bug_)};
   }
 
  private:
-  std::int64_t cols_;
   PadBug bug_;
 };
 
 kg::Model pad_model(std::int64_t cols, PadBug bug) {
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), cols}, "x");
   kg::NameScope s(*g, "blk");
-  kg::SymTensor y = x.record_custom(kg::CustomData::make<PadOp>(cols, bug), {}, std::nullopt, "pad");
+  kg::SymTensor y = x.record_custom(kg::CustomData::make<PadOp>(bug), {}, std::nullopt, "pad");
   return kg::Model(g, {y});
 }
 
-TEST(CpuFallback, SeveralLaunchesScratchPaddedRowsAndOpParameters) {
+TEST(CpuFallback, SeveralLaunchesScratchAndOpParameters) {
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const std::int64_t cols = 13;
   kg::Model model = pad_model(cols, PadBug::None);
+  ASSERT_EQ(model.parameters().size(), 1u);
+  EXPECT_EQ(model.parameters()[0].name, "blk.pad.bias");
+  EXPECT_EQ(model.parameters()[0].shape, (std::vector<std::int64_t>{cols}));
   for (std::int64_t rows : {1, 9}) {
-    kg::LoadedModel m = model.load(kg::Device::cpu(), {{rows, cols}}, poisoned());
+    kg::LoadOptions o = poisoned();
+    o.checked = rows == 9;  // checked mode: guarded buffers, both thread orders, the output verified
+    kg::LoadedModel m = model.load(kg::Device::cpu(), {{rows, cols}}, o);
+    EXPECT_EQ(m.parameter("blk.pad.bias").shape(), (std::vector<std::int64_t>{cols}));
     kg::Tensor bias = kg_test::random_tensor(rng, kg::DType::F32, {cols});
     m.load_state_dict({{"blk.pad.bias", bias}});
     for (int run = 0; run < 2; ++run) {
@@ -218,16 +234,13 @@ TEST(CpuFallback, SeveralLaunchesScratchPaddedRowsAndOpParameters) {
 
 TEST(CpuFallback, ErrorsNameTheOpAndTheNode) {
   const kg::Tensor in = kg::Tensor::zeros(kg::DType::F32, {3, 5});
-  expect_error(
-      [&] {
-        pad_model(5, PadBug::ParamShape).load(kg::Device::cpu(), {{3, 5}}).forward({in});
-      },
-      {"[test.pad_double @ blk.pad]", "RuntimeOp::param_shapes gives [[6]] but the op declares [[5]]"});
-  expect_error(
-      [&] {
-        pad_model(5, PadBug::ArgCount).load(kg::Device::cpu(), {{3, 5}}).forward({in});
-      },
-      {"[test.pad_double @ blk.pad]", "pack_args", "takes 8 arguments but 7 were visited", "'stride'"});
+  // Init data of the wrong size: at record time, naming the parameter.
+  expect_error([&] { pad_model(5, PadBug::BadInitSize); },
+               {"[test.two_phase @ blk.pad] parameter 'blk.pad.bias'", "init data is 24 bytes", "[5]", "needs 20"});
+  // Launch 1 one argument short: at load (the launches are checked there on the cpu too).
+  expect_error([&] { pad_model(5, PadBug::ArgCount).load(kg::Device::cpu(), {{3, 5}}); },
+               {"[test.two_phase @ blk.pad]", "launch 1 of kernel 'two_phase'",
+                "the kernel takes 8 arguments but 7 were packed", "missing argument 7 'scale' (float)"});
   // Neither a CPU implementation nor a lowering: nothing can run it.
   class Nothing final : public kg::CustomOp {
    public:

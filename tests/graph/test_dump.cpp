@@ -28,7 +28,7 @@ class QuotedOp final : public kg::CustomOp {
   std::string name() const override { return "test.\"quoted\\op\""; }
   std::string attributes() const override { return "mode=\"fast\" dir=C:\\tmp"; }
   kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
-  std::vector<kg::ParamSpec> parameters() const override {
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>&) const override {
     return {{"scale", {channels_}, kg::DType::F32, kg::ParamInit::constant(1.0), true},
             {"count", {1}, kg::DType::I64, kg::ParamInit::constant(0.0), false}};
   }

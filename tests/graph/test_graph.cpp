@@ -74,7 +74,7 @@ class ParamOp final : public kg::CustomOp {
   explicit ParamOp(std::vector<kg::ParamSpec> p) : p_(std::move(p)) {}
   std::string name() const override { return "test.params"; }
   kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
-  std::vector<kg::ParamSpec> parameters() const override { return p_; }
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>&) const override { return p_; }
   std::string attributes() const override { return "n=" + std::to_string(p_.size()); }
 
  private:
@@ -344,7 +344,74 @@ TEST(Graph, ParameterSpecsAreValidated) {
         x.record_custom(kg::CustomData::make<ParamOp>(PS{{"w", {2, -1}}}), {}, std::nullopt, "q");
       },
       {"[test.params @ q]", "'q.w'", "negative"});
-  EXPECT_EQ(g->nodes().size(), 2u);
+  // Init data must be exactly shape × dtype size: checked when the op is recorded, naming the
+  // parameter (too short, too long, and of another element type's width).
+  kg::SymTensor data_ok = x.record_custom(
+      kg::CustomData::make<ParamOp>(
+          PS{{"w", {2, 2}, kg::DType::F32, kg::ParamInit::from_values(std::vector<float>{1, 2, 3, 4}), true}}),
+      {}, std::nullopt, "d");
+  const auto& dp = g->node(data_ok.node()).params;
+  ASSERT_EQ(dp.size(), 1u);
+  EXPECT_EQ(dp[0].init.data.size(), 16u);
+  expect_error(
+      [&] {
+        x.record_custom(kg::CustomData::make<ParamOp>(PS{
+                            {"w", {4}, kg::DType::F32, kg::ParamInit::from_values(std::vector<float>{1, 2, 3}), true}}),
+                        {}, std::nullopt, "q");
+      },
+      {"[test.params @ q] parameter 'q.w'", "init data is 12 bytes", "[4]", "f32", "needs 16"});
+  expect_error(
+      [&] {
+        x.record_custom(
+            kg::CustomData::make<ParamOp>(PS{{"b", {2}, kg::DType::F32,
+                                              kg::ParamInit::from_values(std::vector<float>{1, 2, 3}), false}}),
+            {}, std::nullopt, "q");
+      },
+      {"[test.params @ q] parameter 'q.b'", "init data is 12 bytes", "[2]", "needs 8"});
+  expect_error(
+      [&] {
+        x.record_custom(kg::CustomData::make<ParamOp>(PS{{"w", {3}, kg::DType::F32,
+                                                          kg::ParamInit::from_values(std::vector<double>{1, 2, 3}),
+                                                          true}}),
+                        {}, std::nullopt, "q");
+      },
+      {"[test.params @ q] parameter 'q.w'", "init data is 24 bytes", "[3]", "needs 12"});
+  EXPECT_EQ(g->nodes().size(), 3u);
+}
+
+// parameters() is given the inputs' recorded shapes, so a parameter can follow them.
+class BiasOp final : public kg::CustomOp {
+ public:
+  std::string name() const override { return "test.bias"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>& in) const override {
+    seen_.push_back(in);
+    const kg::Dim& c = in.at(0)[in.at(0).rank() - 1];
+    if (!c.is_static()) throw kg::Error("the last dim must be static, got " + in.at(0).to_string());
+    return {{"bias", {c.size()}, kg::DType::F32, kg::ParamInit::constant(0.5), true}};
+  }
+  mutable std::vector<std::vector<kg::Shape>> seen_;
+};
+
+TEST(Graph, ParametersFollowTheRecordedInputShapes) {
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 7}, "x");
+  auto op = std::make_shared<BiasOp>();
+  kg::SymTensor y = x.record_custom(kg::CustomData(op), {}, std::nullopt, "b");
+  ASSERT_EQ(op->seen_.size(), 1u);
+  ASSERT_EQ(op->seen_[0].size(), 1u);
+  EXPECT_EQ(op->seen_[0][0].to_string(), "[batch, 7]");
+  const auto& p = g->node(y.node()).params;
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(p[0].name, "b.bias");
+  EXPECT_EQ(p[0].shape, (std::vector<std::int64_t>{7}));
+  kg::Model m(g, {y});
+  ASSERT_EQ(m.parameters().size(), 1u);
+  EXPECT_EQ(m.parameters()[0].name, "b.bias");
+  EXPECT_EQ(m.parameters()[0].shape, (std::vector<std::int64_t>{7}));
+  // An error from parameters() names the op and the node.
+  auto [z, g2] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), kg::dynamic}, "z");
+  expect_error([&] { z.record_custom(kg::CustomData::make<BiasOp>(), {}, std::nullopt, "b"); },
+               {"[test.bias @ b]", "the last dim must be static", "[batch, ?]"});
 }
 
 TEST(Graph, CustomDataHandle) {

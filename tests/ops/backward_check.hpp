@@ -22,7 +22,7 @@
 #include "compile/embedded_sources.hpp"
 #include "compile/ptx.hpp"
 #include "kg/kg.hpp"
-#include "lower/launch_check.hpp"
+#include "lower/launch_plan.hpp"
 #include "support/test_util.hpp"
 
 namespace kg_test::bwd {
@@ -58,20 +58,6 @@ inline kg::Tensor poisoned(kg::DType dtype, const std::vector<std::int64_t>& sha
   return t;
 }
 
-// The op's parameters with their initialisation replaced by values from `rng` (floats in
-// [lo, hi)); integer parameters are zero.
-inline std::vector<kg::Tensor> make_params(const kg::CustomData& op, std::mt19937_64& rng, double lo = -1.0,
-                                           double hi = 1.0) {
-  std::vector<kg::Tensor> ps;
-  for (const auto& spec : op->parameters()) {
-    if (spec.dtype == kg::DType::F32 || spec.dtype == kg::DType::F64)
-      ps.push_back(random_tensor(rng, spec.dtype, spec.shape, lo, hi));
-    else
-      ps.push_back(kg::Tensor::zeros(spec.dtype, spec.shape));
-  }
-  return ps;
-}
-
 struct Problem {
   kg::CustomData op;
   std::vector<kg::Tensor> inputs;
@@ -79,6 +65,42 @@ struct Problem {
   bool training = true;
   std::uint64_t seed = 0;
 };
+
+// The inputs' shapes, as parameters() and lower() are told them.
+inline std::vector<kg::Shape> input_shapes(const Problem& p) {
+  std::vector<kg::Shape> v;
+  for (const auto& t : p.inputs) v.push_back(kg::Shape::of(t.shape()));
+  return v;
+}
+
+// What lower() and lower_backward_source() are told for the problem (training, the emulator).
+inline kg::LowerContext lower_context(const Problem& p) {
+  kg::LowerContext c;
+  c.input_shapes = input_shapes(p);
+  for (const auto& t : p.inputs) {
+    c.input_dtypes.push_back(t.dtype());
+    c.concrete_input_shapes.push_back(t.shape());
+  }
+  c.output_dtype = p.op->infer_output_dtype(c.input_dtypes);
+  c.output_shape = p.op->infer_output_shape(c.input_shapes);
+  c.concrete_output_shape = c.output_shape.sizes();
+  c.mode = kg::LoweringMode::Training;
+  return c;
+}
+
+// The problem's parameters with their initialisation replaced by values from `rng` (floats in
+// [lo, hi)); integer parameters are zero.
+inline std::vector<kg::Tensor> make_params(const Problem& p, std::mt19937_64& rng, double lo = -1.0,
+                                           double hi = 1.0) {
+  std::vector<kg::Tensor> ps;
+  for (const auto& spec : p.op->parameters(input_shapes(p))) {
+    if (spec.dtype == kg::DType::F32 || spec.dtype == kg::DType::F64)
+      ps.push_back(random_tensor(rng, spec.dtype, spec.shape, lo, hi));
+    else
+      ps.push_back(kg::Tensor::zeros(spec.dtype, spec.shape));
+  }
+  return ps;
+}
 
 // The CPU forward (the output poisoned first).
 inline kg::Tensor forward(const Problem& p) {
@@ -109,7 +131,7 @@ inline Wants want_all(const Problem& p) {
   Wants w;
   for (const auto& t : p.inputs)
     w.inputs.push_back(t.dtype() == kg::DType::F32 || t.dtype() == kg::DType::F64);
-  for (const auto& s : p.op->parameters()) w.params.push_back(s.trainable);
+  for (const auto& s : p.op->parameters(input_shapes(p))) w.params.push_back(s.trainable);
   return w;
 }
 
@@ -141,14 +163,15 @@ inline kg::DevicePtr address(const kg::Tensor& t) { return reinterpret_cast<kg::
 
 // The lowered backward launches of `rt` (the op's own RuntimeOp when null) with source
 // op->lower_backward_source(), run by the emulator in checked mode; wanted gradients are
-// NaN-poisoned first, the others passed as null pointers. Each launch's packed arguments are
-// checked against the NVRTC-compiled PTX where NVRTC is present.
+// NaN-poisoned first, the others passed as null pointers. Each launch is checked against the
+// kernel's CUDA signature, and against the NVRTC-compiled PTX where NVRTC is present.
 inline Grads emulated_backward(const Problem& p, const kg::Tensor& y, const kg::Tensor& dy, const Wants& w,
                                std::shared_ptr<kg::RuntimeOp> rt = nullptr) {
-  const auto lowered = p.op->lower();
+  const kg::LowerContext ctx = lower_context(p);
+  const auto lowered = p.op->lower(ctx);
   if (!rt) rt = lowered->runtime_op;
-  EXPECT_TRUE(rt->has_backward());
-  const std::string source = p.op->lower_backward_source();
+  const std::string source = p.op->lower_backward_source(ctx);
+  EXPECT_FALSE(source.empty());
   const kg::BackwardSaves saves = p.op->backward_saves();
   std::vector<kg::emu::HostBuffer> buffers;
   auto dev = [&](const kg::Tensor& t, bool given, const std::string& name) {
@@ -157,7 +180,7 @@ inline Grads emulated_backward(const Problem& p, const kg::Tensor& y, const kg::
   };
   // Copies of the inputs, so that a kernel writing into them shows.
   std::vector<kg::Tensor> keep;
-  kg::BackwardTensors bt;
+  kg::LaunchTensors bt;
   for (std::size_t i = 0; i < p.inputs.size(); ++i) {
     keep.push_back(p.inputs[i].clone());
     bt.inputs.push_back(dev(keep.back(), saves.inputs, "input " + std::to_string(i)));
@@ -182,34 +205,27 @@ inline Grads emulated_backward(const Problem& p, const kg::Tensor& y, const kg::
     bt.grad_params.push_back(dev(g.params.back(), w.params[k], "grad param " + std::to_string(k)));
   }
   bt.seed = p.seed;
+  bt.training = p.training;
   kg::Tensor scratch;
   if (const std::size_t sb = rt->backward_scratch_bytes(bt); sb > 0) {
     scratch = poisoned(kg::DType::U8, {static_cast<std::int64_t>(sb)});
     bt.scratch = address(scratch);
     buffers.push_back({bt.scratch, sb, "scratch"});
   }
-  std::vector<kg::compile::PtxEntry> entries;
-  if (kg::compile::Compiler::available())
-    entries =
-        kg::compile::parse_ptx_entries(kg::compile::Compiler::global().compile(p.op.name(), source, 90).ptx);
-  const int n = rt->n_backward_launches(bt);
-  EXPECT_GE(n, 1);
-  for (int l = 0; l < n; ++l) {
+  const kg::lower::KernelModule module = kg::lower::make_module(p.op.name() + ".backward", source, "",
+                                                                kg::compile::Compiler::available() ? 90 : 0);
+  const auto launches =
+      kg::lower::check_launches(module, rt->backward_launches(bt), "[" + p.op.name() + "]", "backward");
+  EXPECT_GE(launches.size(), 1u);
+  for (std::size_t l = 0; l < launches.size(); ++l) {
     const std::string label = "[" + p.op.name() + "] backward launch " + std::to_string(l);
-    kg::lower::ArgPack pack;
-    rt->pack_backward_args(l, bt, pack);
-    const kg::Dim3 grid = rt->backward_grid(l, bt), block = rt->backward_block(l);
-    if (!entries.empty()) {
-      const auto& e = kg::lower::resolve_entry(entries, rt->backward_entry_point(l), label);
-      kg::lower::check_args(e, pack, {}, label, l);
-      kg::lower::check_block(e, block, label, l);
-    }
+    const kg::Launch& L = launches[l].launch;
     kg::emu::LaunchOptions o;
     o.checked = true;
     o.buffers = buffers;
     o.label = label;
-    kg::emu::launch(p.op.name() + ".backward", source, rt->backward_entry_point(l), grid, block,
-                    rt->backward_dynamic_shared_bytes(l, bt), pack, o);
+    kg::emu::launch(p.op.name() + ".backward", source, launches[l].entry, L.grid, L.block, L.shared_bytes,
+                    L.args, o);
   }
   // The kernels did not write what they only read.
   for (std::size_t i = 0; i < p.inputs.size() && saves.inputs; ++i) {

@@ -11,7 +11,6 @@
 
 #include "backend/emu/executor.hpp"
 #include "kg/testing.hpp"
-#include "lower/launch_check.hpp"
 #include "ops/conv.hpp"
 #include "support/test_util.hpp"
 
@@ -33,6 +32,19 @@ struct Cfg {
     return kg::CustomData::make<kg::ops::Conv2dOp>(c, out, kernel, options(), dtype);
   }
   std::vector<std::int64_t> input_shape() const { return {n, c, h, w}; }
+  // What the lowering of a training model tells the op at these shapes.
+  kg::LowerContext lower_context(kg::DType dtype) const {
+    kg::LowerContext ctx;
+    ctx.node = "conv";
+    ctx.input_dtypes = {dtype};
+    ctx.output_dtype = dtype;
+    ctx.input_shapes = {kg::Shape::of(input_shape())};
+    ctx.output_shape = op(dtype)->infer_output_shape(ctx.input_shapes);
+    ctx.concrete_input_shapes = {input_shape()};
+    ctx.concrete_output_shape = ctx.output_shape.sizes();
+    ctx.mode = kg::LoweringMode::Training;
+    return ctx;
+  }
   std::string text() const {
     std::ostringstream os;
     os << "n=" << n << " c=" << c << " h=" << h << " w=" << w << " out=" << out << " k=" << kernel.h << "x"
@@ -107,7 +119,8 @@ void check_against_naive(const Cfg& cfg, std::mt19937_64& rng, std::array<bool, 
   const kg::Shape out_shape = op->infer_output_shape({kg::Shape::of(cfg.input_shape())});
   std::vector<kg::Tensor> inputs{kg_test::random_tensor(rng, f32, cfg.input_shape())};
   std::vector<kg::Tensor> params;
-  for (const kg::ParamSpec& p : op->parameters()) params.push_back(kg_test::random_tensor(rng, f32, p.shape));
+  for (const kg::ParamSpec& p : op->parameters({kg::Shape::of(cfg.input_shape())}))
+    params.push_back(kg_test::random_tensor(rng, f32, p.shape));
   const kg::Tensor dy = kg_test::random_tensor(rng, f32, out_shape.sizes());
   const kg::Tensor output = kg::Tensor::wrap(nullptr, f32, out_shape.sizes());  // not saved
   std::vector<kg::Tensor> grad_in{want[0] ? nan_tensor(f32, cfg.input_shape())
@@ -199,19 +212,21 @@ TEST(ConvBackward, EmulatedKernelsSkipAGradientNotWanted) {
   const kg::Tensor dy = kg_test::random_tensor(rng, f64, out_shape.sizes());
   kg::Tensor dw = nan_tensor(f64, {4, 3, 3, 3}), db = nan_tensor(f64, {4});
 
-  const auto lowered = op->lower();
+  const kg::LowerContext ctx = cfg.lower_context(f64);
+  const auto lowered = op->lower(ctx);
   ASSERT_TRUE(lowered && lowered->runtime_op);
   const kg::RuntimeOp& rt = *lowered->runtime_op;
   auto dev = [](const kg::Tensor& t) {
     return kg::DeviceTensor{reinterpret_cast<kg::DevicePtr>(t.raw()), t.shape(), t.dtype()};
   };
-  kg::BackwardTensors t;
+  kg::LaunchTensors t;
   t.inputs = {dev(x)};
   t.params = {dev(w), dev(b)};
   t.output = {0, out_shape.sizes(), f64};
   t.grad_output = dev(dy);
   t.grad_inputs = {{0, cfg.input_shape(), f64}};
   t.grad_params = {dev(dw), dev(db)};
+  t.training = true;
   kg::Tensor scratch = kg::Tensor::empty(kg::DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(rt.backward_scratch_bytes(t), 1))});
   t.scratch = reinterpret_cast<kg::DevicePtr>(scratch.raw());
   kg::emu::LaunchOptions opt;
@@ -219,13 +234,9 @@ TEST(ConvBackward, EmulatedKernelsSkipAGradientNotWanted) {
   for (const auto& [tensor, name] : std::vector<std::pair<const kg::Tensor*, std::string>>{
            {&x, "x"}, {&w, "w"}, {&dy, "dy"}, {&dw, "dw"}, {&db, "db"}, {&scratch, "scratch"}})
     opt.buffers.push_back({reinterpret_cast<kg::DevicePtr>(tensor->raw()), tensor->nbytes(), name});
-  const std::string source = op->lower_backward_source();
-  for (int l = 0; l < rt.n_backward_launches(t); ++l) {
-    kg::lower::ArgPack pack;
-    rt.pack_backward_args(l, t, pack);
-    kg::emu::launch("nn.conv2d.backward", source, rt.backward_entry_point(l), rt.backward_grid(l, t),
-                    rt.backward_block(l), rt.backward_dynamic_shared_bytes(l, t), pack, opt);
-  }
+  const std::string source = op->lower_backward_source(ctx);
+  for (const kg::Launch& l : rt.backward_launches(t))
+    kg::emu::launch("nn.conv2d.backward", source, l.entry, l.grid, l.block, l.shared_bytes, l.args, opt);
   const Grads ref = naive_backward(cfg, x, w, dy);
   EXPECT_TRUE(matches(dw, ref.dw, 1e-12, 1e-12)) << "weight gradient";
   EXPECT_TRUE(matches(db, ref.db, 1e-12, 1e-12)) << "bias gradient";
@@ -253,48 +264,54 @@ TEST(ConvBackward, DeclaresWhatItNeeds) {
   EXPECT_TRUE(op->has_cpu_backward());
   EXPECT_TRUE(op->backward_saves().inputs);
   EXPECT_FALSE(op->backward_saves().output);
-  EXPECT_NE(op->lower_backward_source().find("kg_conv2d_backward_weight_f32"), std::string::npos);
+  EXPECT_NE(
+      op->lower_backward_source(cfg.lower_context(kg::DType::F32)).find("kg_conv2d_backward_weight_f32"),
+      std::string::npos);
 }
 
 TEST(ConvBackward, RuntimeOpLaunchesOneKernelPerGradient) {
   const Cfg cfg{2, 4, 9, 9, 6, 3, 2, 1, 2, 2};
-  const auto lowered = cfg.op(kg::DType::F32)->lower();
+  const kg::LowerContext ctx = cfg.lower_context(kg::DType::F32);
+  ASSERT_FALSE(cfg.op(kg::DType::F32)->lower_backward_source(ctx).empty());
+  const auto lowered = cfg.op(kg::DType::F32)->lower(ctx);
   ASSERT_TRUE(lowered && lowered->runtime_op);
   const kg::RuntimeOp& rt = *lowered->runtime_op;
-  ASSERT_TRUE(rt.has_backward());
-  kg::BackwardTensors t;
+  kg::LaunchTensors t;
   t.inputs = {{0x1000, {2, 4, 9, 9}, kg::DType::F32}};
   t.params = {{0x2000, {6, 2, 3, 3}, kg::DType::F32}, {0x3000, {6}, kg::DType::F32}};
   t.output = {0, {2, 6, 4, 4}, kg::DType::F32};
   t.grad_output = {0x4000, {2, 6, 4, 4}, kg::DType::F32};
   t.grad_inputs = {{0x5000, {2, 4, 9, 9}, kg::DType::F32}};
   t.grad_params = {{0x6000, {6, 2, 3, 3}, kg::DType::F32}, {0x7000, {6}, kg::DType::F32}};
-  ASSERT_EQ(rt.n_backward_launches(t), 4);
-  EXPECT_EQ(rt.backward_entry_point(0), "kg_conv2d_backward_input_f32");
-  EXPECT_EQ(rt.backward_entry_point(1), "kg_conv2d_backward_weight_f32");
-  EXPECT_EQ(rt.backward_entry_point(2), "kg_conv2d_backward_weight_sum_f32");
-  EXPECT_EQ(rt.backward_entry_point(3), "kg_conv2d_backward_bias_f32");
-  EXPECT_EQ(rt.backward_grid(0, t).x, 3u);    // 648 input elements, 256 threads a block
-  EXPECT_EQ(rt.backward_grid(1, t).x, 108u);  // a block per weight element ...
-  EXPECT_EQ(rt.backward_grid(1, t).y, 2u);    // ... and image (2048 blocks wanted, 2 images)
-  EXPECT_EQ(rt.backward_grid(2, t).x, 1u);    // the sum of the two ranges: a thread per weight
-  EXPECT_EQ(rt.backward_grid(3, t).x, 6u);    // a block per channel
+  t.training = true;
+  const std::vector<kg::Launch> ls = rt.backward_launches(t);
+  ASSERT_EQ(ls.size(), 4u);
+  EXPECT_EQ(ls[0].entry, "kg_conv2d_backward_input_f32");
+  EXPECT_EQ(ls[1].entry, "kg_conv2d_backward_weight_f32");
+  EXPECT_EQ(ls[2].entry, "kg_conv2d_backward_weight_sum_f32");
+  EXPECT_EQ(ls[3].entry, "kg_conv2d_backward_bias_f32");
+  for (const kg::Launch& l : ls) EXPECT_EQ(l.block.x, 256u);
+  EXPECT_EQ(ls[0].grid.x, 3u);    // 648 input elements, 256 threads a block
+  EXPECT_EQ(ls[1].grid.x, 108u);  // a block per weight element ...
+  EXPECT_EQ(ls[1].grid.y, 2u);    // ... and image (2048 blocks wanted, 2 images)
+  EXPECT_EQ(ls[2].grid.x, 1u);    // the sum of the two ranges: a thread per weight
+  EXPECT_EQ(ls[3].grid.x, 6u);    // a block per channel
   EXPECT_EQ(rt.backward_scratch_bytes(t), 108u * 2u * 4u);  // the partial sums
-  kg::lower::ArgPack pack;
-  rt.pack_backward_args(1, t, pack);
-  ASSERT_EQ(pack.args().size(), 6u);  // x, dy, dw, partial, chunks, shape
+  ASSERT_EQ(ls[1].args.size(), 6u);  // x, dy, dw, partial, chunks, shape
   // A gradient nobody wants: its launch is one block, which returns at once.
   t.grad_inputs[0].ptr = 0;
-  const kg::Dim3 idle = rt.backward_grid(0, t);
+  const kg::Dim3 idle = rt.backward_launches(t).at(0).grid;
   EXPECT_EQ(idle.x * idle.y * idle.z, 1u);
   // Images whose output pixels overflow the weight-gradient kernel's 32-bit indices are refused.
-  kg::BackwardTensors huge = t;
+  kg::LaunchTensors huge = t;
   huge.grad_output.shape = {1, 6, 50000, 50000};
-  kg_test::expect_error([&] { rt.backward_grid(1, huge); }, {"[nn.conv2d]", "50000 x 50000", "32-bit"});
+  kg_test::expect_error([&] { rt.backward_launches(huge); }, {"[nn.conv2d]", "50000 x 50000", "32-bit"});
   // Without a bias there is no bias launch.
   Cfg nb = cfg;
   nb.bias = false;
-  EXPECT_EQ(nb.op(kg::DType::F32)->lower()->runtime_op->n_backward_launches(t), 3);
+  EXPECT_EQ(
+      nb.op(kg::DType::F32)->lower(nb.lower_context(kg::DType::F32))->runtime_op->backward_launches(t).size(),
+      3u);
 }
 
 TEST(ConvBackward, FusedConvolutionHasNoBackward) {
@@ -302,7 +319,11 @@ TEST(ConvBackward, FusedConvolutionHasNoBackward) {
   kg::ops::ConvEpilogueSpec spec;
   spec.activation = kg::ops::UnarySpec{kg::ops::UnaryFn::Relu, 0.0};
   const kg::ops::Conv2dOp conv(3, 4, 3, cfg.options(), kg::DType::F32);
-  const auto fused = kg::CustomData::make<kg::ops::FusedConv2dOp>(conv, spec, conv.parameters());
+  const auto fused = kg::CustomData::make<kg::ops::FusedConv2dOp>(
+      conv, spec, conv.parameters({kg::Shape::of(cfg.input_shape())}));
   EXPECT_FALSE(fused->has_cpu_backward());
-  EXPECT_FALSE(fused->lower()->runtime_op->has_backward());
+  kg::LowerContext ctx = cfg.lower_context(kg::DType::F32);
+  ctx.mode = kg::LoweringMode::Inference;
+  EXPECT_TRUE(fused->lower(ctx).has_value());
+  EXPECT_TRUE(fused->lower_backward_source(ctx).empty());
 }

@@ -77,11 +77,48 @@ std::vector<double> naive_conv(const kg::Tensor& x, const kg::Tensor& w, const k
   return y;
 }
 
-// The dry run's launches for a model at these input shapes; empty without NVRTC.
-std::vector<kg::lower::StepLaunches> dry_run_steps(const kg::Model& model,
-                                                   const std::vector<std::vector<std::int64_t>>& shapes) {
-  if (!kg::compile::Compiler::available()) return {};
-  return kg::lower::dry_run(model, shapes, 90).launches.steps;
+// Dry-runs a model at these input shapes for sm_90 (every kernel compiled, every launch checked
+// against its PTX) and returns its step count; 0 without NVRTC.
+std::size_t dry_run_steps(const kg::Model& model, const std::vector<std::vector<std::int64_t>>& shapes) {
+  if (!kg::compile::Compiler::available()) return 0;
+  return kg::lower::dry_run(model, shapes, 90).launches.steps.size();
+}
+
+// The lowering of the model's only op node for sm_90, with the node's dtypes and recorded shapes
+// (no concrete shapes).
+kg::Lowered lower_op(const kg::Model& model) {
+  const kg::Graph& g = model.graph();
+  for (int id : model.live_nodes()) {
+    const kg::Node& n = g.node(id);
+    if (n.kind != kg::Node::Kind::Op) continue;
+    kg::LowerContext ctx;
+    ctx.node = n.name;
+    for (int in : n.inputs) {
+      ctx.input_dtypes.push_back(g.node(in).dtype);
+      ctx.input_shapes.push_back(g.node(in).shape);
+    }
+    ctx.output_dtype = n.dtype;
+    ctx.output_shape = n.shape;
+    ctx.mode = model.mode();
+    ctx.sm = 90;
+    std::optional<kg::Lowered> l = n.op->op().lower(ctx);
+    if (!l || !l->runtime_op) throw kg::Error(n.label() + " has no lowering");
+    return *l;
+  }
+  throw kg::Error("the model has no op node");
+}
+
+// Made-up addresses and the sizes of a convolution's tensors at this batch: what launches() reads.
+kg::LaunchTensors conv_tensors(const ConvCfg& cfg, std::int64_t batch, kg::DType dtype) {
+  constexpr kg::DevicePtr kApart = kg::DevicePtr{1} << 40;
+  const std::int64_t ho = out_size(cfg.h, cfg.kernel.h, cfg.stride.h, cfg.padding.h, cfg.dilation.h);
+  const std::int64_t wo = out_size(cfg.w, cfg.kernel.w, cfg.stride.w, cfg.padding.w, cfg.dilation.w);
+  kg::LaunchTensors t;
+  t.inputs = {{kApart, {batch, cfg.c, cfg.h, cfg.w}, dtype}};
+  t.params = {{2 * kApart, {cfg.out, cfg.c / cfg.groups, cfg.kernel.h, cfg.kernel.w}, dtype}};
+  if (cfg.bias) t.params.push_back({3 * kApart, {cfg.out}, dtype});
+  t.output = {4 * kApart, {batch, cfg.out, ho, wo}, dtype};
+  return t;
 }
 
 // The op names of the nodes that run (inputs excluded).
@@ -246,6 +283,24 @@ void check_fused(const FusedCase& fc, std::mt19937_64& rng) {
   ASSERT_EQ(live_ops(model), std::vector<std::string>{"nn.fused_conv2d"});
   EXPECT_EQ(kg::ops::conv_gpu_algo(cc.gpu_config(fc.dtype)), fc.algo);
 
+  // The entry the lowering picks.
+  const kg::Lowered lowered = lower_op(model);
+  std::string algo = fc.algo == kg::ops::ConvGpuAlgo::Gemm ? "gemm" : "direct";
+  if (fc.algo == kg::ops::ConvGpuAlgo::Tiled) {
+    // Channels per thread: 4 or 2 when they divide the group's channels.
+    const std::int64_t og = cc.out / cc.groups, ocb = og % 4 == 0 ? 4 : og % 2 == 0 ? 2 : og >= 3 ? 4 : 1;
+    algo = "tiled_" + std::to_string(cc.kernel.h) + "x" + std::to_string(cc.kernel.w) + "_" +
+           std::to_string(ocb);
+  }
+  const std::string stem =
+      fc.act == Act::None ? "kg_conv2d_" + algo : "kg_fused_conv2d_" + algo + "_" + act_name(fc.act);
+  EXPECT_EQ(lowered.entry_point, stem + (fc.dtype == kg::DType::F64 ? "_f64" : "_f32"));
+  // A module of its own holds its one entry (not elementwise.cu's).
+  if ((fc.act != Act::None || fc.algo == kg::ops::ConvGpuAlgo::Tiled) && kg::compile::Compiler::available()) {
+    const std::string ptx = kg::compile::Compiler::global().compile(lowered.name, lowered.source, 90).ptx;
+    EXPECT_EQ(kg::compile::parse_ptx_entries(ptx).size(), 1u);
+  }
+
   const auto params = random_params(model, rng);
   for (std::int64_t batch : {1, 7, 19}) {
     SCOPED_TRACE("batch " + std::to_string(batch));
@@ -255,23 +310,8 @@ void check_fused(const FusedCase& fc, std::mt19937_64& rng) {
       inputs.push_back(kg_test::random_tensor(rng, fc.dtype, {batch, cc.out, ho, wo}));
       shapes.push_back(inputs[1].shape());
     }
-    const auto steps = dry_run_steps(model, shapes);
     if (kg::compile::Compiler::available()) {
-      ASSERT_EQ(steps.size(), 1u);
-      std::string algo = fc.algo == kg::ops::ConvGpuAlgo::Gemm ? "gemm" : "direct";
-      if (fc.algo == kg::ops::ConvGpuAlgo::Tiled) {
-        // Channels per thread: 4 or 2 when they divide the group's channels.
-        const std::int64_t og = cc.out / cc.groups, ocb = og % 4 == 0 ? 4 : og % 2 == 0 ? 2 : og >= 3 ? 4 : 1;
-        algo = "tiled_" + std::to_string(cc.kernel.h) + "x" + std::to_string(cc.kernel.w) + "_" +
-               std::to_string(ocb);
-      }
-      const std::string stem =
-          fc.act == Act::None ? "kg_conv2d_" + algo : "kg_fused_conv2d_" + algo + "_" + act_name(fc.act);
-      EXPECT_EQ(steps[0].entry, stem + (fc.dtype == kg::DType::F64 ? "_f64" : "_f32"));
-      // A module of its own holds its one entry (not elementwise.cu's).
-      if (fc.act != Act::None || fc.algo == kg::ops::ConvGpuAlgo::Tiled) {
-        EXPECT_EQ(kg::compile::parse_ptx_entries(steps[0].ptx).size(), 1u);
-      }
+      ASSERT_EQ(dry_run_steps(model, shapes), 1u);
     }
     const kg::Tensor want = fused_ref(fc, inputs[0], fc.residual ? &inputs[1] : nullptr, params);
     // f32: the kernels sum in another order than the reference (and the CPU).
@@ -357,15 +397,20 @@ TEST(Conv2d, GpuKernelChoiceAndGrid) {
   EXPECT_EQ(algo(dilated), ConvGpuAlgo::Direct);
   EXPECT_EQ(algo(big), ConvGpuAlgo::Direct);
 
-  if (!kg::compile::Compiler::available()) GTEST_SKIP() << "no NVRTC in this build";
+  // The entry and the only launch of a convolution at this batch (compiled and checked for sm_90
+  // where NVRTC is available).
   auto launch_of = [](const ConvCfg& cfg, std::int64_t batch, kg::DType dt) {
     auto g = kg::Graph::create();
     auto x = g->input(dt, kg::Shape{kg::Dim::named("batch"), cfg.c, cfg.h, cfg.w}, "x");
     kg::Model model(g, {kg::nn::conv2d(x, cfg.out, cfg.kernel, cfg.options(), "conv")});
-    auto steps = dry_run_steps(model, {{batch, cfg.c, cfg.h, cfg.w}});
-    EXPECT_EQ(steps.size(), 1u);
-    EXPECT_EQ(steps.at(0).launches.size(), 1u);
-    return std::make_pair(steps.at(0).entry, steps.at(0).launches.at(0));
+    if (kg::compile::Compiler::available()) {
+      EXPECT_EQ(dry_run_steps(model, {{batch, cfg.c, cfg.h, cfg.w}}), 1u);
+    }
+    const kg::Lowered lowered = lower_op(model);
+    std::vector<kg::Launch> launches = lowered.runtime_op->launches(conv_tensors(cfg, batch, dt));
+    EXPECT_EQ(launches.size(), 1u);
+    EXPECT_EQ(launches.at(0).entry, "");  // the module's entry point
+    return std::make_pair(lowered.entry_point, launches.at(0));
   };
   // LeNet's first layer: 3 blocks of 2 channels × 6 rows × 14 pairs of columns a block, 5 row
   // tiles an image; shared memory for a 10 × 32 input window and 25 × 6 weights.
@@ -373,19 +418,19 @@ TEST(Conv2d, GpuKernelChoiceAndGrid) {
   EXPECT_EQ(e1, "kg_conv2d_tiled_5x5_2_f32");
   EXPECT_EQ(l1.grid.x, 256u * 5);
   EXPECT_EQ(l1.block.x, 256u);
-  EXPECT_EQ(l1.shared, 320u * 4 + 150 * 4);
+  EXPECT_EQ(l1.shared_bytes, 320u * 4 + 150 * 4);
   // LeNet's second at batch 3: the 10-row tile halves down to 1 row to make more blocks.
   auto [e2, l2] = launch_of(lenet2, 3, kg::DType::F64);
   EXPECT_EQ(e2, "kg_conv2d_tiled_5x5_4_f64");
   EXPECT_EQ(l2.grid.x, 3u * 10);
-  EXPECT_EQ(l2.shared, (5u * 14 * 6 + 25 * 16 * 6) * 8);
+  EXPECT_EQ(l2.shared_bytes, (5u * 14 * 6 + 25 * 16 * 6) * 8);
   // 2 × 56 × 56 pixels in tiles of 64, one channel tile, one group.
   auto [e3, l3] = launch_of(resnet, 2, kg::DType::F32);
   EXPECT_EQ(e3, "kg_conv2d_gemm_f32");
   EXPECT_EQ(l3.grid.x, 98u);
   EXPECT_EQ(l3.grid.y, 1u);
   EXPECT_EQ(l3.grid.z, 1u);
-  EXPECT_EQ(l3.shared, 0u);
+  EXPECT_EQ(l3.shared_bytes, 0u);
   auto [e4, l4] = launch_of({64, 6, 7, 128, 3, 1, 1, 1, 2}, 5, kg::DType::F32);
   EXPECT_EQ(e4, "kg_conv2d_gemm_f32");
   EXPECT_EQ(l4.grid.x, (5u * 42 + 63) / 64);
@@ -405,12 +450,15 @@ TEST(Conv2d, GpuKernelChoiceAndGrid) {
   kg::Model model(g, {kg::nn::conv2d(x, s2.out, s2.kernel, s2.options(), "conv")});
   const std::int64_t batch = 4000000, per_launch = ((std::int64_t{1} << 31) - 1) / (3 * 196);
   ASSERT_EQ(per_launch, 3652183);
-  auto steps = dry_run_steps(model, {{batch, 1, 28, 28}});
-  ASSERT_EQ(steps.size(), 1u);
-  ASSERT_EQ(steps[0].launches.size(), 2u);
+  if (kg::compile::Compiler::available()) {
+    ASSERT_EQ(dry_run_steps(model, {{batch, 1, 28, 28}}), 1u);
+  }
+  const std::vector<kg::Launch> launches =
+      lower_op(model).runtime_op->launches(conv_tensors(s2, batch, kg::DType::F32));
+  ASSERT_EQ(launches.size(), 2u);
   auto arg = [&](int launch, std::size_t i) {
     std::uint64_t v = 0;  // the argument's first 8 bytes: a pointer, or KgConvShape::n
-    std::memcpy(&v, steps[0].launches[static_cast<std::size_t>(launch)].args.args().at(i).data.data(), 8);
+    std::memcpy(&v, launches[static_cast<std::size_t>(launch)].args.args().at(i).data().data(), 8);
     return v;
   };
   EXPECT_EQ(arg(1, 0) - arg(0, 0), static_cast<std::uint64_t>(per_launch * 784 * 4));      // x
@@ -418,7 +466,7 @@ TEST(Conv2d, GpuKernelChoiceAndGrid) {
   EXPECT_EQ(arg(1, 1), arg(0, 1));                                                         // weight
   EXPECT_EQ(arg(0, 9), static_cast<std::uint64_t>(per_launch));
   EXPECT_EQ(arg(1, 9), static_cast<std::uint64_t>(batch - per_launch));
-  EXPECT_EQ(steps[0].launches[1].grid.x, static_cast<unsigned>(((batch - per_launch) * 3 * 196 + 255) / 256));
+  EXPECT_EQ(launches[1].grid.x, static_cast<unsigned>(((batch - per_launch) * 3 * 196 + 255) / 256));
 }
 
 TEST(Conv2d, GpuFusedEpiloguesMatchReference) {

@@ -769,21 +769,35 @@ std::vector<kg::SymTensor> all_binary_ops(const kg::SymTensor& a, const kg::SymT
   return {kg::add(a, b), kg::sub(a, b), kg::mul(a, b), kg::div(a, b)};
 }
 
-const char* mode_name(kg::ops::GpuBroadcastMode m) {
-  using M = kg::ops::GpuBroadcastMode;
+// What the lowering tells the op of node `n` for sm_90, from the recorded shapes.
+kg::LowerContext lower_context(const kg::Graph& g, const kg::Node& n) {
+  kg::LowerContext lc;
+  lc.node = n.name;
+  for (int id : n.inputs) {
+    lc.input_dtypes.push_back(g.node(id).dtype);
+    lc.input_shapes.push_back(g.node(id).shape);
+  }
+  lc.output_dtype = n.dtype;
+  lc.output_shape = n.shape;
+  lc.sm = 90;
+  return lc;
+}
+
+// A KgBroadcast mode (KG_BCAST_*) by name.
+const char* mode_name(int m) {
   switch (m) {
-    case M::Same: return "same";
-    case M::ScalarB: return "scalar b";
-    case M::ScalarA: return "scalar a";
-    case M::ChannelB: return "channel b";
-    case M::ChannelA: return "channel a";
-    case M::General: return "general";
+    case KG_BCAST_SAME: return "same";
+    case KG_BCAST_SCALAR_B: return "scalar b";
+    case KG_BCAST_SCALAR_A: return "scalar a";
+    case KG_BCAST_CHANNEL_B: return "channel b";
+    case KG_BCAST_CHANNEL_A: return "channel a";
+    case KG_BCAST_GENERAL: return "general";
   }
   return "?";
 }
 
 // The kernel's division: fast_div's 32-bit path below 2^31, else plain.
-std::int64_t emulated_div(const kg::ops::FastDiv& f, std::int64_t n, bool small) {
+std::int64_t emulated_div(const KgDivider& f, std::int64_t n, bool small) {
   if (!small) return n / f.d;
   const auto u = static_cast<std::uint64_t>(n);
   return static_cast<std::int64_t>((((u * f.mul) >> 32) + u) >> f.shift);
@@ -791,21 +805,19 @@ std::int64_t emulated_div(const kg::ops::FastDiv& f, std::int64_t n, bool small)
 
 // The operand offsets the kernel reads for output element i, computed from the packed walk the
 // way elementwise.cu does.
-std::pair<std::int64_t, std::int64_t> emulated_offsets(const kg::ops::GpuBroadcast& g, std::int64_t i,
-                                                       std::int64_t n) {
-  using M = kg::ops::GpuBroadcastMode;
+std::pair<std::int64_t, std::int64_t> emulated_offsets(const KgBroadcast& g, std::int64_t i, std::int64_t n) {
   const bool small = n < (std::int64_t{1} << 31);
   switch (g.mode) {
-    case M::Same: return {i, i};
-    case M::ScalarB: return {i, 0};
-    case M::ScalarA: return {0, i};
-    case M::ChannelB:
-    case M::ChannelA: {
+    case KG_BCAST_SAME: return {i, i};
+    case KG_BCAST_SCALAR_B: return {i, 0};
+    case KG_BCAST_SCALAR_A: return {0, i};
+    case KG_BCAST_CHANNEL_B:
+    case KG_BCAST_CHANNEL_A: {
       const std::int64_t q = emulated_div(g.size[0], i, small);
       const std::int64_t ch = q - emulated_div(g.size[1], q, small) * g.size[1].d;
-      return g.mode == M::ChannelB ? std::pair{i, ch} : std::pair{ch, i};
+      return g.mode == KG_BCAST_CHANNEL_B ? std::pair{i, ch} : std::pair{ch, i};
     }
-    case M::General: break;
+    default: break;  // KG_BCAST_GENERAL
   }
   std::int64_t r = i, ia = 0, ib = 0;
   for (int d = 0; d < g.rank; ++d) {
@@ -855,27 +867,26 @@ std::vector<std::int64_t> broadcast_sizes(const std::vector<std::int64_t>& a,
 struct GpuPattern {
   const char* name;
   std::vector<std::int64_t> a, b;  // -1: the dynamic batch dim
-  kg::ops::GpuBroadcastMode mode;  // the kernel's path at batch > 1
+  int mode;  // the kernel's path at batch > 1 (KG_BCAST_*)
 };
 
 // Every path of the binary kernel, through the patterns models use.
 std::vector<GpuPattern> gpu_patterns() {
-  using M = kg::ops::GpuBroadcastMode;
   return {
-      {"same shape", {-1, 5, 33}, {-1, 5, 33}, M::Same},
-      {"same shape, odd count", {-1, 7, 3}, {-1, 7, 3}, M::Same},
-      {"scalar tensor on the right", {-1, 3, 50}, {1}, M::ScalarB},
-      {"rank-0 tensor on the right", {-1, 4}, {}, M::ScalarB},
-      {"scalar tensor on the left", {1, 1}, {-1, 61}, M::ScalarA},
-      {"per-channel [N,C,H,W] ⊙ [C,1,1]", {-1, 8, 20, 41}, {8, 1, 1}, M::ChannelB},
-      {"per-channel [C,1,1] ⊙ [N,C,H,W]", {8, 1, 1}, {-1, 8, 5, 3}, M::ChannelA},
-      {"per-sample-channel [N,C,H,W] ⊙ [N,C,1,1]", {-1, 6, 9, 7}, {-1, 6, 1, 1}, M::ChannelB},
-      {"bias [N,T,C] ⊙ [C]", {-1, 3, 70}, {70}, M::ChannelB},
-      {"per-row [N,1] ⊙ [N,M]", {-1, 1}, {-1, 37}, M::ChannelA},
-      {"outer [N,1] ⊙ [1,M]", {-1, 1}, {1, 300}, M::General},
-      {"both broadcast", {3, 1, 5}, {-1, 1, 4, 1}, M::General},
-      {"middle dim", {-1, 1, 6}, {-1, 5, 6}, M::General},
-      {"eight alternating dims", {2, 1, 3, 1, 2, 1, 3, 1}, {1, 3, 1, 2, 1, 3, 1, -1}, M::General},
+      {"same shape", {-1, 5, 33}, {-1, 5, 33}, KG_BCAST_SAME},
+      {"same shape, odd count", {-1, 7, 3}, {-1, 7, 3}, KG_BCAST_SAME},
+      {"scalar tensor on the right", {-1, 3, 50}, {1}, KG_BCAST_SCALAR_B},
+      {"rank-0 tensor on the right", {-1, 4}, {}, KG_BCAST_SCALAR_B},
+      {"scalar tensor on the left", {1, 1}, {-1, 61}, KG_BCAST_SCALAR_A},
+      {"per-channel [N,C,H,W] ⊙ [C,1,1]", {-1, 8, 20, 41}, {8, 1, 1}, KG_BCAST_CHANNEL_B},
+      {"per-channel [C,1,1] ⊙ [N,C,H,W]", {8, 1, 1}, {-1, 8, 5, 3}, KG_BCAST_CHANNEL_A},
+      {"per-sample-channel [N,C,H,W] ⊙ [N,C,1,1]", {-1, 6, 9, 7}, {-1, 6, 1, 1}, KG_BCAST_CHANNEL_B},
+      {"bias [N,T,C] ⊙ [C]", {-1, 3, 70}, {70}, KG_BCAST_CHANNEL_B},
+      {"per-row [N,1] ⊙ [N,M]", {-1, 1}, {-1, 37}, KG_BCAST_CHANNEL_A},
+      {"outer [N,1] ⊙ [1,M]", {-1, 1}, {1, 300}, KG_BCAST_GENERAL},
+      {"both broadcast", {3, 1, 5}, {-1, 1, 4, 1}, KG_BCAST_GENERAL},
+      {"middle dim", {-1, 1, 6}, {-1, 5, 6}, KG_BCAST_GENERAL},
+      {"eight alternating dims", {2, 1, 3, 1, 2, 1, 3, 1}, {1, 3, 1, 2, 1, 3, 1, -1}, KG_BCAST_GENERAL},
   };
 }
 
@@ -887,7 +898,7 @@ TEST(Elementwise, GpuBroadcastWalkReadsWhatNumpyReads) {
     for (std::int64_t batch : batches) {
       const auto a = concrete(p.a, batch), b = concrete(p.b, batch), out = broadcast_sizes(a, b);
       SCOPED_TRACE(std::string(p.name) + " batch " + std::to_string(batch));
-      const kg::ops::GpuBroadcast g = kg::ops::gpu_broadcast(a, b, out, "nn.add");
+      const KgBroadcast g = kg::ops::gpu_broadcast(a, b, out, "nn.add");
       if (batch > 1) {
         EXPECT_STREQ(mode_name(g.mode), mode_name(p.mode));
       }
@@ -1064,7 +1075,7 @@ TEST(Elementwise, GpuEachOpCompilesToItsOwnEntry) {
     for (const auto& y : ys) {
       const kg::Node& node = g->node(y.node());
       SCOPED_TRACE(node.label());
-      const auto lowered = node.op->op().lower();
+      const auto lowered = node.op->op().lower(lower_context(*g, node));
       ASSERT_TRUE(lowered.has_value());
       EXPECT_EQ(lowered->name, node.op_name());
       EXPECT_EQ(lowered->entry_point.substr(lowered->entry_point.size() - 4),

@@ -57,11 +57,25 @@ std::vector<UnaryCase> unary_cases() {
   };
 }
 
+// What the lowering tells `op` about a node over inputs of these shapes and dtype, for training.
+kg::LowerContext lower_context(const kg::CustomData& op, const std::vector<std::vector<std::int64_t>>& shapes,
+                               kg::DType dtype) {
+  kg::LowerContext lc;
+  for (const auto& s : shapes) lc.input_shapes.push_back(kg::Shape::of(s));
+  lc.input_dtypes.assign(shapes.size(), dtype);
+  lc.output_shape = op->infer_output_shape(lc.input_shapes);
+  lc.output_dtype = op->infer_output_dtype(lc.input_dtypes);
+  lc.concrete_input_shapes = shapes;
+  lc.concrete_output_shape = lc.output_shape.sizes();
+  lc.mode = kg::LoweringMode::Training;
+  return lc;
+}
+
 bwd::Problem problem(const std::vector<std::vector<std::int64_t>>& shapes, kg::DType dtype,
                      const Build& build, std::mt19937_64& rng, double lo = -2.0, double hi = 2.0) {
   bwd::Problem p{bwd::record_op(shapes, dtype, build), {}, {}, true, rng()};
   for (const auto& s : shapes) p.inputs.push_back(random_tensor(rng, dtype, s, lo, hi));
-  p.params = bwd::make_params(p.op, rng);
+  p.params = bwd::make_params(p, rng);
   return p;
 }
 
@@ -113,7 +127,7 @@ TEST(ElementwiseBackward, ActivationsSaveWhatTheirDerivativeReads) {
     EXPECT_EQ(s.output, from_output);
     EXPECT_EQ(s.inputs, !from_output);
     EXPECT_TRUE(op->has_cpu_backward());
-    EXPECT_TRUE(op->lower()->runtime_op->has_backward());
+    EXPECT_FALSE(op->lower_backward_source(lower_context(op, {{4}}, kg::DType::F32)).empty());
   }
 }
 
@@ -280,15 +294,20 @@ TEST(ElementwiseBackward, BinarySavesOnlyWhatItReads) {
     EXPECT_EQ(op->backward_saves().inputs, reads);
     EXPECT_FALSE(op->backward_saves().output);
     // One launch per wanted operand (these reductions are short: not split).
-    kg::BackwardTensors t;
+    kg::LaunchTensors t;
     t.inputs = {{0, {2, 3}, kg::DType::F32}, {0, {3}, kg::DType::F32}};
+    t.output = {0, {2, 3}, kg::DType::F32};
     t.grad_output = {16, {2, 3}, kg::DType::F32};
     t.grad_inputs = {{16, {2, 3}, kg::DType::F32}, {16, {3}, kg::DType::F32}};
-    const auto rt = op->lower()->runtime_op;
-    EXPECT_EQ(rt->n_backward_launches(t), 2);
+    const auto rt = op->lower(lower_context(op, {{2, 3}, {3}}, kg::DType::F32))->runtime_op;
+    const std::vector<kg::Launch> both = rt->backward_launches(t);
+    ASSERT_EQ(both.size(), 2u);
+    EXPECT_EQ(both[0].entry, both[1].entry);
+    EXPECT_EQ(both[0].entry.substr(both[0].entry.size() - 13), "_backward_f32");
+    EXPECT_EQ(both[0].args.size(), 8u);  // dy, a, b, g, partial, the reduction, which, phase
     EXPECT_EQ(rt->backward_scratch_bytes(t), 0u);
     t.grad_inputs[0].ptr = 0;
-    EXPECT_EQ(rt->n_backward_launches(t), 1);
+    EXPECT_EQ(rt->backward_launches(t).size(), 1u);
   }
 }
 
@@ -296,13 +315,16 @@ TEST(ElementwiseBackward, GpuSplitsLongReductionsIntoTwoPhases) {
   // The bias of [N, 3]: three elements, each summing N values.
   const kg::CustomData op =
       bwd::record_op({{20000, 3}, {3}}, kg::DType::F32, [](const V& x) { return kg::add(x[0], x[1]); });
-  const auto rt = op->lower()->runtime_op;
-  kg::BackwardTensors t;
+  const auto rt = op->lower(lower_context(op, {{20000, 3}, {3}}, kg::DType::F32))->runtime_op;
+  kg::LaunchTensors t;
   t.inputs = {{0, {20000, 3}, kg::DType::F32}, {0, {3}, kg::DType::F32}};
+  t.output = {0, {20000, 3}, kg::DType::F32};
   t.grad_output = {16, {20000, 3}, kg::DType::F32};
   t.grad_inputs = {{0, {20000, 3}, kg::DType::F32}, {16, {3}, kg::DType::F32}};
-  EXPECT_EQ(rt->n_backward_launches(t), 2);  // phase 0 over blocks, phase 1 adding their sums
-  EXPECT_GT(rt->backward_grid(0, t).x, 1u);
+  const std::vector<kg::Launch> ls = rt->backward_launches(t);
+  ASSERT_EQ(ls.size(), 2u);  // phase 0 over blocks, phase 1 adding their sums
+  EXPECT_GT(ls[0].grid.x, 1u);
+  EXPECT_EQ(ls[0].block.x, 256u);
   EXPECT_GT(rt->backward_scratch_bytes(t), 3 * sizeof(float));
 }
 
@@ -316,17 +338,14 @@ TEST(ElementwiseBackward, GpuReductionNamesTheOpBeyondEightMergedDims) {
   }
   const kg::CustomData op =
       bwd::record_op({a, b}, kg::DType::F32, [](const V& x) { return kg::add(x[0], x[1]); });
-  const auto rt = op->lower()->runtime_op;
-  kg::BackwardTensors t;
+  const auto rt = op->lower(lower_context(op, {a, b}, kg::DType::F32))->runtime_op;
+  kg::LaunchTensors t;
   t.inputs = {{0, a, kg::DType::F32}, {0, b, kg::DType::F32}};
+  t.output = {0, out, kg::DType::F32};
   t.grad_inputs = {{16, a, kg::DType::F32}, {16, b, kg::DType::F32}};
   t.grad_output = {16, out, kg::DType::F32};
-  kg_test::expect_error(
-      [&] {
-        kg::lower::ArgPack pack;
-        rt->pack_backward_args(0, t, pack);
-      },
-      {"nn.add", "backward", "more than 8", "dims after merging"});
+  kg_test::expect_error([&] { rt->backward_launches(t); },
+                        {"nn.add", "backward", "more than 8", "dims after merging"});
 }
 
 TEST(ElementwiseBackward, ScalarFormsMatchFiniteDifferencesAndClosedForms) {
@@ -404,7 +423,7 @@ TEST(ElementwiseBackward, DropoutTrainGradientMaskIsTheForwardMask) {
 
     // The training forward kernel draws the CPU forward's mask too.
     kg::Tensor gy = bwd::poisoned(kg::DType::F32, y.shape());
-    kg::lower::ArgPack pack;
+    kg::KernelArgs pack;
     pack.pointer(bwd::address(p.inputs[0]));
     pack.pointer(bwd::address(gy));
     pack.i64(y.numel());

@@ -9,8 +9,8 @@
 #include <cstring>
 #include <limits>
 
+#include "kg/runtime_op.hpp"
 #include "kg/testing.hpp"
-#include "lower/launch_check.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -127,12 +127,17 @@ TEST(LinearBackward, RuntimeOpLaunchesOneKernelPerGradient) {
   EXPECT_TRUE(op->has_cpu_backward());
   EXPECT_TRUE(op->backward_saves().inputs);
   EXPECT_FALSE(op->backward_saves().output);
-  const auto lowered = op->lower();
+  kg::LowerContext lc;
+  lc.input_dtypes = {kg::DType::F64};
+  lc.output_dtype = kg::DType::F64;
+  lc.input_shapes = {kg::Shape::of({2, 3, 70})};
+  lc.output_shape = kg::Shape::of({2, 3, 65});
+  lc.mode = kg::LoweringMode::Training;
+  const auto lowered = op->lower(lc);
   ASSERT_TRUE(lowered && lowered->runtime_op);
   const kg::RuntimeOp& rt = *lowered->runtime_op;
-  ASSERT_TRUE(rt.has_backward());
-  EXPECT_NE(op->lower_backward_source().find("kg_linear_backward_input_f64"), std::string::npos);
-  kg::BackwardTensors t;
+  EXPECT_NE(op->lower_backward_source(lc).find("kg_linear_backward_input_f64"), std::string::npos);
+  kg::LaunchTensors t;
   const kg::DType f64 = kg::DType::F64;
   t.inputs = {{0x1000, {2, 3, 70}, f64}};
   t.params = {{0x2000, {65, 70}, f64}, {0x3000, {65}, f64}};
@@ -140,23 +145,28 @@ TEST(LinearBackward, RuntimeOpLaunchesOneKernelPerGradient) {
   t.grad_output = {0x4000, {2, 3, 65}, f64};
   t.grad_inputs = {{0x5000, {2, 3, 70}, f64}};
   t.grad_params = {{0x6000, {65, 70}, f64}, {0x7000, {65}, f64}};
-  ASSERT_EQ(rt.n_backward_launches(t), 3);
-  EXPECT_EQ(rt.backward_entry_point(0), "kg_linear_backward_input_f64");
-  EXPECT_EQ(rt.backward_entry_point(1), "kg_linear_backward_weight_f64");
-  EXPECT_EQ(rt.backward_entry_point(2), "kg_linear_backward_bias_f64");
-  const kg::Dim3 gx = rt.backward_grid(0, t), gw = rt.backward_grid(1, t), gb = rt.backward_grid(2, t);
+  t.training = true;
+  const std::vector<kg::Launch> ls = rt.backward_launches(t);
+  ASSERT_EQ(ls.size(), 3u);
+  EXPECT_EQ(ls[0].entry, "kg_linear_backward_input_f64");
+  EXPECT_EQ(ls[1].entry, "kg_linear_backward_weight_f64");
+  EXPECT_EQ(ls[2].entry, "kg_linear_backward_bias_f64");
+  const kg::Dim3 gx = ls[0].grid, gw = ls[1].grid, gb = ls[2].grid;
   EXPECT_EQ(gx.x, 2u);  // 70 input features, 64-wide tiles
   EXPECT_EQ(gx.y, 1u);  // 6 rows
   EXPECT_EQ(gw.x, 2u);
   EXPECT_EQ(gw.y, 2u);  // 65 output features
   EXPECT_EQ(gb.x, 65u);
-  kg::lower::ArgPack pack;
-  rt.pack_backward_args(0, t, pack);
-  ASSERT_EQ(pack.args().size(), 6u);  // dy, w, dx, rows, in, out
+  for (const kg::Launch& l : ls) EXPECT_EQ(l.block.x, 256u);
+  const kg::KernelArgs& args = ls[0].args;
+  ASSERT_EQ(args.size(), 6u);  // dy, w, dx, rows, in, out
+  EXPECT_EQ(args.args()[0].kind(), kg::KernelArg::Kind::Pointer);
+  EXPECT_EQ(args.args()[3].kind(), kg::KernelArg::Kind::I64);
   std::int64_t rows = 0;
-  std::memcpy(&rows, pack.args()[3].data.data(), sizeof rows);
+  std::memcpy(&rows, args.args()[3].data().data(), sizeof rows);
   EXPECT_EQ(rows, 6);
+  EXPECT_EQ(ls[2].args.size(), 4u);  // dy, db, rows, out
   t.grad_params[0].ptr = 0;  // not wanted: one idle block
-  const kg::Dim3 idle = rt.backward_grid(1, t);
+  const kg::Dim3 idle = rt.backward_launches(t).at(1).grid;
   EXPECT_EQ(idle.x * idle.y * idle.z, 1u);
 }

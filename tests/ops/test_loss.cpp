@@ -6,7 +6,6 @@
 
 #include "backend/emu/executor.hpp"
 #include "kg/testing.hpp"
-#include "lower/launch_check.hpp"
 #include "support/gpu_util.hpp"
 #include "support/test_util.hpp"
 
@@ -255,30 +254,42 @@ TEST(CrossEntropy, InvalidLabelIsAnErrorOnTheCpuAndNanOnTheGpu) {
 
     // The backward kernel writes NaN into the row of the invalid label, the others as usual
     // (softmax 0.2 everywhere; minus 1 at the label; times dloss / N = 1.5 / 3).
-    auto lowered = op->lower();
-    ASSERT_TRUE(lowered && lowered->runtime_op && lowered->runtime_op->has_backward());
+    kg::LowerContext lc;
+    lc.node = "loss";
+    lc.input_dtypes = {kg::DType::F32, kg::DType::I64};
+    lc.output_dtype = kg::DType::F32;
+    lc.input_shapes = {kg::Shape::of({3, 5}), kg::Shape::of({3})};
+    lc.concrete_input_shapes = {{3, 5}, {3}};
+    lc.mode = kg::LoweringMode::Training;
+    auto lowered = op->lower(lc);
+    ASSERT_TRUE(lowered && lowered->runtime_op);
+    EXPECT_EQ(lowered->entry_point, "kg_cross_entropy_f32_i64");  // the node's dtypes
+    const std::string backward_source = op->lower_backward_source(lc);
+    ASSERT_FALSE(backward_source.empty());
     const kg::RuntimeOp& rt = *lowered->runtime_op;
     kg::Tensor xd = x.clone(), ld = l.clone(), dl = kg::Tensor::from_vector<float>({}, {1.5f});
     kg::Tensor dx = kg::Tensor::zeros(kg::DType::F32, {3, 5});
     auto addr = [](kg::Tensor& t) {
       return static_cast<kg::DevicePtr>(reinterpret_cast<std::uintptr_t>(t.raw()));
     };
-    kg::BackwardTensors t;
+    kg::LaunchTensors t;
     t.inputs = {{addr(xd), {3, 5}, kg::DType::F32}, {addr(ld), {3}, kg::DType::I64}};
     t.output = {0, {}, kg::DType::F32};
     t.grad_output = {addr(dl), {}, kg::DType::F32};
     t.grad_inputs = {{addr(dx), {3, 5}, kg::DType::F32}, {0, {3}, kg::DType::I64}};
-    ASSERT_EQ(rt.n_backward_launches(t), 1);
-    kg::lower::ArgPack pack;
-    rt.pack_backward_args(0, t, pack);
+    t.training = true;
+    const std::vector<kg::Launch> launches = rt.backward_launches(t);
+    ASSERT_EQ(launches.size(), 1u);
+    const kg::Launch& bl = launches[0];
+    EXPECT_EQ(bl.entry, "kg_cross_entropy_backward_f32_i64");
     kg::emu::LaunchOptions lo;
     lo.checked = true;
     lo.buffers = {{addr(xd), xd.nbytes(), "logits"},
                   {addr(ld), ld.nbytes(), "labels"},
                   {addr(dl), dl.nbytes(), "dloss"},
                   {addr(dx), dx.nbytes(), "dlogits"}};
-    kg::emu::launch("nn.cross_entropy.backward", op->lower_backward_source(), rt.backward_entry_point(0),
-                    rt.backward_grid(0, t), rt.backward_block(0), 0, pack, lo);
+    kg::emu::launch("nn.cross_entropy.backward", backward_source, bl.entry, bl.grid, bl.block,
+                    bl.shared_bytes, bl.args, lo);
     for (std::int64_t j = 0; j < 5; ++j) {
       EXPECT_NEAR(dx.item(j), 0.5 * (0.2 - (j == 0 ? 1.0 : 0.0)), 1e-6) << j;
       EXPECT_NEAR(dx.item(5 + j), 0.5 * (0.2 - (j == 4 ? 1.0 : 0.0)), 1e-6) << j;

@@ -243,8 +243,8 @@ TEST(Matmul, GpuLoweringCompilesAndMatchesTheCpu) {
         auto dry = check_matmul_lowering(c.sa, c.sb, a, b, dt == kg::DType::F32 ? 1e-4 : 1e-12, 1e-5);
         if (!dry) continue;
         const auto& step = dry->launches.steps.at(0);
-        EXPECT_EQ(step.entry, dt == kg::DType::F32 ? "kg_matmul_f32" : "kg_matmul_f64");
-        const kg::Dim3 g = step.launches.at(0).grid;
+        EXPECT_EQ(step.launches.at(0).entry, dt == kg::DType::F32 ? "kg_matmul_f32" : "kg_matmul_f64");
+        const kg::Dim3 g = step.launches.at(0).launch.grid;
         EXPECT_EQ((std::array<unsigned, 3>{g.x, g.y, g.z}), c.grid);
       }
     }
@@ -268,9 +268,9 @@ TEST(Matmul, GpuLoopsOverGridLimits) {
                                     operand({batches, 2, 5}), 1e-4, 1e-5);
   auto tall = check_matmul_lowering({rows, 2}, {2, 3}, operand({rows, 2}), operand({2, 3}), 1e-4, 1e-5);
   if (!many || !tall) return;
-  const kg::Dim3 gm = many->launches.steps.at(0).launches.at(0).grid;
+  const kg::Dim3 gm = many->launches.steps.at(0).launches.at(0).launch.grid;
   EXPECT_EQ((std::array<unsigned, 3>{gm.x, gm.y, gm.z}), (std::array<unsigned, 3>{1, 1, 65535}));
-  const kg::Dim3 gt = tall->launches.steps.at(0).launches.at(0).grid;
+  const kg::Dim3 gt = tall->launches.steps.at(0).launches.at(0).launch.grid;
   EXPECT_EQ((std::array<unsigned, 3>{gt.x, gt.y, gt.z}), (std::array<unsigned, 3>{1, 65535, 1}));
 }
 

@@ -8,8 +8,8 @@
 #include <cmath>
 #include <limits>
 
+#include "kg/runtime_op.hpp"
 #include "kg/testing.hpp"
-#include "lower/launch_check.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -26,6 +26,20 @@ kg::CustomData matmul_op(const Sizes& sa, const Sizes& sb, kg::DType dtype) {
   kg::SymTensor b = g->input(dtype, kg::Shape::of(sb));
   kg::SymTensor c = kg::matmul(a, b, "mm");
   return *g->node(c.node()).op;
+}
+
+// What the lowering tells the op about a node C = A B of these operands, lowered for training.
+kg::LowerContext lower_context(const Sizes& sa, const Sizes& sb, const Sizes& sc, kg::DType dtype) {
+  kg::LowerContext lc;
+  lc.node = "mm";
+  lc.input_dtypes = {dtype, dtype};
+  lc.output_dtype = dtype;
+  lc.input_shapes = {kg::Shape::of(sa), kg::Shape::of(sb)};
+  lc.output_shape = kg::Shape::of(sc);
+  lc.concrete_input_shapes = {sa, sb};
+  lc.concrete_output_shape = sc;
+  lc.mode = kg::LoweringMode::Training;
+  return lc;
 }
 
 kg::Tensor nan_tensor(kg::DType dtype, Sizes shape) {
@@ -156,15 +170,15 @@ TEST(MatmulBackward, ManyBroadcastLevelsOnTheCpuButNotOnTheGpu) {
   check_against_naive(sa, sb, kg::DType::F64, rng, true, true);
 
   const kg::CustomData op = matmul_op(sa, sb, kg::DType::F32);
-  const auto lowered = op->lower();
+  const Sizes sc = {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+  const auto lowered = op->lower(lower_context(sa, sb, sc, kg::DType::F32));
   ASSERT_TRUE(lowered && lowered->runtime_op);
-  kg::BackwardTensors t;
+  kg::LaunchTensors t;
   t.inputs = {{0x1000, sa, kg::DType::F32}, {0x2000, sb, kg::DType::F32}};
-  t.output = {0, {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2}, kg::DType::F32};
+  t.output = {0, sc, kg::DType::F32};
   t.grad_output = {0x3000, t.output.shape, kg::DType::F32};
   t.grad_inputs = {{0x4000, sa, kg::DType::F32}, {0x5000, sb, kg::DType::F32}};
-  kg::lower::ArgPack pack;
-  kg_test::expect_error([&] { lowered->runtime_op->pack_backward_args(0, t, pack); },
+  kg_test::expect_error([&] { lowered->runtime_op->backward_launches(t); },
                         {"nn.matmul", "10 broadcast batch levels", "handles 8"});
 }
 
@@ -173,21 +187,32 @@ TEST(MatmulBackward, RuntimeOpLaunches) {
   EXPECT_TRUE(op->has_cpu_backward());
   EXPECT_TRUE(op->backward_saves().inputs);
   EXPECT_FALSE(op->backward_saves().output);
-  const auto lowered = op->lower();
+  const kg::LowerContext lc = lower_context({2, 1, 3, 5}, {4, 5, 2}, {2, 4, 3, 2}, kg::DType::F32);
+  const auto lowered = op->lower(lc);
   ASSERT_TRUE(lowered && lowered->runtime_op);
+  EXPECT_EQ(lowered->entry_point, "kg_matmul_f32");
+  EXPECT_FALSE(op->lower_backward_source(lc).empty());
   const kg::RuntimeOp& rt = *lowered->runtime_op;
-  ASSERT_TRUE(rt.has_backward());
-  kg::BackwardTensors t;
+  kg::LaunchTensors t;
   t.inputs = {{0x1000, {2, 1, 3, 5}, kg::DType::F32}, {0x2000, {4, 5, 2}, kg::DType::F32}};
   t.output = {0, {2, 4, 3, 2}, kg::DType::F32};
   t.grad_output = {0x3000, {2, 4, 3, 2}, kg::DType::F32};
   t.grad_inputs = {{0x4000, {2, 1, 3, 5}, kg::DType::F32}, {0x5000, {4, 5, 2}, kg::DType::F32}};
-  ASSERT_EQ(rt.n_backward_launches(t), 2);
-  EXPECT_EQ(rt.backward_entry_point(0), "kg_matmul_backward_a_f32");
-  EXPECT_EQ(rt.backward_entry_point(1), "kg_matmul_backward_b_f32");
-  EXPECT_EQ(rt.backward_grid(0, t).z, 2u);  // A's two matrices, each summed over 4 output entries
-  EXPECT_EQ(rt.backward_grid(1, t).z, 4u);  // B's four, each summed over 2
+  t.training = true;
+  const std::vector<kg::Launch> ls = rt.backward_launches(t);
+  ASSERT_EQ(ls.size(), 2u);
+  EXPECT_EQ(ls[0].entry, "kg_matmul_backward_a_f32");
+  EXPECT_EQ(ls[1].entry, "kg_matmul_backward_b_f32");
+  EXPECT_EQ(ls[0].grid.z, 2u);       // A's two matrices, each summed over 4 output entries
+  EXPECT_EQ(ls[1].grid.z, 4u);       // B's four, each summed over 2
+  ASSERT_EQ(ls[0].args.size(), 7u);  // dc, b, da, m, n, k, the batch walk
+  EXPECT_EQ(ls[0].args.args()[6].kind(), kg::KernelArg::Kind::Bytes);
   t.grad_inputs[0].ptr = 0;
-  const kg::Dim3 idle = rt.backward_grid(0, t);
+  const kg::Dim3 idle = rt.backward_launches(t).at(0).grid;
   EXPECT_EQ(idle.x * idle.y * idle.z, 1u);
+  // The entries follow the node's dtype.
+  const auto f64 = op->lower(lower_context({2, 1, 3, 5}, {4, 5, 2}, {2, 4, 3, 2}, kg::DType::F64));
+  ASSERT_TRUE(f64 && f64->runtime_op);
+  EXPECT_EQ(f64->entry_point, "kg_matmul_f64");
+  EXPECT_EQ(f64->runtime_op->backward_launches(t).at(1).entry, "kg_matmul_backward_b_f64");
 }

@@ -1,4 +1,5 @@
 #include <cmath>
+#include <cstring>
 
 #include "compile/compiler.hpp"
 #include "lower/dry_run.hpp"
@@ -285,37 +286,46 @@ TEST(BatchNorm2d, GpuLoweringCompilesAndMatchesTheCpu) {
       if (!dry) continue;
       ASSERT_EQ(dry->launches.steps.size(), 1u);
       const auto& step = dry->launches.steps[0];
-      EXPECT_EQ(step.entry, dt == kg::DType::F32 ? "kg_batch_norm2d_f32" : "kg_batch_norm2d_f64");
       EXPECT_EQ(step.scratch_bytes, 2 * 6 * kg::dtype_size(dt));  // per-channel scale and shift
       ASSERT_EQ(step.launches.size(), 2u);
-      EXPECT_EQ(step.launches[0].grid.x, 1u);  // 6 channels
+      for (const auto& l : step.launches)
+        EXPECT_EQ(l.entry, dt == kg::DType::F32 ? "kg_batch_norm2d_f32" : "kg_batch_norm2d_f64");
+      EXPECT_EQ(step.launches[0].launch.grid.x, 1u);  // 6 channels
       // Four elements per thread, 256 threads per block.
-      EXPECT_EQ(step.launches[1].grid.x, static_cast<unsigned>((batch * 6 * 9 * 13 + 1023) / 1024));
+      EXPECT_EQ(step.launches[1].launch.grid.x, static_cast<unsigned>((batch * 6 * 9 * 13 + 1023) / 1024));
     }
   }
 }
 
-TEST(BatchNorm2d, GpuRuntimePacksThroughItsLaunches) {
-  // The two launches share the scratch buffer, which only pack_args_for_launch receives.
+TEST(BatchNorm2d, GpuRuntimeSharesItsScratchBetweenItsLaunches) {
+  // Launch 0 writes the per-channel scale and shift to scratch, launch 1 reads them.
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 4, 5, 5});
   auto y = kg::nn::batch_norm2d(x, "bn");
-  auto lowered = g->node(y.node()).op->op().lower();
+  kg::LowerContext lc;
+  lc.node = "bn";
+  lc.input_dtypes = {kg::DType::F32};
+  lc.output_dtype = kg::DType::F32;
+  lc.input_shapes = {x.shape()};
+  lc.output_shape = y.shape();
+  auto lowered = g->node(y.node()).op->op().lower(lc);
   ASSERT_TRUE(lowered.has_value());
   EXPECT_EQ(lowered->entry_point, "kg_batch_norm2d_f32");
-  struct Ignore final : kg::ArgVisitor {
-    void pointer(kg::DevicePtr) override {}
-    void i32(std::int32_t) override {}
-    void i64(std::int64_t) override {}
-    void u32(std::uint32_t) override {}
-    void f32(float) override {}
-    void f64(double) override {}
-    void bytes(const void*, std::size_t) override {}
-  } visitor;
-  kg_test::expect_error(
-      [&] {
-        lowered->runtime_op->pack_args({{0, {2, 4, 5, 5}}}, {}, {0, {2, 4, 5, 5}}, {2, 4, 5, 5}, 5, visitor);
-      },
-      {"nn.batch_norm2d", "scratch", "pack_args_for_launch"});
+  kg::LaunchTensors t;
+  t.inputs = {{0x100, {2, 4, 5, 5}, kg::DType::F32}};
+  for (kg::DevicePtr p : {0x200, 0x210, 0x220, 0x230}) t.params.push_back({p, {4}, kg::DType::F32});
+  t.params.push_back({0x300, {}, kg::DType::I64});
+  t.output = {0x400, {2, 4, 5, 5}, kg::DType::F32};
+  EXPECT_EQ(lowered->runtime_op->scratch_bytes(t), 2 * 4 * sizeof(float));
+  t.scratch = 0x500;
+  const std::vector<kg::Launch> ls = lowered->runtime_op->launches(t);
+  ASSERT_EQ(ls.size(), 2u);
+  for (const kg::Launch& l : ls) {
+    EXPECT_EQ(l.entry, "");  // the lowering's entry point
+    ASSERT_EQ(l.args.size(), 16u);
+    kg::DevicePtr scratch = 0;
+    std::memcpy(&scratch, l.args.args()[7].data().data(), sizeof scratch);
+    EXPECT_EQ(scratch, 0x500u);
+  }
 }
 
 // ---- LayerNorm ----
@@ -439,9 +449,10 @@ TEST(LayerNorm, GpuLoweringCompilesAndMatchesTheCpu) {
               x, params, dt == kg::DType::F32 ? 1e-5 : 1e-12, dt == kg::DType::F32 ? 1e-5 : 1e-12);
           if (!dry) continue;
           const auto& step = dry->launches.steps.at(0);
-          EXPECT_EQ(step.entry, dt == kg::DType::F32 ? "kg_layer_norm_f32" : "kg_layer_norm_f64");
+          EXPECT_EQ(step.launches.at(0).entry,
+                    dt == kg::DType::F32 ? "kg_layer_norm_f32" : "kg_layer_norm_f64");
           const std::int64_t rows = batch * 3, blocks = normalized.size() == 1 ? (rows + 7) / 8 : rows;
-          EXPECT_EQ(step.launches.at(0).grid.x, static_cast<unsigned>(blocks));
+          EXPECT_EQ(step.launches.at(0).launch.grid.x, static_cast<unsigned>(blocks));
         }
       }
     }

@@ -33,7 +33,7 @@ bwd::Problem bn_problem(const std::vector<std::int64_t>& shape, kg::DType dtype,
       {},
       training,
       rng()};
-  p.params = bwd::make_params(p.op, rng);
+  p.params = bwd::make_params(p, rng);
   p.params[3] = random_tensor(rng, dtype, {shape[1]}, 0.5, 1.5);
   return p;
 }
@@ -47,7 +47,7 @@ bwd::Problem ln_problem(const std::vector<std::int64_t>& shape, const std::vecto
       {},
       true,
       rng()};
-  p.params = bwd::make_params(p.op, rng);
+  p.params = bwd::make_params(p, rng);
   return p;
 }
 
@@ -173,7 +173,7 @@ TEST(BatchNormBackward, TrainForwardUpdatesRunningStatisticsAsPyTorch) {
 TEST(BatchNormBackward, RunningStatisticsAreNotTrainable) {
   std::mt19937_64 rng(3);
   const bwd::Problem p = bn_problem({2, 3, 2, 2}, kg::DType::F32, true, rng);
-  const auto specs = p.op->parameters();
+  const auto specs = p.op->parameters({kg::Shape::of({2, 3, 2, 2})});
   ASSERT_EQ(specs.size(), 5u);
   EXPECT_TRUE(specs[0].trainable);
   EXPECT_TRUE(specs[1].trainable);
@@ -183,8 +183,16 @@ TEST(BatchNormBackward, RunningStatisticsAreNotTrainable) {
   EXPECT_TRUE(p.op->backward_saves().inputs);
   EXPECT_FALSE(p.op->backward_saves().output);
   // The forward kernel has a train mode, chosen per run (batch statistics, running ones updated).
-  EXPECT_TRUE(p.op->lower()->runtime_op->supports_train_mode());
-  EXPECT_TRUE(p.op->lower()->runtime_op->depends_on_run());
+  kg::LowerContext lc;
+  lc.input_dtypes = {kg::DType::F32};
+  lc.output_dtype = kg::DType::F32;
+  lc.input_shapes = {kg::Shape::of({2, 3, 2, 2})};
+  lc.output_shape = lc.input_shapes[0];
+  lc.mode = kg::LoweringMode::Training;
+  const auto lowered = p.op->lower(lc);
+  ASSERT_TRUE(lowered && lowered->runtime_op);
+  EXPECT_TRUE(lowered->runtime_op->supports_train_mode());
+  EXPECT_TRUE(lowered->runtime_op->depends_on_run());
 }
 
 TEST(BatchNormBackward, TrainNeedsMoreThanOneValuePerChannel) {

@@ -362,7 +362,7 @@ TEST(Pool2d, GpuEntriesAndGrids) {
     auto steps = kg::lower::dry_run(model, {shape}, 90).launches.steps;
     EXPECT_EQ(steps.size(), 1u);
     EXPECT_EQ(steps.at(0).launches.size(), 1u);
-    return std::make_pair(steps.at(0).entry, steps.at(0).launches.at(0));
+    return std::make_pair(steps.at(0).launches.at(0).entry, steps.at(0).launches.at(0).launch);
   };
   // One thread per output element: 256 × 6 × 14 × 14 outputs, 256 threads a block.
   auto [e1, l1] = launch_of(kg::DType::F32, {256, 6, 28, 28},

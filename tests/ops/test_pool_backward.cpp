@@ -169,17 +169,29 @@ TEST(PoolBackward, MaxPoolSendsTiesToTheFirstAndNanToTheLast) {
 TEST(PoolBackward, RuntimeOpLaunchesOneKernel) {
   const kg::CustomData op = pool_op([](const kg::SymTensor& x) { return kg::max_pool2d(x, 3, 2, 1); },
                                     {2, 3, 9, 9}, kg::DType::F64);
-  const auto lowered = op->lower();
+  kg::LowerContext lc;
+  lc.input_dtypes = {kg::DType::F64};
+  lc.output_dtype = kg::DType::F64;
+  lc.input_shapes = {kg::Shape::of({2, 3, 9, 9})};
+  lc.output_shape = kg::Shape::of({2, 3, 5, 5});
+  lc.mode = kg::LoweringMode::Training;
+  const auto lowered = op->lower(lc);
   ASSERT_TRUE(lowered && lowered->runtime_op);
+  EXPECT_EQ(lowered->entry_point, "kg_max_pool2d_f64");  // the node's dtype
   const kg::RuntimeOp& rt = *lowered->runtime_op;
-  ASSERT_TRUE(rt.has_backward());
-  kg::BackwardTensors t;
+  kg::LaunchTensors t;
   t.inputs = {{0x1000, {2, 3, 9, 9}, kg::DType::F64}};
   t.output = {0, {2, 3, 5, 5}, kg::DType::F64};
   t.grad_output = {0x2000, {2, 3, 5, 5}, kg::DType::F64};
   t.grad_inputs = {{0x3000, {2, 3, 9, 9}, kg::DType::F64}};
-  EXPECT_EQ(rt.n_backward_launches(t), 1);
-  EXPECT_EQ(rt.backward_entry_point(0), "kg_max_pool2d_backward_f64");
-  EXPECT_EQ(rt.backward_grid(0, t).x, 2u);  // 486 input elements, a thread each
-  EXPECT_NE(op->lower_backward_source().find("kg_max_pool2d_backward_f64"), std::string::npos);
+  t.training = true;
+  const std::vector<kg::Launch> ls = rt.backward_launches(t);
+  ASSERT_EQ(ls.size(), 1u);
+  EXPECT_EQ(ls[0].entry, "kg_max_pool2d_backward_f64");
+  EXPECT_EQ(ls[0].grid.x, 2u);  // 486 input elements, a thread each
+  EXPECT_EQ(ls[0].block.x, 256u);
+  EXPECT_EQ(ls[0].args.size(), 4u);  // x, dy, dx, the geometry
+  EXPECT_NE(op->lower_backward_source(lc).find("kg_max_pool2d_backward_f64"), std::string::npos);
+  t.grad_inputs[0].ptr = 0;  // not wanted: one idle block
+  EXPECT_EQ(rt.backward_launches(t).at(0).grid.x, 1u);
 }

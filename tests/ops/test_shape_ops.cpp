@@ -654,8 +654,8 @@ TEST(Permute, GpuPicksGatherOrTiles) {
     auto dry = dry_run_of(g, {kg::permute(x, perm)}, {shape});
     if (!dry) return 0u;
     const auto& step = dry->launches.steps.at(0);
-    EXPECT_EQ(step.entry, std::string("kg_permute") + width_suffix(dt));
-    return step.launches.at(0).grid.x;
+    EXPECT_EQ(step.launches.at(0).entry, std::string("kg_permute") + width_suffix(dt));
+    return step.launches.at(0).launch.grid.x;
   };
   if (!kg::compile::Compiler::available()) GTEST_SKIP() << "built without NVRTC";
   // Gather: one thread per four elements, 256 threads per block.
@@ -731,10 +731,10 @@ TEST(Concat, GpuLaunchesAndTheBatchDim) {
   if (kg::compile::Compiler::available()) {
     auto dry = kg::lower::dry_run(model, {xs[0].shape(), xs[1].shape(), xs[2].shape()}, 90);
     const auto& step = dry.launches.steps.at(0);
-    EXPECT_EQ(step.entry, "kg_concat_u64");
     ASSERT_EQ(step.launches.size(), 1u);
-    EXPECT_EQ(step.launches[0].grid.y, 3u);                        // one row of blocks per input
-    EXPECT_EQ(step.launches[0].grid.x, (801u * 2 + 1023) / 1024);  // four elements per thread
+    EXPECT_EQ(step.launches[0].entry, "kg_concat_u64");
+    EXPECT_EQ(step.launches[0].launch.grid.y, 3u);                        // one row of blocks per input
+    EXPECT_EQ(step.launches[0].launch.grid.x, (801u * 2 + 1023) / 1024);  // four elements per thread
   }
   if (kg::Device::cuda_available()) {
     kg::LoadOptions opt;
@@ -751,9 +751,10 @@ TEST(Concat, GpuLaunchesAndTheBatchDim) {
   auto dry = dry_run_of(g2, {many}, {{4, 3}});
   const auto& launches = dry->launches.steps.at(0).launches;
   ASSERT_EQ(launches.size(), 3u);
-  EXPECT_EQ(launches[0].grid.y, 16u);
-  EXPECT_EQ(launches[1].grid.y, 16u);
-  EXPECT_EQ(launches[2].grid.y, 8u);
+  EXPECT_EQ(launches[0].launch.grid.y, 16u);
+  EXPECT_EQ(launches[1].launch.grid.y, 16u);
+  EXPECT_EQ(launches[2].launch.grid.y, 8u);
+  for (const auto& l : launches) EXPECT_EQ(l.entry, "kg_concat_u32");
 }
 
 TEST(Slice, GpuLoweringCompilesAndMatchesTheCpu) {
@@ -792,7 +793,7 @@ TEST(Slice, GpuGridCoversTheOutput) {
     auto y = kg::slice(x, 2, -200, 250, 3, "s");  // 65 of 257
     auto dry = dry_run_of(g, {y}, {{4, 300, 257}});
     const auto& step = dry->launches.steps.at(0);
-    EXPECT_EQ(step.entry, std::string("kg_slice") + width_suffix(dt));
-    EXPECT_EQ(step.launches.at(0).grid.x, (4u * 300 * 65 + 1023) / 1024);  // four elements per thread
+    EXPECT_EQ(step.launches.at(0).entry, std::string("kg_slice") + width_suffix(dt));
+    EXPECT_EQ(step.launches.at(0).launch.grid.x, (4u * 300 * 65 + 1023) / 1024);  // four elements per thread
   }
 }

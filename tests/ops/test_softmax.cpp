@@ -206,9 +206,9 @@ TEST(Softmax, GpuGridFollowsTheRowLayout) {
     kg::Model model(g, {apply(x, dim, log)});
     auto dry = kg::lower::dry_run(model, {shape}, 90);
     const auto& step = dry.launches.steps.at(0);
-    EXPECT_EQ(step.entry, log ? "kg_log_softmax_f32" : "kg_softmax_f32");
-    EXPECT_EQ(step.launches.at(0).block.x, 256u);
-    return step.launches.at(0).grid.x;
+    EXPECT_EQ(step.launches.at(0).entry, log ? "kg_log_softmax_f32" : "kg_softmax_f32");
+    EXPECT_EQ(step.launches.at(0).launch.block.x, 256u);
+    return step.launches.at(0).launch.grid.x;
   };
   EXPECT_EQ(grid_of({130, 37}, 1, false), 17u);           // 130 rows, 8 per block (a warp each)
   EXPECT_EQ(grid_of({130, 1024}, -1, true), 17u);         // still a warp per row

@@ -33,6 +33,20 @@ const std::vector<Config>& configs() {
   return v;
 }
 
+// What the lowering tells `op` about a node over inputs of these shapes and dtype, for training.
+kg::LowerContext lower_context(const kg::CustomData& op, const std::vector<std::vector<std::int64_t>>& shapes,
+                               kg::DType dtype) {
+  kg::LowerContext lc;
+  for (const auto& s : shapes) lc.input_shapes.push_back(kg::Shape::of(s));
+  lc.input_dtypes.assign(shapes.size(), dtype);
+  lc.output_shape = op->infer_output_shape(lc.input_shapes);
+  lc.output_dtype = op->infer_output_dtype(lc.input_dtypes);
+  lc.concrete_input_shapes = shapes;
+  lc.concrete_output_shape = lc.output_shape.sizes();
+  lc.mode = kg::LoweringMode::Training;
+  return lc;
+}
+
 kg::CustomData softmax_op(const Config& c, bool log, kg::DType dtype) {
   return bwd::record_op({c.shape}, dtype, [&](const V& x) {
     return log ? kg::log_softmax(x[0], c.dim) : kg::softmax(x[0], c.dim);
@@ -122,7 +136,20 @@ TEST(SoftmaxBackward, SavesTheOutputOnly) {
     EXPECT_TRUE(op->has_cpu_backward());
     EXPECT_FALSE(op->backward_saves().inputs);
     EXPECT_TRUE(op->backward_saves().output);
-    EXPECT_TRUE(op->lower()->runtime_op->has_backward());
+    const kg::LowerContext lc = lower_context(op, {{2, 3}}, kg::DType::F32);
+    EXPECT_FALSE(op->lower_backward_source(lc).empty());
+    // One backward launch: (y, dy, dx, outer, n, inner).
+    const auto lowered = op->lower(lc);
+    ASSERT_TRUE(lowered && lowered->runtime_op);
+    kg::LaunchTensors t;
+    t.inputs = {{0, {2, 3}, kg::DType::F32}};
+    t.output = {0x1000, {2, 3}, kg::DType::F32};
+    t.grad_output = {0x2000, {2, 3}, kg::DType::F32};
+    t.grad_inputs = {{0x3000, {2, 3}, kg::DType::F32}};
+    const std::vector<kg::Launch> ls = lowered->runtime_op->backward_launches(t);
+    ASSERT_EQ(ls.size(), 1u);
+    EXPECT_EQ(ls[0].entry, log ? "kg_log_softmax_backward_f32" : "kg_softmax_backward_f32");
+    EXPECT_EQ(ls[0].args.size(), 6u);
   }
 }
 

@@ -1,7 +1,8 @@
-// The train-mode forward kernels of nn.dropout and nn.batch_norm2d (launches packed per run with
-// RunInfo) against the CPU's train-mode forward. Under the emulator: an op wrapping the real one
-// without its cpu_forward runs its kernels on the CPU executor's emulated path. On a GPU (tests
-// named "Gpu", skipped without one): forward, backward and running statistics against the CPU.
+// The train-mode forward kernels of nn.dropout and nn.batch_norm2d (launches described per run
+// from LaunchTensors::training and seed) against the CPU's train-mode forward. Under the
+// emulator: an op wrapping the real one without its cpu_forward runs its kernels on the CPU
+// executor's emulated path. On a GPU (tests named "Gpu", skipped without one): forward, backward
+// and running statistics against the CPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -34,9 +35,13 @@ class KernelOnly final : public kg::CustomOp {
   DType infer_output_dtype(const std::vector<DType>& in) const override {
     return real_->infer_output_dtype(in);
   }
-  std::vector<kg::ParamSpec> parameters() const override { return real_->parameters(); }
-  std::optional<kg::Lowered> lower() const override { return real_->lower(); }
-  std::string lower_backward_source() const override { return real_->lower_backward_source(); }
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>& in) const override {
+    return real_->parameters(in);
+  }
+  std::optional<kg::Lowered> lower(const kg::LowerContext& ctx) const override { return real_->lower(ctx); }
+  std::string lower_backward_source(const kg::LowerContext& ctx) const override {
+    return real_->lower_backward_source(ctx);
+  }
   kg::BackwardSaves backward_saves() const override { return real_->backward_saves(); }
   std::string attributes() const override { return real_->attributes(); }
 
@@ -182,42 +187,76 @@ TEST(TrainMode, EmulatedDropoutDrawsTheCpuMask) {
   }
 }
 
-// What a RuntimeOp packs, as text.
-struct Recorder final : kg::ArgVisitor {
-  std::vector<std::string> args;
-  void pointer(kg::DevicePtr p) override { args.push_back("p" + std::to_string(p)); }
-  void i32(std::int32_t v) override { args.push_back("i32 " + std::to_string(v)); }
-  void i64(std::int64_t v) override { args.push_back("i64 " + std::to_string(v)); }
-  void u32(std::uint32_t v) override { args.push_back("u32 " + std::to_string(v)); }
-  void f32(float v) override { args.push_back("f32 " + std::to_string(v)); }
-  void f64(double v) override { args.push_back("f64 " + std::to_string(v)); }
-  void bytes(const void*, std::size_t n) override { args.push_back("bytes " + std::to_string(n)); }
-};
+// A kernel argument as text: "p<address>", "i64 <value>", ..., "bytes <size>".
+std::string arg_text(const kg::KernelArg& a) {
+  auto get = [&](auto v) {
+    std::memcpy(&v, a.data().data(), sizeof v);
+    return std::to_string(v);
+  };
+  switch (a.kind()) {
+    case kg::KernelArg::Kind::Pointer:
+      return "p" + get(kg::DevicePtr{});
+    case kg::KernelArg::Kind::I32:
+      return "i32 " + get(std::int32_t{});
+    case kg::KernelArg::Kind::I64:
+      return "i64 " + get(std::int64_t{});
+    case kg::KernelArg::Kind::U32:
+      return "u32 " + get(std::uint32_t{});
+    case kg::KernelArg::Kind::F32:
+      return "f32 " + get(float{});
+    case kg::KernelArg::Kind::F64:
+      return "f64 " + get(double{});
+    case kg::KernelArg::Kind::Bytes:
+      break;
+  }
+  return "bytes " + std::to_string(a.data().size());
+}
+
+// A launch's arguments, as text.
+std::vector<std::string> as_text(const kg::KernelArgs& args) {
+  std::vector<std::string> out;
+  for (const kg::KernelArg& a : args.args()) out.push_back(arg_text(a));
+  return out;
+}
 
 std::shared_ptr<kg::RuntimeOp> runtime_of(const Build& build, const kg::Shape& sym) {
   auto [x, g] = SymTensor::input(DType::F32, sym, "x");
   SymTensor y = build(x);
-  auto lowered = g->node(y.node()).op->op().lower();
+  kg::LowerContext ctx;
+  ctx.node = y.name();
+  ctx.input_dtypes = {DType::F32};
+  ctx.output_dtype = y.dtype();
+  ctx.input_shapes = {sym};
+  ctx.output_shape = y.shape();
+  ctx.mode = kg::LoweringMode::Training;
+  auto lowered = g->node(y.node()).op->op().lower(ctx);
   if (!lowered || !lowered->runtime_op) throw kg::Error("no lowering");
   return lowered->runtime_op;
+}
+
+// The tensors of a run in the given mode.
+kg::LaunchTensors run_tensors(kg::LaunchTensors t, bool training, std::uint64_t seed) {
+  t.training = training;
+  t.seed = seed;
+  return t;
 }
 
 TEST(TrainMode, DropoutPacksTheSameArgumentsInBothModes) {
   auto rt = runtime_of([](const SymTensor& t) { return kg::dropout(t, 0.25); }, {4, 10});
   EXPECT_TRUE(rt->depends_on_run());
   EXPECT_TRUE(rt->supports_train_mode());
-  const kg::DeviceTensor x{16, {4, 10}, DType::F32}, y{32, {4, 10}, DType::F32};
-  Recorder eval, plain, train;
-  rt->pack_args({x}, {}, y, {4, 10}, 10, plain);
-  rt->pack_args_for_run(kg::RunInfo{false, 99}, 0, {x}, {}, y, {4, 10}, 10, 0, eval);
-  rt->pack_args_for_run(kg::RunInfo{true, 99}, 0, {x}, {}, y, {4, 10}, 10, 0, train);
+  kg::LaunchTensors t;
+  t.inputs = {{16, {4, 10}, DType::F32}};
+  t.output = {32, {4, 10}, DType::F32};
+  const auto eval = rt->launches(run_tensors(t, false, 99)), train = rt->launches(run_tensors(t, true, 99));
+  ASSERT_EQ(eval.size(), 1u);
+  ASSERT_EQ(train.size(), 1u);
   const std::vector<std::string> want_train = {"p16",          "p32",  "i64 40", "i64 99", "i64 1073741824",
                                                "f64 1.333333", "i32 1"};
-  EXPECT_EQ(train.args, want_train);
-  ASSERT_EQ(plain.args.size(), train.args.size());
-  EXPECT_EQ(plain.args.back(), "i32 0");  // the copy
-  EXPECT_EQ(eval.args.back(), "i32 0");
-  EXPECT_EQ(rt->n_launches_for_run(kg::RunInfo{true, 1}, {4, 10}), 1);
+  EXPECT_EQ(as_text(train[0].args), want_train);
+  const auto eval_args = as_text(eval[0].args);
+  ASSERT_EQ(eval_args.size(), want_train.size());
+  EXPECT_EQ(eval_args.back(), "i32 0");  // the copy
 }
 
 TEST(TrainMode, BatchNormTrainLaunchTakesABlockPerChannel) {
@@ -225,26 +264,28 @@ TEST(TrainMode, BatchNormTrainLaunchTakesABlockPerChannel) {
   EXPECT_TRUE(rt->depends_on_run());
   EXPECT_TRUE(rt->supports_train_mode());
   const std::vector<std::int64_t> shape{2, 300, 5, 5};
-  EXPECT_EQ(rt->n_launches_for_run(kg::RunInfo{true, 0}, shape), 2);
-  EXPECT_EQ(rt->grid_for_run(kg::RunInfo{true, 0}, 0, shape).x, 300u);
-  EXPECT_EQ(rt->grid_for_run(kg::RunInfo{false, 0}, 0, shape).x, 2u);  // a thread per channel
-  EXPECT_EQ(rt->grid_for_run(kg::RunInfo{true, 0}, 1, shape).x,
-            rt->grid_for_run(kg::RunInfo{false, 0}, 1, shape).x);
+  kg::LaunchTensors t;
+  t.inputs = {{16, shape, DType::F32}};
+  t.params = {{100, {300}, DType::F32},
+              {200, {300}, DType::F32},
+              {300, {300}, DType::F32},
+              {400, {300}, DType::F32},
+              {500, {}, DType::I64}};
+  t.output = {16, shape, DType::F32};
+  t.scratch = 64;
+  const auto eval = rt->launches(run_tensors(t, false, 0)), train = rt->launches(run_tensors(t, true, 7));
+  ASSERT_EQ(train.size(), 2u);
+  ASSERT_EQ(eval.size(), 2u);
+  EXPECT_EQ(train[0].grid.x, 300u);
+  EXPECT_EQ(eval[0].grid.x, 2u);  // a thread per channel
+  EXPECT_EQ(train[1].grid.x, eval[1].grid.x);
   // Both modes pack the same argument list; only `training` differs.
-  const kg::DeviceTensor x{16, shape, DType::F32};
-  const std::vector<kg::DeviceTensor> params = {{100, {300}, DType::F32},
-                                                {200, {300}, DType::F32},
-                                                {300, {300}, DType::F32},
-                                                {400, {300}, DType::F32},
-                                                {500, {}, DType::I64}};
-  Recorder eval, train;
-  rt->pack_args_for_launch(0, {x}, params, x, shape, 5, 64, eval);
-  rt->pack_args_for_run(kg::RunInfo{true, 7}, 0, {x}, params, x, shape, 5, 64, train);
-  ASSERT_EQ(eval.args.size(), train.args.size());
+  const auto eval_args = as_text(eval[0].args), train_args = as_text(train[0].args);
+  ASSERT_EQ(eval_args.size(), train_args.size());
   std::size_t differ = 0;
-  for (std::size_t i = 0; i < eval.args.size(); ++i) differ += eval.args[i] != train.args[i];
+  for (std::size_t i = 0; i < eval_args.size(); ++i) differ += eval_args[i] != train_args[i];
   EXPECT_EQ(differ, 1u);
-  EXPECT_EQ(train.args.at(5), "p500");  // num_batches_tracked
+  EXPECT_EQ(train_args.at(5), "p500");  // num_batches_tracked
 }
 
 // ---- on a GPU ----

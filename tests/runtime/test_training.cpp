@@ -25,7 +25,7 @@ class ScaleOp final : public kg::CustomOp {
   explicit ScaleOp(double init) : init_(init) {}
   std::string name() const override { return "test.scale"; }
   Shape infer_output_shape(const std::vector<Shape>& in) const override { return in.at(0); }
-  std::vector<kg::ParamSpec> parameters() const override {
+  std::vector<kg::ParamSpec> parameters(const std::vector<Shape>&) const override {
     return {{"w", {1}, DType::F64, kg::ParamInit::constant(init_), true}};
   }
   void cpu_forward(CpuContext& c) const override {

@@ -1,7 +1,7 @@
 // Training on the cpu device through an op whose only backward is its CUDA kernels: the
-// runtime runs them through the emulator (gradients equal the closed form), and a backward grid
-// with a zero dimension, or a RuntimeOp that claims a backward without a source, is an error
-// naming the op and the node.
+// runtime runs them through the emulator (gradients equal the closed form); a backward grid with
+// a zero dimension, or a backward source with no backward launches, is an error at load naming
+// the op and the node; backward launches without a backward source give the op no backward.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -38,84 +38,70 @@ extern "C" __global__ void wmul_dw(const float* x, const float* dy, float* dw, l
 }
 )";
 
+// How the RuntimeOp's backward is wrong.
+enum class Bwd { Fine, ZeroGrid, NoLaunches };
+
 class WmulRuntime final : public kg::RuntimeOp {
  public:
-  WmulRuntime(std::int64_t c, bool zero_grid, bool claims_backward) : c_(c), zero_grid_(zero_grid), claims_(claims_backward) {}
-  int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {{c_}};
-  }
-  void pack_args(const std::vector<kg::DeviceTensor>& in, const std::vector<kg::DeviceTensor>& params,
-                 const kg::DeviceTensor& out, const std::vector<std::int64_t>& shape, std::int64_t,
-                 kg::ArgVisitor& v) const override {
-    v.pointer(in[0].ptr);
-    v.pointer(params[0].ptr);
-    v.pointer(out.ptr);
-    v.i64(kg::numel_of(shape));
+  WmulRuntime(std::int64_t c, Bwd bwd) : c_(c), bwd_(bwd) {}
+  void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.params[0].ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.output.numel());
     v.i64(c_);
   }
   kg::Dim3 block() const override { return {64, 1, 1}; }
   kg::Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     return {static_cast<unsigned>((kg::numel_of(shape) + 63) / 64), 1, 1};
   }
-  bool has_backward() const override { return claims_; }
-  int n_backward_launches(const kg::BackwardTensors&) const override { return 2; }
-  std::string backward_entry_point(int launch) const override { return launch == 0 ? "wmul_dx" : "wmul_dw"; }
-  void pack_backward_args(int launch, const kg::BackwardTensors& t, kg::ArgVisitor& v) const override {
-    const std::int64_t n = kg::numel_of(t.grad_output.shape);
-    if (launch == 0) {
-      v.pointer(t.params[0].ptr);
-      v.pointer(t.grad_output.ptr);
-      v.pointer(t.grad_inputs[0].ptr);
-      v.i64(n);
-      v.i64(c_);
-    } else {
-      v.pointer(t.inputs[0].ptr);
-      v.pointer(t.grad_output.ptr);
-      v.pointer(t.grad_params[0].ptr);
-      v.i64(n / c_);
-      v.i64(c_);
-    }
-  }
-  kg::Dim3 backward_block(int) const override { return {64, 1, 1}; }
-  kg::Dim3 backward_grid(int launch, const kg::BackwardTensors& t) const override {
-    if (launch == 1) return {zero_grid_ ? 0u : static_cast<unsigned>((c_ + 63) / 64), 1, 1};
-    return grid(t.grad_output.shape);
+  std::vector<kg::Launch> backward_launches(const kg::LaunchTensors& t) const override {
+    if (bwd_ == Bwd::NoLaunches) return {};
+    const std::int64_t n = t.grad_output.numel();
+    std::vector<kg::Launch> v;
+    v.push_back({"wmul_dx", grid(t.grad_output.shape), {64, 1, 1}, 0,
+                 {t.params[0], t.grad_output, t.grad_inputs[0], n, c_}});
+    v.push_back({"wmul_dw", {bwd_ == Bwd::ZeroGrid ? 0u : static_cast<unsigned>((c_ + 63) / 64), 1, 1}, {64, 1, 1}, 0,
+                 {t.inputs[0], t.grad_output, t.grad_params[0], n / c_, c_}});
+    return v;
   }
 
  private:
   std::int64_t c_;
-  bool zero_grid_, claims_;
+  Bwd bwd_;
 };
 
 class WmulOp final : public kg::CustomOp {
  public:
-  WmulOp(std::int64_t c, bool zero_grid = false, bool with_source = true)
-      : c_(c), zero_grid_(zero_grid), with_source_(with_source) {}
+  WmulOp(std::int64_t c, Bwd bwd = Bwd::Fine, bool with_source = true) : c_(c), bwd_(bwd), with_source_(with_source) {}
   std::string name() const override { return "test.wmul"; }
   kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
-  std::vector<kg::ParamSpec> parameters() const override {
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>&) const override {
     return {{"w", {c_}, DType::F32, kg::ParamInit::uniform(0.5, 1.5), true}};
   }
-  std::optional<kg::Lowered> lower() const override {
-    return kg::Lowered{"test.wmul", kForward, "wmul_fwd", std::make_shared<WmulRuntime>(c_, zero_grid_, true)};
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    return kg::Lowered{"test.wmul", kForward, "wmul_fwd", std::make_shared<WmulRuntime>(c_, bwd_)};
   }
-  std::string lower_backward_source() const override { return with_source_ ? kBackward : ""; }
+  // The RuntimeOp describes backward launches either way; without a source they are not used.
+  std::string lower_backward_source(const kg::LowerContext& ctx) const override {
+    EXPECT_EQ(ctx.mode, kg::LoweringMode::Training);
+    return with_source_ ? kBackward : "";
+  }
 
  private:
   std::int64_t c_;
-  bool zero_grid_, with_source_;
+  Bwd bwd_;
+  bool with_source_;
 };
 
 struct Net {
   kg::Model model;
   std::shared_ptr<kg::Graph> graph;
 };
-Net make(bool zero_grid = false, bool with_source = true) {
+Net make(Bwd bwd = Bwd::Fine, bool with_source = true) {
   auto [x, g] = SymTensor::input(DType::F32, {kg::Dim::named("batch"), 6}, "x");
   SymTensor h = kg::nn::linear(x, 6, "fc");
-  h = h.record_custom(kg::CustomData::make<WmulOp>(6, zero_grid, with_source), {}, std::nullopt, "wmul");
+  h = h.record_custom(kg::CustomData::make<WmulOp>(6, bwd, with_source), {}, std::nullopt, "wmul");
   SymTensor loss = kg::mse_loss(h, x, "loss");
   return {kg::Model(g, {{"out", h}, {"loss", loss}}, kg::LoweringMode::Training), g};
 }
@@ -123,48 +109,58 @@ Net make(bool zero_grid = false, bool with_source = true) {
 TEST(TrainingEmulated, KernelOnlyBackwardRunsThroughTheEmulator) {
   std::mt19937_64 rng(kg_test::fresh_seed());
   Net s = make();
-  kg::LoadOptions opt;
-  opt.poison_buffers = true;
-  kg::LoadedModel m = s.model.load(kg::Device::cpu(), {{5, 6}}, opt);
-  Tensor x = kg_test::random_tensor(rng, DType::F32, {5, 6});
-  m.forward({x});
-  m.backward();
-  // Reference in double: loss = mean((w ⊙ (x Wᵀ + b) - x)²).
-  const Tensor W = m.parameter("fc.weight"), b = m.parameter("fc.bias"), w = m.parameter("wmul.w");
-  const std::int64_t N = 5, C = 6;
-  std::vector<double> gw(C, 0.0), gb(C, 0.0), gW(C * C, 0.0);
-  for (std::int64_t r = 0; r < N; ++r)
-    for (std::int64_t j = 0; j < C; ++j) {
-      double h = b.item(j);
-      for (std::int64_t k = 0; k < C; ++k) h += W.item(j * C + k) * x.item(r * C + k);
-      const double y = w.item(j) * h;
-      const double dy = 2.0 * (y - x.item(r * C + j)) / static_cast<double>(N * C);
-      gw[static_cast<std::size_t>(j)] += dy * h;
-      const double dh = dy * w.item(j);
-      gb[static_cast<std::size_t>(j)] += dh;
-      for (std::int64_t k = 0; k < C; ++k) gW[static_cast<std::size_t>(j * C + k)] += dh * x.item(r * C + k);
-    }
-  auto close = [](const Tensor& got, const std::vector<double>& want, const char* what) {
-    ASSERT_EQ(got.numel(), static_cast<std::int64_t>(want.size())) << what;
-    for (std::size_t i = 0; i < want.size(); ++i)
-      EXPECT_NEAR(got.item(static_cast<std::int64_t>(i)), want[i], 1e-5 + 1e-4 * std::abs(want[i])) << what << " " << i;
-  };
-  close(m.grad("wmul.w"), gw, "wmul.w");
-  close(m.grad("fc.bias"), gb, "fc.bias");
-  close(m.grad("fc.weight"), gW, "fc.weight");
+  // Unchecked, and in checked mode (every lowered op through the emulator with guarded buffers,
+  // outputs and gradients poisoned and verified).
+  for (bool checked : {false, true}) {
+    SCOPED_TRACE(checked ? "checked" : "unchecked");
+    kg::LoadOptions opt;
+    opt.poison_buffers = true;
+    opt.checked = checked;
+    kg::LoadedModel m = s.model.load(kg::Device::cpu(), {{5, 6}}, opt);
+    Tensor x = kg_test::random_tensor(rng, DType::F32, {5, 6});
+    m.forward({x});
+    m.backward();
+    // Reference in double: loss = mean((w ⊙ (x Wᵀ + b) - x)²).
+    const Tensor W = m.parameter("fc.weight"), b = m.parameter("fc.bias"), w = m.parameter("wmul.w");
+    const std::int64_t N = 5, C = 6;
+    std::vector<double> gw(C, 0.0), gb(C, 0.0), gW(C * C, 0.0);
+    for (std::int64_t r = 0; r < N; ++r)
+      for (std::int64_t j = 0; j < C; ++j) {
+        double h = b.item(j);
+        for (std::int64_t k = 0; k < C; ++k) h += W.item(j * C + k) * x.item(r * C + k);
+        const double y = w.item(j) * h;
+        const double dy = 2.0 * (y - x.item(r * C + j)) / static_cast<double>(N * C);
+        gw[static_cast<std::size_t>(j)] += dy * h;
+        const double dh = dy * w.item(j);
+        gb[static_cast<std::size_t>(j)] += dh;
+        for (std::int64_t k = 0; k < C; ++k) gW[static_cast<std::size_t>(j * C + k)] += dh * x.item(r * C + k);
+      }
+    auto close = [](const Tensor& got, const std::vector<double>& want, const char* what) {
+      ASSERT_EQ(got.numel(), static_cast<std::int64_t>(want.size())) << what;
+      for (std::size_t i = 0; i < want.size(); ++i)
+        EXPECT_NEAR(got.item(static_cast<std::int64_t>(i)), want[i], 1e-5 + 1e-4 * std::abs(want[i])) << what << " " << i;
+    };
+    close(m.grad("wmul.w"), gw, "wmul.w");
+    close(m.grad("fc.bias"), gb, "fc.bias");
+    close(m.grad("fc.weight"), gW, "fc.weight");
+  }
 }
 
-TEST(TrainingEmulated, ZeroBackwardGridIsNamed) {
-  std::mt19937_64 rng(kg_test::fresh_seed());
-  Net s = make(/*zero_grid=*/true);
-  kg::LoadedModel m = s.model.load(kg::Device::cpu(), {{3, 6}});
-  Tensor x = kg_test::random_tensor(rng, DType::F32, {3, 6});
-  m.forward({x});
-  kg_test::expect_error([&] { m.backward(); }, {"[test.wmul @ wmul]", "backward", "launch 1", "(0, 1, 1)"});
+TEST(TrainingEmulated, ZeroBackwardGridIsNamedAtLoad) {
+  // The backward launches are described and checked at load, before anything runs.
+  Net s = make(Bwd::ZeroGrid);
+  kg_test::expect_error([&] { s.model.load(kg::Device::cpu(), {{3, 6}}); },
+                        {"[test.wmul @ wmul]", "backward", "launch 1", "(0, 1, 1)", "zero dimension"});
+}
+
+TEST(TrainingEmulated, ABackwardSourceWithoutLaunchesIsAnError) {
+  Net s = make(Bwd::NoLaunches);
+  kg_test::expect_error([&] { s.model.load(kg::Device::cpu(), {{3, 6}}); },
+                        {"[test.wmul @ wmul]", "RuntimeOp::backward_launches() described no launch"});
 }
 
 TEST(TrainingEmulated, ABackwardWithoutSourceIsNoBackward) {
-  Net s = make(false, /*with_source=*/false);
+  Net s = make(Bwd::Fine, /*with_source=*/false);
   kg_test::expect_error([&] { s.model.load(kg::Device::cpu(), {{3, 6}}); },
                         {"[test.wmul @ wmul] has no backward", "parameter 'wmul.w'", "loss 'loss'"});
 }

@@ -1,5 +1,6 @@
-// Checking an op's GPU lowering: everywhere, every kernel is compiled with NVRTC for sm_90 and
-// every launch packed and checked (a dry run), and the model runs through the CUDA emulator in
+// Checking an op's GPU lowering: everywhere, every launch is packed and checked against its
+// kernel's CUDA signature (a dry run; with NVRTC every kernel is also compiled for sm_90 and
+// checked against its PTX), and the model runs through the CUDA emulator in
 // checked mode and must match the CPU; where a GPU is present, the graph also runs on it and must
 // match the CPU implementation.
 #pragma once
@@ -15,7 +16,7 @@ namespace kg_test {
 
 using BuildFn = std::function<std::vector<kg::SymTensor>(const std::vector<kg::SymTensor>&)>;
 
-// Dry run at sm_90 (skipped without NVRTC); an emulated run compared with the CPU
+// Dry run at sm_90 (at arch 0, the signature checks only, without NVRTC); an emulated run compared with the CPU
 // (check_emulated); with a GPU, a run on it compared with the CPU. Comparisons are elementwise
 // |got - cpu| <= atol + rtol*|cpu|; parameters are copied from the CPU model. Returns true when
 // the GPU path ran.

@@ -90,9 +90,11 @@ enum class Bug {
   OutOfBounds,
   ShapeLie,
   NonDeterministic,
-  Backward,
+  SourceWithoutLaunches,  // a backward source, but the RuntimeOp describes no backward launch
+  LaunchesWithoutSource,  // backward launches, but no backward source: no backward
   NoLowering,
-  BadSource
+  BadSource,
+  BadSignature
 };
 
 const char* kScaleSource = R"(
@@ -112,22 +114,25 @@ extern "C" __global__ void __launch_bounds__(64) scale2_oob(const float* x, floa
 
 class ScaleRuntime final : public kg::RuntimeOp {
  public:
-  int n_activation_inputs() const override { return 1; }
-  std::vector<std::vector<std::int64_t>> param_shapes(const std::vector<std::vector<std::int64_t>>&,
-                                                      const std::vector<std::int64_t>&) const override {
-    return {};
-  }
-  void pack_args(const std::vector<kg::DeviceTensor>& in, const std::vector<kg::DeviceTensor>&,
-                 const kg::DeviceTensor& out, const std::vector<std::int64_t>& shape, std::int64_t,
-                 kg::ArgVisitor& v) const override {
-    v.pointer(in[0].ptr);
-    v.pointer(out.ptr);
-    v.i64(kg::numel_of(shape));
+  void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
+    v.i64(t.output.numel());
   }
   kg::Dim3 block() const override { return {64, 1, 1}; }
   kg::Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     return {static_cast<unsigned>((kg::numel_of(shape) + 63) / 64), 1, 1};
   }
+  // Described, but only used when the op has a backward source (Bug::LaunchesWithoutSource).
+  std::vector<kg::Launch> backward_launches(const kg::LaunchTensors& t) const override {
+    if (!with_backward_) return {};
+    return {kg::Launch{"scale2", grid(t.grad_output.shape), block(), 0,
+                       {t.grad_output, t.grad_inputs[0], t.grad_output.numel()}}};
+  }
+  explicit ScaleRuntime(bool with_backward = false) : with_backward_(with_backward) {}
+
+ private:
+  bool with_backward_;
 };
 
 class ScaleOp final : public kg::CustomOp {
@@ -140,17 +145,24 @@ class ScaleOp final : public kg::CustomOp {
     if (bug_ == Bug::ShapeLie && s[0].is_static() && s[0].size() == 3) s[1] = s[1].size() + 1;
     return s;
   }
-  std::optional<kg::Lowered> lower() const override {
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
     if (bug_ == Bug::NoLowering) return std::nullopt;
     const char* entry = bug_ == Bug::WrongKernel   ? "scale2_wrong"
                         : bug_ == Bug::OutOfBounds ? "scale2_oob"
                                                    : "scale2";
-    const char* source = bug_ == Bug::BadSource
-                             ? "extern \"C\" __global__ void scale2(float* y) { y[0] = undeclared; }"
-                             : kScaleSource;
-    return kg::Lowered{"test.scale2", source, entry, std::make_shared<ScaleRuntime>()};
+    // BadSource: the signature matches the launch (so the load-time checks pass) but the body
+    // does not compile. BadSignature: compiles, but takes one argument where three are packed.
+    const char* source =
+        bug_ == Bug::BadSource ? "extern \"C\" __global__ void scale2(const float* x, float* y, long long n) "
+                                 "{ y[0] = undeclared; }"
+        : bug_ == Bug::BadSignature ? "extern \"C\" __global__ void scale2(float* y) { y[0] = 1.f; }"
+                                    : kScaleSource;
+    return kg::Lowered{"test.scale2", source, entry,
+                       std::make_shared<ScaleRuntime>(bug_ == Bug::LaunchesWithoutSource)};
   }
-  std::string lower_backward_source() const override { return bug_ == Bug::Backward ? kScaleSource : ""; }
+  std::string lower_backward_source(const kg::LowerContext&) const override {
+    return bug_ == Bug::SourceWithoutLaunches ? kScaleSource : "";
+  }
   void cpu_forward(kg::CpuContext& ctx) const override {
     const float* x = ctx.inputs[0].data<float>();
     float* y = ctx.output.data<float>();
@@ -178,13 +190,26 @@ TEST(CheckOp, CorrectOpPassesAndAnOpWithoutABackwardSkipsTheGradientCheck) {
   auto r = check_scale(Bug::None, seed);
   EXPECT_TRUE(r.ok) << r.to_string();
   EXPECT_EQ(count_lines(r, "SKIP gradient check: the op has no backward"), 1) << r.to_string();
-  r = check_scale(Bug::Backward, seed);
+  // Backward launches without a backward source: the source is what gives an op a lowered
+  // backward, so it has none.
+  r = check_scale(Bug::LaunchesWithoutSource, seed);
   EXPECT_TRUE(r.ok) << r.to_string();
-  EXPECT_EQ(count_lines(r,
-                        "SKIP gradient check: the op has no CPU backward (CustomOp::has_cpu_backward() is "
-                        "false) and its RuntimeOp no backward launches (has_backward() is false)"),
+  EXPECT_EQ(count_lines(r, "SKIP gradient check: the op has no backward (no CPU backward, lower_backward_source() is "
+                           "empty)"),
             1)
       << r.to_string();
+}
+
+TEST(CheckOp, ABackwardSourceWithoutBackwardLaunchesFails) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto r = check_scale(Bug::SourceWithoutLaunches, seed);
+  SCOPED_TRACE(r.to_string());
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(count_lines(r, "SKIP gradient check"), 0);
+  EXPECT_EQ(count_lines(r, "FAIL gradients batch 3, emulator",
+                        {"[test.scale2 @ scale2]", "RuntimeOp::backward_launches() described no launch"}),
+            1);
 }
 
 TEST(CheckOp, UnwrittenCpuOutputFails) {
@@ -242,6 +267,20 @@ TEST(CheckOp, AKernelThatDoesNotCompileIsReportedOnce) {
   EXPECT_EQ(count_lines(r, "PASS batch 4, cpu_forward"), 1);
 }
 
+TEST(CheckOp, ALaunchThatDoesNotMatchTheKernelSignatureFailsAtLoad) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto r = check_scale(Bug::BadSignature, seed, {1, 3});
+  SCOPED_TRACE(r.to_string());
+  EXPECT_FALSE(r.ok);
+  // The cpu device checks every lowered op's launches at load, even one it runs on the CPU.
+  EXPECT_EQ(count_lines(r,
+                        "FAIL batch 1, cpu: [test.scale2 @ scale2] launch 0 of kernel 'scale2': the kernel takes 1 "
+                        "arguments but 3 were packed"),
+            1);
+  EXPECT_EQ(count_lines(r, "FAIL batch 3, cpu: [test.scale2 @ scale2] the same failure as batch 1"), 1);
+}
+
 TEST(CheckOp, ShapeThatDisagreesWithTheRecordFails) {
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -280,25 +319,75 @@ TEST(CheckOp, OpsWithoutALoweringOrACpuImplementation) {
   EXPECT_EQ(count_lines(r, "SKIP batch 3, gpu: the op has no lowering"), 1) << r.to_string();
 
   // No cpu_forward: the cpu device runs the kernel through the emulator; the checked emulated run
-  // is compared with that.
+  // is compared with that. The op's parameters (the anchors) are the real op's.
   class Decode final : public kg::CustomOp {
    public:
     std::string name() const override { return "test.decode_gpu_only"; }
     kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override {
       return op_->infer_output_shape(in);
     }
-    std::optional<kg::Lowered> lower() const override { return op_->lower(); }
+    std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>& in) const override {
+      return op_->parameters(in);
+    }
+    std::optional<kg::Lowered> lower(const kg::LowerContext& ctx) const override { return op_->lower(ctx); }
 
    private:
     std::shared_ptr<yolo::DetectDecodeOp> op_ = yolo::DetectDecodeOp::for_level(3, 4, 8.f, 32);
   };
   r = kg::testing::check_op(kg::CustomData::make<Decode>(), {{kg::dynamic, 4, 12}}, {kg::DType::F32},
                             options(seed));
+  {
+    SCOPED_TRACE(r.to_string());
+    EXPECT_TRUE(r.ok);
+    EXPECT_EQ(count_lines(r, "SKIP cpu_forward: the op has no CPU implementation"), 1);
+    EXPECT_EQ(count_lines(r, "PASS batch 8, cpu device: emulated kernel wrote every one of 384 elements"), 1);
+    EXPECT_EQ(count_lines(r, "PASS batch 8, emulator", {"matches the cpu device"}), 1);
+    // Without a reference there is nothing independent to compare the kernel with: said once.
+    EXPECT_EQ(count_lines(r, "SKIP reference", {"no CheckOpOptions::reference"}), 1);
+  }
+
+  // With an independent reference, computed from the inputs and the parameters by the names the
+  // op declares, the emulated cpu device is compared with it.
+  auto o = options(seed);
+  std::vector<std::vector<std::string>> names_seen;
+  auto reference = [&](double scale) {
+    return [&names_seen, scale](const std::vector<kg::Tensor>& in, const std::map<std::string, kg::Tensor>& p) {
+      std::vector<std::string> names;
+      for (const auto& [name, t] : p) names.push_back(name);
+      names_seen.push_back(names);
+      const kg::Tensor& d = in.at(0);
+      const std::int64_t B = d.dim(0), A = d.dim(2);
+      kg::Tensor out = kg::Tensor::empty(kg::DType::F64, d.shape());
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t a = 0; a < A; ++a) {
+          auto dist = [&](int k) { return d.item((b * 4 + k) * A + a); };
+          const double ax = p.at("anchor_x").item(a), ay = p.at("anchor_y").item(a), s = p.at("strides").item(a);
+          const double x1 = ax - dist(0), y1 = ay - dist(1), x2 = ax + dist(2), y2 = ay + dist(3);
+          double* o4 = out.data<double>() + b * 4 * A + a;
+          o4[0] = 0.5 * (x1 + x2) * s * scale;
+          o4[A] = 0.5 * (y1 + y2) * s;
+          o4[2 * A] = (x2 - x1) * s;
+          o4[3 * A] = (y2 - y1) * s;
+        }
+      return out;
+    };
+  };
+  o.reference = reference(1.0);
+  r = kg::testing::check_op(kg::CustomData::make<Decode>(), {{kg::dynamic, 4, 12}}, {kg::DType::F32}, o);
+  {
+    SCOPED_TRACE(r.to_string());
+    EXPECT_TRUE(r.ok);
+    EXPECT_EQ(count_lines(r, "PASS batch 8, reference"), 1);
+    EXPECT_EQ(count_lines(r, "SKIP reference"), 0);
+    ASSERT_FALSE(names_seen.empty());
+    EXPECT_EQ(names_seen[0], (std::vector<std::string>{"anchor_x", "anchor_y", "strides"}));
+  }
+  // A reference that disagrees (centre x doubled) fails the check.
+  o.reference = reference(2.0);
+  r = kg::testing::check_op(kg::CustomData::make<Decode>(), {{kg::dynamic, 4, 12}}, {kg::DType::F32}, o);
   SCOPED_TRACE(r.to_string());
-  EXPECT_TRUE(r.ok);
-  EXPECT_EQ(count_lines(r, "SKIP cpu_forward: the op has no CPU implementation"), 1);
-  EXPECT_EQ(count_lines(r, "PASS batch 8, cpu device: emulated kernel wrote every one of 384 elements"), 1);
-  EXPECT_EQ(count_lines(r, "PASS batch 8, emulator", {"matches the cpu device"}), 1);
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(count_lines(r, "FAIL batch 8, reference"), 1);
 }
 
 TEST(CheckOp, InputGeneratorAndSetupErrors) {

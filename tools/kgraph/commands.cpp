@@ -218,6 +218,7 @@ void run(const RunArgs& args, std::ostream& out) {
 
   kg::LoadOptions options;
   options.seed = args.seed;
+  options.checked = args.checked;
   std::optional<kg::LoadedModel> loaded_or;
   try {
     loaded_or.emplace(model.load(device, {input.shape()}, options));

@@ -26,6 +26,7 @@ struct RunArgs {
   std::uint64_t seed = 0;
   std::string output_path;
   int runs = 3;
+  bool checked = false;  // LoadOptions::checked
 };
 
 struct CompileArgs {

@@ -65,7 +65,8 @@ void print_table(std::ostream& out, const std::vector<std::vector<std::string>>&
 // The architecture to compile for: --arch, else the GPU's, else 90; checked against NVRTC.
 int pick_arch(const CompileArgs& args, std::string* why) {
   if (!kg::compile::Compiler::available())
-    throw kg::Error("this build has no NVRTC (configured without the CUDA toolkit); nothing can be compiled");
+    throw kg::Error("NVRTC is not available (" + kg::compile::Compiler::unavailable_reason() +
+                    "); nothing can be compiled");
   int arch = 90;
   *why = "the default";
   if (args.arch) {
@@ -112,7 +113,7 @@ void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
   // Each kernel compiled once here (to see where it came from), then the whole model lowered,
   // planned and every launch packed and checked against its PTX (served from memory).
   const auto t0 = Clock::now();
-  const kg::lower::LoweredGraph lowered = kg::lower::lower_model(model);
+  const kg::lower::LoweredGraph lowered = kg::lower::lower_model(model, kg::lower::LowerTarget{{}, arch, true});
   std::vector<kg::compile::CompileResult> results;
   std::vector<double> times;
   Tally tally;
@@ -143,10 +144,10 @@ void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
     const kg::Node& n = model.graph().node(e.node);
     std::string launch = "-";
     if (!step.launches.empty()) {
-      launch = "grid " + dim3_text(step.launches[0].grid) + " block " + dim3_text(step.launches[0].block);
+      launch = "grid " + dim3_text(step.launches[0].launch.grid) + " block " + dim3_text(step.launches[0].launch.block);
       if (step.launches.size() > 1) launch += kg::util::cat(" (+", step.launches.size() - 1, " more)");
     }
-    rows.push_back({n.name, e.name, step.entry, kg::dump::group_digits(static_cast<long long>(r.ptx.size())),
+    rows.push_back({n.name, e.name, step.launches.empty() ? std::string("-") : step.launches[0].ptx_entry, kg::dump::group_digits(static_cast<long long>(r.ptx.size())),
                     cache_word(r), format_ms(times.at(k)), launch});
     ++k;
   }

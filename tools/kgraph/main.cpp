@@ -96,6 +96,9 @@ int main(int argc, char** argv) {
   run->add_option("--runs", ra.runs, "Forward passes to time; the median is printed (default 3)")
       ->check(kgraph_cli::positive_integer)
       ->option_text("N");
+  run->add_flag("--checked", ra.checked,
+                "Checked mode: every kernel's writes verified (cpu: emulated with guard pages; cuda: guard "
+                "canaries and poisoned outputs). Slow; finds a broken op inside the model");
 
   kgraph::CompileArgs ca;
   int compile_arch = 0;

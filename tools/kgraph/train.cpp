@@ -379,6 +379,8 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   t->add_option("--threads", a.threads, "CPU worker threads (default 0: one per core)")
       ->check(CLI::NonNegativeNumber)
       ->option_text("N");
+  t->add_flag("--checked", a.checked,
+              "Checked mode: every kernel's writes verified, forward and backward (slow; finds a broken op)");
   t->add_option(
        "--out", a.out_dir,
        "Folder for log.csv, epochs.csv, plot.png and checkpoints (default runs/<model>-<time>, or the "
@@ -444,6 +446,7 @@ void train(const TrainArgs& args, std::ostream& out) {
   kg::LoadOptions lo;
   lo.seed = s.seed;
   lo.threads = args.threads;
+  lo.checked = args.checked;
   lo.loss = "loss";
   std::optional<kg::LoadedModel> loaded;
   try {

@@ -25,6 +25,7 @@ struct TrainArgs {
   std::optional<std::int64_t> batch_size;   // default 128
   std::optional<std::uint64_t> seed;        // default 0
   int threads = 0;                          // CPU worker threads (0: one per core)
+  bool checked = false;                     // LoadOptions::checked
   std::string out_dir;                      // default runs/<model>-<timestamp>
   std::string resume;                       // checkpoint to continue from
   std::optional<std::int64_t> limit_train;  // use the first N training images

@@ -17,20 +17,16 @@
 
 namespace kg::cpu {
 
-// An op without a CPU implementation, run through the CUDA emulator: the lowering taken once,
-// the kernel compiled once (the first launch goes through emu::launch and its checks; later ones
-// straight to the emulator's grid runner), the parameters a RuntimeOp declares for itself
-// initialised once, and scratch and padded-output buffers kept for the next run.
+// A lowered node run through the CUDA emulator (an op without a CPU implementation, or every
+// lowered op in checked mode): its kernel module compiled once (the first launch goes through
+// emu::launch and its checks; later unchecked ones straight to the emulator's grid runner), and
+// its scratch buffer kept for the next run.
 struct Executor::EmulatedNode {
-  Lowered lowered;
-  std::shared_ptr<const emu::JitModule> module;
-  const emu::KernelEntry* kernel = nullptr;
-  bool launched = false;           // the checked first launch is done
-  std::vector<Tensor> own_params;  // declared by the RuntimeOp when the op declares none
-  std::vector<ParamSpec> own_specs;
-  Tensor scratch;  // U8
-  Tensor padded;   // output with the RuntimeOp's row stride, when it pads
-  std::int64_t row_stride = 0;
+  const lower::Executable* exe = nullptr;
+  lower::KernelModule module;
+  std::shared_ptr<const emu::JitModule> jit;
+  bool launched = false;  // the checked first launch is done
+  Tensor scratch;         // U8
 };
 
 namespace {
@@ -50,102 +46,135 @@ class PoolContext final : public CpuContext {
 
 DevicePtr host_address(const Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.raw()); }
 
-// Lowers the node and checks its RuntimeOp against the concrete shapes, as the GPU path does at
-// load: activation inputs, the concrete output shape, parameter shapes; parameters the RuntimeOp
-// declares for itself are created from param_init_data (else zeros).
-std::shared_ptr<Executor::EmulatedNode> prepare(const Node& n, const runtime::Step& step,
-                                                const std::vector<Tensor>& ins, const Tensor& out) {
+DeviceTensor device_tensor(const Tensor& t) { return {host_address(t), t.shape(), t.dtype()}; }
+
+// The value a buffer is filled with before a checked launch, so that unwritten elements can be
+// found: 0xFF bytes (a NaN no arithmetic produces) for floats, 0xA5 bytes for integers.
+unsigned char poison_byte(DType t) { return is_floating(t) ? 0xFF : 0xA5; }
+
+// The first element of `t` still holding the poison, or -1.
+std::int64_t first_unwritten(const Tensor& t) {
+  const std::size_t es = dtype_size(t.dtype());
+  const unsigned char p = poison_byte(t.dtype());
+  const auto* b = static_cast<const unsigned char*>(t.raw());
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    bool all = true;
+    for (std::size_t k = 0; k < es && all; ++k) all = b[static_cast<std::size_t>(i) * es + k] == p;
+    if (all) return i;
+  }
+  return -1;
+}
+
+std::string index_text(std::int64_t flat, const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> idx(shape.size());
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    idx[d] = shape[d] ? flat % shape[d] : 0;
+    flat = shape[d] ? flat / shape[d] : 0;
+  }
+  return sizes_to_string(idx);
+}
+
+std::shared_ptr<Executor::EmulatedNode> prepare(const Node& n, const lower::Executable* exe) {
   const std::string label = n.label();
-  std::optional<Lowered> l = n.op->op().lower();
-  if (!l)
+  if (!exe || !exe->lowered)
     throw Error(label +
                 " has no CPU implementation (override CustomOp::cpu_forward) and no lowering to run "
                 "through the CUDA emulator instead (CustomOp::lower() returns nothing)");
-  if (!l->runtime_op) throw Error(label + " lower() returned no RuntimeOp");
-  if (l->source.empty()) throw Error(label + " lower() returned an empty kernel source");
-  if (l->name.empty()) l->name = n.op->name();
   auto e = std::make_shared<Executor::EmulatedNode>();
-  e->lowered = std::move(*l);
-  const RuntimeOp& rt = *e->lowered.runtime_op;
-
-  std::vector<std::vector<std::int64_t>> in_shapes;
-  for (const auto& t : ins) in_shapes.push_back(t.shape());
-  const auto& out_shape = out.shape();
-  std::mt19937_64 rng(0);
-  lower::RuntimeOpSizes sizes = lower::consult_runtime_op(n, rt, in_shapes, out_shape, step.specs, rng);
-  e->own_specs = std::move(sizes.new_specs);
-  e->own_params = std::move(sizes.new_params);
-  const std::int64_t last = out_shape.empty() ? 1 : out_shape.back();
-  e->row_stride = sizes.row_stride;
-  if (e->row_stride != last && last > 0)
-    e->padded = Tensor::empty(out.dtype(), {numel_of(out_shape) / last, e->row_stride});
-  if (sizes.scratch_bytes > 0)
-    e->scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(sizes.scratch_bytes)});
+  e->exe = exe;
+  e->module = lower::make_module(exe->name, exe->source, exe->entry_point, 0);
   try {
-    e->module = emu::HostJit::global().load(e->lowered.name, e->lowered.source);
-    e->kernel = &e->module->find(e->lowered.entry_point, label);
+    e->jit = emu::HostJit::global().load(exe->name, exe->source);
   } catch (const Error& err) {
-    const std::string what = err.what();
-    throw Error(what.rfind(label, 0) == 0 ? what : label + " " + what);
+    throw lower::labelled(label, err);
   }
   return e;
 }
 
-// Packs and runs every launch of the node's kernel on the emulator, with host addresses.
-void run_emulated(Executor::EmulatedNode& e, const Node& n, const runtime::Step& step,
-                  const std::vector<Tensor>& ins, Tensor& out, const RunInfo& run) {
-  const std::string label = n.label();
-  const RuntimeOp& rt = *e.lowered.runtime_op;
-  const auto& out_shape = out.shape();
-  std::vector<DeviceTensor> dins;
-  for (const auto& t : ins) dins.push_back({host_address(t), t.shape(), t.dtype()});
-  dins.resize(static_cast<std::size_t>(rt.n_activation_inputs()));
-  const std::vector<Tensor>& params = step.specs.empty() ? e.own_params : step.params;
-  const std::vector<ParamSpec>& specs = step.specs.empty() ? e.own_specs : step.specs;
-  std::vector<DeviceTensor> dparams;
-  for (std::size_t i = 0; i < params.size(); ++i)
-    dparams.push_back({host_address(params[i]), specs[i].shape, specs[i].dtype});
-  const bool padded = e.padded.raw() != nullptr;
-  const Tensor& target = padded ? e.padded : out;
-  const DeviceTensor dout{host_address(target), out_shape, out.dtype()};
-  const DevicePtr scratch = e.scratch.numel() > 0 ? host_address(e.scratch) : 0;
+// The buffers a checked launch may touch, named for its errors.
+std::vector<emu::HostBuffer> launch_buffers(const Node& n, const Graph& graph, const std::vector<Tensor>& ins,
+                                            const std::vector<Tensor>& params,
+                                            const std::vector<ParamSpec>& specs, const Tensor& out,
+                                            const Tensor* grad_out, const std::vector<Tensor>* grad_in,
+                                            const std::vector<Tensor>* grad_params, const Tensor& scratch) {
+  std::vector<emu::HostBuffer> b;
+  auto add = [&](const Tensor& t, std::string name) {
+    if (t.raw() && t.nbytes()) b.push_back({host_address(t), t.nbytes(), std::move(name)});
+  };
+  for (std::size_t i = 0; i < ins.size(); ++i)
+    add(ins[i], util::cat("input ", i, " '", graph.node(n.inputs[i]).name, "'"));
+  for (std::size_t i = 0; i < params.size(); ++i) add(params[i], "parameter '" + specs[i].name + "'");
+  add(out, "output '" + n.name + "'");
+  if (grad_out) add(*grad_out, "output gradient");
+  if (grad_in)
+    for (std::size_t i = 0; i < grad_in->size(); ++i) add((*grad_in)[i], util::cat("gradient of input ", i));
+  if (grad_params)
+    for (std::size_t i = 0; i < grad_params->size(); ++i)
+      add((*grad_params)[i], "gradient of parameter '" + specs[i].name + "'");
+  add(scratch, "scratch");
+  return b;
+}
 
-  const int nl = rt.n_launches_for_run(run, out_shape);
-  if (nl < 1) throw Error(util::cat(label, " n_launches is ", nl));
-  for (int i = 0; i < nl; ++i) {
-    const Dim3 grid = rt.grid_for_run(run, i, out_shape), block = rt.block_for_launch(i);
-    const std::size_t shared = rt.dynamic_shared_bytes(out_shape);
-    lower::check_grid(grid, out_shape, label, i);
-    lower::ArgPack pack;
-    rt.pack_args_for_run(run, i, dins, dparams, dout, out_shape, e.row_stride, scratch, pack);
-    if (!e.launched) {
-      emu::LaunchOptions o;
-      o.label = label;
-      emu::launch(e.lowered.name, e.lowered.source, e.lowered.entry_point, grid, block, shared, pack, o);
+// Describes, checks and runs every launch of the node's kernel on the emulator, with host
+// addresses. In checked mode the output is poisoned first and verified after.
+void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, const runtime::Step& step,
+                  const std::vector<Tensor>& ins, Tensor& out, bool training, std::uint64_t seed,
+                  bool checked) {
+  const std::string label = n.label();
+  const RuntimeOp& rt = *e.exe->runtime_op;
+  LaunchTensors t;
+  for (const auto& x : ins) t.inputs.push_back(device_tensor(x));
+  for (std::size_t i = 0; i < step.params.size(); ++i)
+    t.params.push_back({host_address(step.params[i]), step.specs[i].shape, step.specs[i].dtype});
+  t.output = device_tensor(out);
+  t.training = training;
+  t.seed = seed;
+  if (!e.launched || checked) {
+    LaunchTensors sizing = t;
+    for (auto& x : sizing.inputs) x.ptr = 0;
+    for (auto& x : sizing.params) x.ptr = 0;
+    sizing.output.ptr = 0;
+    const std::size_t sb = rt.scratch_bytes(sizing);
+    if (sb > 0 && static_cast<std::size_t>(e.scratch.numel()) < sb)
+      e.scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(sb)});
+  }
+  t.scratch = e.scratch.numel() > 0 ? host_address(e.scratch) : 0;
+  const auto launches = lower::check_launches(e.module, rt.launches(t), label, "");
+  if (checked && out.nbytes()) std::memset(out.raw(), poison_byte(out.dtype()), out.nbytes());
+  emu::LaunchOptions o;
+  o.label = label;
+  o.checked = checked;
+  if (checked)
+    o.buffers =
+        launch_buffers(n, graph, ins, step.params, step.specs, out, nullptr, nullptr, nullptr, e.scratch);
+  for (const auto& L : launches) {
+    if (!e.launched || checked) {
+      emu::launch(e.exe->name, e.exe->source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                  L.launch.args, o);
       continue;
     }
     std::vector<std::vector<std::byte>> bytes;
-    for (const auto& a : pack.args()) bytes.push_back(a.data);
+    for (const auto& a : L.launch.args.args()) bytes.push_back(a.data());
     std::vector<void*> ptrs;
     for (auto& b : bytes) ptrs.push_back(b.data());
     emu::GridLaunch gl;
-    gl.kernel = e.kernel;
-    gl.grid = grid;
-    gl.block = block;
-    gl.shared = shared;
+    gl.kernel = &e.jit->find(L.entry, label);
+    gl.grid = L.launch.grid;
+    gl.block = L.launch.block;
+    gl.shared = L.launch.shared_bytes;
     gl.args = ptrs.data();
     gl.label = label;
     emu::run_grid(gl);
   }
   e.launched = true;
-  if (padded) {
-    const std::int64_t last = out_shape.back();
-    const std::size_t row = static_cast<std::size_t>(last) * dtype_size(out.dtype());
-    const std::size_t stride = static_cast<std::size_t>(e.row_stride) * dtype_size(out.dtype());
-    const auto* src = static_cast<const std::byte*>(target.raw());
-    auto* dst = static_cast<std::byte*>(out.raw());
-    for (std::int64_t r = 0; r < out.numel() / last; ++r)
-      std::memcpy(dst + static_cast<std::size_t>(r) * row, src + static_cast<std::size_t>(r) * stride, row);
+  if (checked) {
+    const std::int64_t bad = first_unwritten(out);
+    if (bad >= 0)
+      throw Error(util::cat(label, " kernel '", e.exe->name, "': output '", n.name, "' ",
+                            sizes_to_string(out.shape()), " element ", bad, " (index ",
+                            index_text(bad, out.shape()), ") was not written (", out.numel(),
+                            " elements; every one must be); is infer_output_shape larger than what the "
+                            "kernel writes?"));
   }
 }
 
@@ -155,7 +184,8 @@ class PoolBackwardContext final : public CpuBackwardContext {
   PoolBackwardContext(std::span<const Tensor> in, std::span<const Tensor> ps, Tensor out, Tensor grad_out,
                       std::span<Tensor> grad_in, std::span<Tensor> grad_ps, bool train, std::uint64_t seed,
                       ThreadPool& pool)
-      : CpuBackwardContext(in, ps, std::move(out), std::move(grad_out), grad_in, grad_ps, train, seed), pool_(pool) {}
+      : CpuBackwardContext(in, ps, std::move(out), std::move(grad_out), grad_in, grad_ps, train, seed),
+        pool_(pool) {}
   void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const override {
     pool_.parallel_for(n, grain, fn);
   }
@@ -164,7 +194,8 @@ class PoolBackwardContext final : public CpuBackwardContext {
   ThreadPool& pool_;
 };
 
-template <class T> void add_span(T* dst, const T* src, std::int64_t b, std::int64_t e) {
+template <class T>
+void add_span(T* dst, const T* src, std::int64_t b, std::int64_t e) {
   for (std::int64_t i = b; i < e; ++i) dst[i] += src[i];
 }
 
@@ -173,8 +204,8 @@ void add_into(const Tensor& dst_t, const Tensor& src, ThreadPool& pool) {
   Tensor dst = dst_t;
   const std::int64_t n = dst.numel();
   if (src.numel() != n || src.dtype() != dst.dtype())
-    throw Error(util::cat("gradient sum: ", sizes_to_string(src.shape()), " ", dtype_name(src.dtype()), " into ",
-                          sizes_to_string(dst.shape()), " ", dtype_name(dst.dtype())));
+    throw Error(util::cat("gradient sum: ", sizes_to_string(src.shape()), " ", dtype_name(src.dtype()),
+                          " into ", sizes_to_string(dst.shape()), " ", dtype_name(dst.dtype())));
   switch (dst.dtype()) {
     case DType::F32: {
       float* d = dst.data<float>();
@@ -190,71 +221,70 @@ void add_into(const Tensor& dst_t, const Tensor& src, ThreadPool& pool) {
     }
     default:
       for (std::int64_t i = 0; i < n; ++i) {
-        Tensor one = Tensor::wrap(static_cast<std::byte*>(dst.raw()) + static_cast<std::size_t>(i) * dtype_size(dst.dtype()),
-                                  dst.dtype(), {});
+        Tensor one = Tensor::wrap(
+            static_cast<std::byte*>(dst.raw()) + static_cast<std::size_t>(i) * dtype_size(dst.dtype()),
+            dst.dtype(), {});
         one.fill(dst.item(i) + src.item(i));
       }
   }
 }
 
-// Runs the lowered backward kernels of an op without a CPU backward through the emulator.
-// The lowering and backward source of an op without a CPU backward, checked.
-Executor::EmulatedBackward prepare_backward(const Node& n) {
+// Runs the lowered backward kernels of an op through the emulator (checked in checked mode).
+void run_emulated_backward(const Node& n, const Graph& graph, const lower::Executable& exe,
+                           const lower::KernelModule& module, const std::vector<Tensor>& ins,
+                           const std::vector<Tensor>& params, const std::vector<ParamSpec>& specs,
+                           const Tensor& out, const Tensor& grad_out, std::vector<Tensor>& grad_in,
+                           std::vector<Tensor>& grad_params, std::uint64_t seed, bool training,
+                           bool checked) {
   const std::string label = n.label();
-  std::optional<Lowered> l = n.op->op().lower();
-  if (!l || !l->runtime_op || !l->runtime_op->has_backward())
-    throw Error(label + " has no backward (CustomOp::cpu_backward, or RuntimeOp::has_backward with "
-                        "lower_backward_source())");
-  std::string source = n.op->op().lower_backward_source();
-  if (source.empty()) throw Error(label + " RuntimeOp::has_backward() is true but lower_backward_source() is empty");
-  if (l->name.empty()) l->name = n.op->name();
-  return {std::move(*l), std::move(source)};
-}
-
-void run_emulated_backward(const Node& n, const Executor::EmulatedBackward& eb, const std::vector<Tensor>& ins,
-                           const std::vector<Tensor>& params, const std::vector<ParamSpec>& specs, const Tensor& out,
-                           const Tensor& grad_out, std::vector<Tensor>& grad_in, std::vector<Tensor>& grad_params,
-                           std::uint64_t seed, bool training) {
-  const std::string label = n.label();
-  const RuntimeOp& rt = *eb.lowered.runtime_op;
-  const std::string& source = eb.source;
-  auto dev = [](const Tensor& t) { return DeviceTensor{host_address(t), t.shape(), t.dtype()}; };
-  BackwardTensors bt;
-  for (const auto& t : ins) bt.inputs.push_back(dev(t));
-  bt.inputs.resize(static_cast<std::size_t>(rt.n_activation_inputs()));
-  for (std::size_t i = 0; i < params.size(); ++i) bt.params.push_back({host_address(params[i]), specs[i].shape, specs[i].dtype});
-  bt.output = dev(out);
-  bt.grad_output = dev(grad_out);
-  for (const auto& t : grad_in) bt.grad_inputs.push_back(dev(t));
-  bt.grad_inputs.resize(bt.inputs.size());
-  for (const auto& t : grad_params) bt.grad_params.push_back(dev(t));
+  const RuntimeOp& rt = *exe.runtime_op;
+  LaunchTensors bt;
+  for (const auto& t : ins) bt.inputs.push_back(device_tensor(t));
+  for (std::size_t i = 0; i < params.size(); ++i)
+    bt.params.push_back({host_address(params[i]), specs[i].shape, specs[i].dtype});
+  bt.output = device_tensor(out);
+  bt.grad_output = device_tensor(grad_out);
+  for (const auto& t : grad_in) bt.grad_inputs.push_back(device_tensor(t));
+  for (const auto& t : grad_params) bt.grad_params.push_back(device_tensor(t));
   bt.seed = seed;
   bt.training = training;
   Tensor scratch;
-  const std::size_t sb = rt.backward_scratch_bytes(bt);
-  if (sb > 0) {
+  if (const std::size_t sb = rt.backward_scratch_bytes(bt); sb > 0) {
     scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(sb)});
     bt.scratch = host_address(scratch);
   }
-  const int nl = rt.n_backward_launches(bt);
-  if (nl < 1) throw Error(util::cat(label, " n_backward_launches is ", nl));
-  const std::string name = eb.lowered.name + ".backward";
-  for (int i = 0; i < nl; ++i) {
-    const Dim3 grid = rt.backward_grid(i, bt), block = rt.backward_block(i);
-    lower::check_grid(grid, bt.grad_output.shape, label + " backward", i);
-    lower::ArgPack pack;
-    rt.pack_backward_args(i, bt, pack);
-    emu::LaunchOptions o;
-    o.label = label + " backward";
-    emu::launch(name, source, rt.backward_entry_point(i), grid, block, rt.backward_dynamic_shared_bytes(i, bt), pack, o);
-  }
+  const auto launches = lower::check_launches(module, rt.backward_launches(bt), label, "backward");
+  std::vector<const Tensor*> wanted;
+  for (const auto& t : grad_in)
+    if (t.raw()) wanted.push_back(&t);
+  for (const auto& t : grad_params)
+    if (t.raw()) wanted.push_back(&t);
+  if (checked)
+    for (const Tensor* t : wanted)
+      if (t->nbytes()) std::memset(const_cast<void*>(t->raw()), poison_byte(t->dtype()), t->nbytes());
+  emu::LaunchOptions o;
+  o.label = label + " backward";
+  o.checked = checked;
+  if (checked)
+    o.buffers = launch_buffers(n, graph, ins, params, specs, out, &grad_out, &grad_in, &grad_params, scratch);
+  for (const auto& L : launches)
+    emu::launch(module.name, module.source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                L.launch.args, o);
+  if (checked)
+    for (std::size_t i = 0; i < wanted.size(); ++i)
+      if (const std::int64_t bad = first_unwritten(*wanted[i]); bad >= 0)
+        throw Error(util::cat(
+            label, " backward kernel '", module.name, "': gradient ", sizes_to_string(wanted[i]->shape()),
+            " element ", bad, " (index ", index_text(bad, wanted[i]->shape()),
+            ") was not written; a backward overwrites every element of each wanted gradient"));
 }
 
 }  // namespace
 
-void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
-                            std::vector<std::vector<Tensor>>& param_grads, bool accumulate_params, bool training,
-                            std::uint64_t seed, std::vector<NodeTime>* profile) {
+void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs,
+                            void* arena, std::vector<std::vector<Tensor>>& param_grads,
+                            bool accumulate_params, bool training, std::uint64_t seed,
+                            std::vector<NodeTime>* profile) {
   using clock = std::chrono::steady_clock;
   const runtime::TrainingPlan& tp = plan.training;
   auto* base = static_cast<std::byte*>(arena);
@@ -262,8 +292,9 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
     const auto& v = plan.values[static_cast<std::size_t>(node)];
     return Tensor::wrap(base + tp.grad_offset[static_cast<std::size_t>(v.root)], v.dtype, v.shape);
   };
-  for (int r : tp.zero_roots) std::memset(base + tp.grad_offset[static_cast<std::size_t>(r)], 0,
-                                          plan.values[static_cast<std::size_t>(r)].bytes());
+  for (int r : tp.zero_roots)
+    std::memset(base + tp.grad_offset[static_cast<std::size_t>(r)], 0,
+                plan.values[static_cast<std::size_t>(r)].bytes());
   grad_of(tp.loss_node).fill(1.0);
 
   std::vector<Tensor> ins, grad_in, grad_params;
@@ -277,7 +308,8 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
     for (std::size_t i = 0; i < n.inputs.size(); ++i) {
       const int in = n.inputs[i];
       const auto& v = plan.values[static_cast<std::size_t>(in)];
-      ins.push_back(b.saves.inputs ? value_tensor(plan, in, inputs, arena) : Tensor::wrap(nullptr, v.dtype, v.shape));
+      ins.push_back(b.saves.inputs ? value_tensor(plan, in, inputs, arena)
+                                   : Tensor::wrap(nullptr, v.dtype, v.shape));
       const runtime::GradTarget& g = b.inputs[i];
       if (g.root < 0)
         grad_in.push_back(Tensor::wrap(nullptr, v.dtype, v.shape));
@@ -287,7 +319,8 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
         grad_in.push_back(grad_of(in));
     }
     const auto& ov = plan.values[static_cast<std::size_t>(b.node)];
-    Tensor out = b.saves.output ? value_tensor(plan, b.node, inputs, arena) : Tensor::wrap(nullptr, ov.dtype, ov.shape);
+    Tensor out = b.saves.output ? value_tensor(plan, b.node, inputs, arena)
+                                : Tensor::wrap(nullptr, ov.dtype, ov.shape);
     std::vector<Tensor>& pg = param_grads[static_cast<std::size_t>(b.step)];
     for (std::size_t p = 0; p < step.specs.size(); ++p) {
       const auto& spec = step.specs[p];
@@ -300,14 +333,24 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
     }
     const std::uint64_t s = runtime::node_seed(seed, b.node);
     try {
-      if (n.op->op().has_cpu_backward()) {
-        PoolBackwardContext ctx(ins, step.params, out, grad_of(b.node), grad_in, grad_params, training, s, pool());
+      const lower::Executable* exe = executable(b.node);
+      const bool lowered_backward = exe && exe->lowered && !exe->backward_source.empty();
+      if (n.op->op().has_cpu_backward() && !(checked_ && lowered_backward)) {
+        PoolBackwardContext ctx(ins, step.params, out, grad_of(b.node), grad_in, grad_params, training, s,
+                                pool());
         n.op->op().cpu_backward(ctx);
       } else {
+        if (!lowered_backward)
+          throw Error(n.label() +
+                      " has no backward (CustomOp::cpu_backward, or lower_backward_source() with "
+                      "RuntimeOp::backward_launches())");
         auto eb = emulated_backward_.find(b.node);
-        if (eb == emulated_backward_.end()) eb = emulated_backward_.emplace(b.node, prepare_backward(n)).first;
-        run_emulated_backward(n, eb->second, ins, step.params, step.specs, out, grad_of(b.node), grad_in, grad_params,
-                              s, training);
+        if (eb == emulated_backward_.end())
+          eb = emulated_backward_
+                   .emplace(b.node, lower::make_module(exe->name + ".backward", exe->backward_source, "", 0))
+                   .first;
+        run_emulated_backward(n, graph, *exe, eb->second, ins, step.params, step.specs, out, grad_of(b.node),
+                              grad_in, grad_params, s, training, checked_);
       }
     } catch (const Error& e) {
       const std::string what = e.what();
@@ -326,8 +369,15 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
   }
 }
 
-Executor::Executor(int threads) {
+Executor::Executor(int threads, lower::LoweredGraph lowered, bool checked)
+    : lowered_(std::move(lowered)), checked_(checked) {
   if (threads > 0) own_ = std::make_unique<ThreadPool>(threads);
+  for (const auto& e : lowered_.executables) by_node_[e.node] = &e;
+}
+
+const lower::Executable* Executor::executable(int node) const {
+  auto it = by_node_.find(node);
+  return it == by_node_.end() ? nullptr : it->second;
 }
 
 Tensor Executor::value_tensor(const runtime::Plan& plan, int node, const std::vector<Tensor>& inputs,
@@ -351,7 +401,10 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
     Tensor out = value_tensor(plan, step.node, inputs, arena);
     auto t0 = clock::now();
     auto emulated = emulated_.find(step.node);
-    bool emulate = emulated != emulated_.end();
+    const lower::Executable* exe = executable(step.node);
+    // Checked mode runs every lowered op's kernels; otherwise the op's CPU implementation runs
+    // and its kernels only when it has none.
+    bool emulate = emulated != emulated_.end() || checked_;
     if (!emulate) {
       PoolContext ctx(ins, step.params, out, training, runtime::node_seed(seed, step.node), pool());
       try {
@@ -359,20 +412,18 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
       } catch (const NoCpuImplementation&) {
         emulate = true;
       } catch (const Error& e) {
-        throw Error(n.label() + " " + e.what());
+        throw lower::labelled(n.label(), e);
       } catch (const std::exception& e) {
         throw Error(n.label() + " cpu_forward failed: " + e.what());
       }
     }
     if (emulate) {
       try {
-        if (emulated == emulated_.end())
-          emulated = emulated_.emplace(step.node, prepare(n, step, ins, out)).first;
-        run_emulated(*emulated->second, n, step, ins, out,
-                     RunInfo{training, training ? runtime::node_seed(seed, step.node) : 0});
+        if (emulated == emulated_.end()) emulated = emulated_.emplace(step.node, prepare(n, exe)).first;
+        run_emulated(*emulated->second, n, graph, step, ins, out, training,
+                     training ? runtime::node_seed(seed, step.node) : 0, checked_);
       } catch (const Error& e) {
-        const std::string what = e.what();
-        throw Error(what.rfind(n.label(), 0) == 0 ? what : n.label() + " " + what);
+        throw lower::labelled(n.label(), e);
       } catch (const std::exception& e) {
         throw Error(n.label() + " emulated kernel failed: " + e.what());
       }

@@ -8,14 +8,18 @@
 
 #include "backend/cpu/thread_pool.hpp"
 #include "kg/model.hpp"
+#include "lower/launch_plan.hpp"
+#include "lower/lowering.hpp"
 #include "runtime/plan.hpp"
 
 namespace kg::cpu {
 
 class Executor {
  public:
-  // `threads` 0: the process-wide pool.
-  explicit Executor(int threads);
+  // `threads` 0: the process-wide pool. `lowered` is the model's lowering for the emulator (nodes
+  // whose op gave none are marked so). `checked`: every lowered op runs its kernels under the
+  // emulator in checked mode, outputs poisoned and verified (LoadOptions::checked).
+  Executor(int threads, lower::LoweredGraph lowered, bool checked);
   // Executes every step. `inputs` are the bound model inputs, `arena` the activation bytes.
   // Errors from an op are rethrown prefixed with its node's label.
   void run(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
@@ -33,18 +37,17 @@ class Executor {
                              void* arena);
   ThreadPool& pool() { return own_ ? *own_ : ThreadPool::global(); }
 
-  // What an emulated node keeps between runs (its lowering, compiled kernel, parameters).
+  // What an emulated node keeps between runs (its kernel module, scratch).
   struct EmulatedNode;
-  // The lowering and backward source of an op whose backward runs emulated, taken once.
-  struct EmulatedBackward {
-    Lowered lowered;
-    std::string source;
-  };
 
  private:
+  const lower::Executable* executable(int node) const;
   std::unique_ptr<ThreadPool> own_;
+  lower::LoweredGraph lowered_;
+  std::map<int, const lower::Executable*> by_node_;
+  bool checked_ = false;
   std::map<int, std::shared_ptr<EmulatedNode>> emulated_;  // by node id
-  std::map<int, EmulatedBackward> emulated_backward_;  // by node id
+  std::map<int, lower::KernelModule> emulated_backward_;   // by node id
 };
 
 }  // namespace kg::cpu

@@ -32,16 +32,17 @@ Loaded load() {
     return l;
   }
   bool missing = false;
-#define KG_RESOLVE(name)                                                                                  \
-  {                                                                                                       \
-    void* fn = nullptr;                                                                                   \
-    CUdriverProcAddressQueryResult q{};                                                                   \
-    if (get_proc(#name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &q) != CUDA_SUCCESS || !fn) {     \
-      l.reason = std::string("the NVIDIA driver lacks ") + #name + " for CUDA " + std::to_string(CUDA_VERSION); \
-      missing = true;                                                                                     \
-    } else {                                                                                              \
-      l.driver.name = reinterpret_cast<decltype(l.driver.name)>(fn);                                      \
-    }                                                                                                     \
+#define KG_RESOLVE(name)                                                                                 \
+  {                                                                                                      \
+    void* fn = nullptr;                                                                                  \
+    CUdriverProcAddressQueryResult q{};                                                                  \
+    if (get_proc(#name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &q) != CUDA_SUCCESS || !fn) {    \
+      l.reason =                                                                                         \
+          std::string("the NVIDIA driver lacks ") + #name + " for CUDA " + std::to_string(CUDA_VERSION); \
+      missing = true;                                                                                    \
+    } else {                                                                                             \
+      l.driver.name = reinterpret_cast<decltype(l.driver.name)>(fn);                                     \
+    }                                                                                                    \
   }
   KG_CUDA_DRIVER_FUNCTIONS(KG_RESOLVE)
 #undef KG_RESOLVE
@@ -83,7 +84,27 @@ void Driver::check(CUresult r, const std::string& what) const {
   const char* text = nullptr;
   cuGetErrorName(r, &name);
   cuGetErrorString(r, &text);
-  throw Error(util::cat(what, ": ", name ? name : "CUDA error", " (", text ? text : "no description", ")"));
+  std::string msg =
+      util::cat(what, ": ", name ? name : "CUDA error", " (", text ? text : "no description", ")");
+  // A kernel fault leaves the context unusable: every later call fails with the same code. Say so,
+  // and where it was first seen, instead of blaming the later call.
+  const bool sticky = r == CUDA_ERROR_ILLEGAL_ADDRESS || r == CUDA_ERROR_LAUNCH_FAILED ||
+                      r == CUDA_ERROR_ILLEGAL_INSTRUCTION || r == CUDA_ERROR_MISALIGNED_ADDRESS ||
+                      r == CUDA_ERROR_HARDWARE_STACK_ERROR || r == CUDA_ERROR_INVALID_PC ||
+                      r == CUDA_ERROR_ASSERT;
+  if (sticky) {
+    if (first_fault_.empty()) {
+      first_fault_ = what;
+      msg +=
+          "; a kernel faulted, and the CUDA context stays unusable for the rest of this process (run the "
+          "model "
+          "with LoadOptions::checked / --checked to find the op)";
+    } else {
+      msg += util::cat("; the CUDA context has been unusable since a kernel fault first seen at: ",
+                       first_fault_);
+    }
+  }
+  throw Error(msg);
 }
 
 }  // namespace kg::cuda

@@ -8,16 +8,19 @@
 
 namespace kg::cuda {
 
-#define KG_CUDA_DRIVER_FUNCTIONS(X)                                                                    \
-  X(cuInit) X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName)               \
-  X(cuDeviceGetAttribute) X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) \
-  X(cuCtxSynchronize) X(cuModuleLoadDataEx) X(cuModuleUnload) X(cuModuleGetFunction)                  \
-  X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree)            \
-  X(cuMemcpyHtoD) X(cuMemcpyDtoH) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync)      \
-  X(cuMemsetD8Async) X(cuMemGetInfo) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize)      \
-  X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiateWithFlags) X(cuGraphLaunch)       \
-  X(cuGraphExecDestroy) X(cuGraphDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord)         \
-  X(cuEventSynchronize) X(cuEventElapsedTime) X(cuGetErrorName) X(cuGetErrorString)
+#define KG_CUDA_DRIVER_FUNCTIONS(X)                                                                     \
+  X(cuInit)                                                                                             \
+  X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName) X(cuDeviceGetAttribute)   \
+      X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxSynchronize)   \
+          X(cuModuleLoadDataEx) X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncSetAttribute)          \
+              X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)        \
+                  X(cuMemcpyDtoH) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync)        \
+                      X(cuMemsetD8Async) X(cuMemGetInfo) X(cuStreamCreate) X(cuStreamDestroy)           \
+                          X(cuStreamSynchronize) X(cuStreamBeginCapture) X(cuStreamEndCapture)          \
+                              X(cuGraphInstantiateWithFlags) X(cuGraphLaunch) X(cuGraphExecDestroy)     \
+                                  X(cuGraphDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) \
+                                      X(cuEventSynchronize) X(cuEventElapsedTime) X(cuGetErrorName)     \
+                                          X(cuGetErrorString)
 
 // Function pointers of the driver API, resolved through cuGetProcAddress for the ABI of the
 // cuda.h this was compiled with.
@@ -34,7 +37,11 @@ struct Driver {
   static const Driver& require();
 
   // Throws kg::Error "<what>: CUDA_ERROR_X (text)" unless r is CUDA_SUCCESS.
+  // After a kernel fault every later message also says where the fault was first seen.
   void check(CUresult r, const std::string& what) const;
+
+ private:
+  mutable std::string first_fault_;
 };
 
 }  // namespace kg::cuda

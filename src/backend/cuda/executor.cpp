@@ -1,8 +1,8 @@
 #include "backend/cuda/executor.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <algorithm>
 
 #include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
@@ -32,6 +32,9 @@ bool available() { return Driver::get() != nullptr; }
 
 namespace {
 
+// Checked mode: bytes of canaries before and after the arena.
+constexpr std::size_t kGuardBytes = 1 << 16;
+
 class GpuExecutor final : public Executor {
  public:
   GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, runtime::Plan& plan,
@@ -41,25 +44,35 @@ class GpuExecutor final : public Executor {
                           std::vector<NodeTime>* profile) override;
   void upload_params() override;
   void download_params() override;
-  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile) override {
+  void backward(bool accumulate_params, std::uint64_t seed, bool training,
+                std::vector<NodeTime>* profile) override {
     trainer().backward(accumulate_params, seed, training, profile);
   }
   void zero_grad() override { trainer().zero_grad(); }
   void step(const OptimizerOptions& o, std::int64_t step) override { trainer().step(o, step); }
   void reset_optimizer(const OptimizerOptions& o) override { trainer().reset_optimizer(o); }
-  void download_grads(std::vector<std::vector<Tensor>>& g) override { trainer().download_grads(g); }
-  void download_slots(std::vector<std::vector<std::vector<Tensor>>>& s) override { trainer().download_slots(s); }
-  void upload_slots(const std::vector<std::vector<std::vector<Tensor>>>& s) override { trainer().upload_slots(s); }
+  void download_grads(std::vector<std::vector<Tensor> >& g) override { trainer().download_grads(g); }
+  void download_slots(std::vector<std::vector<std::vector<Tensor> > >& s) override {
+    trainer().download_slots(s);
+  }
+  void upload_slots(const std::vector<std::vector<std::vector<Tensor> > >& s) override {
+    trainer().upload_slots(s);
+  }
 
  private:
   struct Step {
     const runtime::Step* plan_step;
-    CUfunction fn = nullptr;
+    std::vector<CUfunction> fns;  // per launch
     std::vector<DeviceBuffer> params;
-    std::vector<std::vector<void*>> kparams;  // per launch, into lp_.steps[i].launches[l].args
+    std::vector<std::vector<void*> > kparams;  // per launch, into lp_.steps[i].launches[l].args
   };
   DevicePtr value_ptr(int node) const;
+  void bind_launches(std::size_t i);
+  void launch_step(std::size_t i);
   void launch_all();
+  // Checked mode: poisons step i's output, runs it, and verifies that it wrote every output
+  // element and no arena byte outside its output and scratch (guards included).
+  void launch_checked(std::size_t i);
   // Packs the launches that depend on the run again; true when any was.
   bool repack_for_run(bool training, std::uint64_t seed);
   Trainer& trainer() {
@@ -72,7 +85,9 @@ class GpuExecutor final : public Executor {
   runtime::Plan& plan_;
   LoadOptions options_;
   lower::LaunchPlan lp_;
-  DeviceBuffer arena_;
+  DeviceBuffer arena_block_;  // the arena, with guard bytes before and after it in checked mode
+  DevicePtr arena_ = 0;
+  std::size_t guard_ = 0;
   std::vector<DeviceBuffer> inputs_;
   std::vector<DevicePtr> input_ptrs_;
   std::vector<Step> steps_;
@@ -80,20 +95,22 @@ class GpuExecutor final : public Executor {
   CUgraphExec graph_exec_ = nullptr;
   std::vector<std::string> eval_only_;  // labels of ops whose kernels have no train mode
   bool any_run_dependent_ = false;
-  bool packed_training_ = false;        // the mode the run-dependent launches are packed for
+  bool packed_training_ = false;  // the mode the run-dependent launches are packed for
   std::unique_ptr<Trainer> trainer_;
 };
 
-GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, runtime::Plan& plan,
-                         const LoadOptions& options)
+GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
+                         runtime::Plan& plan, const LoadOptions& options)
     : ctx_(Context::get(device)), graph_(graph), plan_(plan), options_(options) {
-  lp_ = lower::size_launches(graph, lowered, plan, options.seed);
-  arena_ = DeviceBuffer(ctx_, std::max<std::size_t>(lp_.arena_bytes, 1));
+  lp_ = lower::size_launches(graph, lowered, plan);
+  guard_ = options.checked ? kGuardBytes : 0;
+  arena_block_ = DeviceBuffer(ctx_, std::max<std::size_t>(lp_.arena_bytes, 1) + 2 * guard_);
+  arena_ = arena_block_.ptr() + guard_;
   for (int id : graph.inputs()) {
     inputs_.emplace_back(ctx_, plan.values[static_cast<std::size_t>(id)].bytes());
     input_ptrs_.push_back(inputs_.back().ptr());
   }
-  std::vector<std::vector<DevicePtr>> param_ptrs;
+  std::vector<std::vector<DevicePtr> > param_ptrs;
   for (const auto& ps : plan.steps) {
     Step st;
     st.plan_step = &ps;
@@ -106,22 +123,23 @@ GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGra
     param_ptrs.push_back(ptrs);
     steps_.push_back(std::move(st));
   }
-  lower::pack_launches(lp_, graph, lowered, plan, ctx_.arch(), arena_.ptr(), input_ptrs_, param_ptrs);
+  lower::pack_launches(lp_, graph, lowered, plan, ctx_.arch(), arena_, input_ptrs_, param_ptrs);
   // Functions and kernel-parameter arrays, matched to the plan's steps by node.
   std::vector<Step> ordered;
   for (auto& sl : lp_.steps) {
-    auto it = std::find_if(steps_.begin(), steps_.end(), [&](const Step& s) { return s.plan_step->node == sl.node; });
-    Step st = std::move(*it);
-    st.fn = ctx_.function(sl.ptx, sl.entry, sl.label);
-    for (auto& L : sl.launches) st.kparams.push_back(L.args.kernel_params());
-    ordered.push_back(std::move(st));
+    auto it = std::find_if(steps_.begin(), steps_.end(),
+                           [&](const Step& s) { return s.plan_step->node == sl.node; });
+    ordered.push_back(std::move(*it));
   }
   steps_ = std::move(ordered);
+  for (std::size_t i = 0; i < steps_.size(); ++i) bind_launches(i);
   for (const auto& e : lowered.executables)
-    if (!e.view && !e.runtime_op->supports_train_mode()) eval_only_.push_back(graph.node(e.node).label());
+    if (!e.view && e.lowered && !e.runtime_op->supports_train_mode())
+      eval_only_.push_back(graph.node(e.node).label());
   for (const auto& sl : lp_.steps) any_run_dependent_ = any_run_dependent_ || sl.depends_on_run;
   if (plan.training.enabled)
-    trainer_ = std::make_unique<Trainer>(ctx_, graph, lowered, plan, arena_.ptr(), input_ptrs_, param_ptrs);
+    trainer_ = std::make_unique<Trainer>(ctx_, graph, lowered, plan, arena_, input_ptrs_, param_ptrs,
+                                         options.checked);
 }
 
 GpuExecutor::~GpuExecutor() {
@@ -130,15 +148,98 @@ GpuExecutor::~GpuExecutor() {
   if (graph_handle_) d.cuGraphDestroy(graph_handle_);
 }
 
-DevicePtr GpuExecutor::value_ptr(int node) const { return lower::value_address(plan_, node, arena_.ptr(), input_ptrs_); }
+DevicePtr GpuExecutor::value_ptr(int node) const {
+  return lower::value_address(plan_, node, arena_, input_ptrs_);
+}
+
+void GpuExecutor::bind_launches(std::size_t i) {
+  auto& sl = lp_.steps[i];
+  Step& st = steps_[i];
+  st.fns.clear();
+  st.kparams.clear();
+  for (auto& L : sl.launches) {
+    st.fns.push_back(ctx_.function(sl.module.ptx, L.ptx_entry, sl.label));
+    st.kparams.push_back(L.launch.args.kernel_params());
+  }
+}
+
+void GpuExecutor::launch_step(std::size_t i) {
+  auto& sl = lp_.steps[i];
+  for (std::size_t l = 0; l < sl.launches.size(); ++l) {
+    const Launch& L = sl.launches[l].launch;
+    ctx_.launch(steps_[i].fns[l], L.grid, L.block, L.shared_bytes, steps_[i].kparams[l].data(),
+                util::cat(sl.label, " kernel '", sl.module.name, "' entry '", sl.launches[l].entry, "'"));
+  }
+}
 
 void GpuExecutor::launch_all() {
   for (std::size_t i = 0; i < steps_.size(); ++i) {
-    auto& sl = lp_.steps[i];
-    for (std::size_t l = 0; l < sl.launches.size(); ++l) {
-      const auto& L = sl.launches[l];
-      ctx_.launch(steps_[i].fn, L.grid, L.block, L.shared, steps_[i].kparams[l].data(), sl.label);
+    if (options_.checked)
+      launch_checked(i);
+    else
+      launch_step(i);
+  }
+}
+
+void GpuExecutor::launch_checked(std::size_t i) {
+  auto& sl = lp_.steps[i];
+  const auto& ov = plan_.values[static_cast<std::size_t>(sl.node)];
+  const bool in_arena = ov.input_index < 0;
+  const std::size_t total = arena_block_.bytes();
+  const std::size_t out_lo = guard_ + ov.offset, out_hi = out_lo + ov.bytes();
+  const unsigned char poison = is_floating(ov.dtype) ? 0xFF : 0xA5;
+  const std::string kernel = util::cat(sl.label, " kernel '", sl.module.name, "'");
+  if (in_arena && ov.bytes()) ctx_.fill_bytes_async(value_ptr(sl.node), poison, ov.bytes());
+  std::vector<unsigned char> before(total), after(total);
+  ctx_.download(before.data(), arena_block_.ptr(), total);
+  try {
+    launch_step(i);
+    ctx_.synchronize();
+  } catch (const Error& e) {
+    throw Error(util::cat(kernel, " faulted while running in checked mode: ", e.what()));
+  }
+  ctx_.download(after.data(), arena_block_.ptr(), total);
+  const std::size_t s_lo = guard_ + sl.scratch_offset, s_hi = s_lo + sl.scratch_bytes;
+  for (std::size_t b = 0; b < total; ++b) {
+    if (before[b] == after[b] || (in_arena && b >= out_lo && b < out_hi) || (b >= s_lo && b < s_hi)) continue;
+    const std::size_t es = dtype_size(ov.dtype);
+    std::string where;
+    if (b < guard_) {
+      where = util::cat("the guard before the arena, ", guard_ - b, " bytes before it");
+    } else if (b >= guard_ + lp_.arena_bytes) {
+      where = util::cat("the guard after the arena, byte ", b - guard_ - lp_.arena_bytes, " past its end");
+    } else {
+      where = util::cat("arena byte ", b - guard_);
+      for (int id : plan_.live) {
+        const auto& v = plan_.values[static_cast<std::size_t>(id)];
+        if (v.root != id || v.input_index >= 0) continue;
+        if (b - guard_ >= v.offset && b - guard_ < v.offset + v.bytes()) {
+          where += util::cat(", inside the buffer of '", graph_.node(id).name, "'");
+          break;
+        }
+      }
     }
+    if (in_arena && b >= out_hi)
+      throw Error(util::cat(kernel, " wrote past the end of its output '", graph_.node(sl.node).name, "' ",
+                            sizes_to_string(ov.shape), " (", numel_of(ov.shape), " elements): element ",
+                            numel_of(ov.shape) + static_cast<std::int64_t>((b - out_hi) / es), ", at ",
+                            where));
+    if (in_arena && b < out_lo)
+      throw Error(util::cat(kernel, " wrote before the start of its output '", graph_.node(sl.node).name,
+                            "' (", (out_lo - b + es - 1) / es, " elements before it), at ", where));
+    throw Error(util::cat(kernel, " wrote outside its output, at ", where));
+  }
+  if (!in_arena) return;
+  const std::size_t es = dtype_size(ov.dtype);
+  for (std::size_t e = 0; e * es < ov.bytes(); ++e) {
+    bool all = true;
+    for (std::size_t k = 0; k < es && all; ++k) all = after[out_lo + e * es + k] == poison;
+    if (all)
+      throw Error(
+          util::cat(kernel, ": output '", graph_.node(sl.node).name, "' ", sizes_to_string(ov.shape),
+                    " element ", e, " was not written (", numel_of(ov.shape),
+                    " elements; every one must be); is infer_output_shape larger than what the kernel "
+                    "writes?"));
   }
 }
 
@@ -148,9 +249,8 @@ bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {
     auto& sl = lp_.steps[i];
     if (!sl.depends_on_run) continue;
     // Eval-mode launches take no seed, so they stay the same from run to run (and in a CUDA graph).
-    lower::pack_step(sl, RunInfo{training, training ? runtime::node_seed(seed, sl.node) : 0});
-    steps_[i].kparams.clear();
-    for (auto& L : sl.launches) steps_[i].kparams.push_back(L.args.kernel_params());
+    lower::pack_step(sl, training, training ? runtime::node_seed(seed, sl.node) : 0);
+    bind_launches(i);
   }
   packed_training_ = training;
   return true;
@@ -159,8 +259,9 @@ bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {
 std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
                                      std::vector<NodeTime>* profile) {
   if (training && !eval_only_.empty())
-    throw Error(eval_only_.front() + " cuda: this op's kernels implement inference behaviour only; a train-mode run "
-                                     "(set_training(true)) needs it on the cpu device");
+    throw Error(eval_only_.front() +
+                " cuda: this op's kernels implement inference behaviour only; a train-mode run "
+                "(set_training(true)) needs it on the cpu device");
   ctx_.make_current();
   const Driver& d = ctx_.driver();
   if (repack_for_run(training, seed) && graph_exec_) {  // the captured graph holds the old arguments
@@ -169,25 +270,28 @@ std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool tra
     graph_exec_ = nullptr;
     graph_handle_ = nullptr;
   }
-  for (std::size_t k = 0; k < inputs.size(); ++k) ctx_.upload_async(inputs_[k].ptr(), inputs[k].raw(), inputs[k].nbytes());
-  if (options_.poison_buffers) ctx_.fill_bytes_async(arena_.ptr(), 0xFF, arena_.bytes());
+  for (std::size_t k = 0; k < inputs.size(); ++k)
+    ctx_.upload_async(inputs_[k].ptr(), inputs[k].raw(), inputs[k].nbytes());
+  if (options_.poison_buffers) ctx_.fill_bytes_async(arena_, 0xFF, lp_.arena_bytes);
   if (profile) {
     for (std::size_t i = 0; i < steps_.size(); ++i) {
       auto& sl = lp_.steps[i];
       ctx_.synchronize();
       auto t0 = std::chrono::steady_clock::now();
-      for (std::size_t l = 0; l < sl.launches.size(); ++l) {
-        const auto& L = sl.launches[l];
-        ctx_.launch(steps_[i].fn, L.grid, L.block, L.shared, steps_[i].kparams[l].data(), sl.label);
-      }
+      if (options_.checked)
+        launch_checked(i);
+      else
+        launch_step(i);
       ctx_.synchronize();
       const Node& n = graph_.node(sl.node);
-      profile->push_back({n.name, n.op_name(),
-                          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
+      profile->push_back(
+          {n.name, n.op_name(),
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
     }
-  } else if (options_.cuda_graph && !(training && any_run_dependent_)) {
+  } else if (options_.cuda_graph && !options_.checked && !(training && any_run_dependent_)) {
     if (!graph_exec_) {
-      d.check(d.cuStreamBeginCapture(ctx_.stream(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
+      d.check(d.cuStreamBeginCapture(ctx_.stream(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture");
       try {
         launch_all();
       } catch (...) {
@@ -204,31 +308,13 @@ std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool tra
     launch_all();
   }
   std::vector<Tensor> outs;
-  std::vector<std::pair<Tensor, std::size_t>> padded;
   for (int o : plan_.outputs) {
     const auto& v = plan_.values[static_cast<std::size_t>(o)];
-    const std::int64_t last = v.shape.empty() ? 1 : v.shape.back();
-    const std::int64_t rs = lp_.row_stride[static_cast<std::size_t>(o)];
-    if (rs == last || last == 0) {
-      Tensor t = Tensor::empty(v.dtype, v.shape);
-      ctx_.download_async(t.raw(), value_ptr(o), t.nbytes());
-      outs.push_back(t);
-    } else {
-      Tensor raw = Tensor::empty(v.dtype, {numel_of(v.shape) / last, rs});
-      ctx_.download_async(raw.raw(), value_ptr(o), raw.nbytes());
-      padded.emplace_back(raw, outs.size());
-      outs.push_back(Tensor::empty(v.dtype, v.shape));
-    }
+    Tensor t = Tensor::empty(v.dtype, v.shape);
+    ctx_.download_async(t.raw(), value_ptr(o), t.nbytes());
+    outs.push_back(t);
   }
   ctx_.synchronize();
-  for (auto& [raw, idx] : padded) {
-    Tensor& t = outs[idx];
-    const std::size_t row = static_cast<std::size_t>(t.shape().back()) * dtype_size(t.dtype());
-    const std::size_t stride = static_cast<std::size_t>(raw.shape().back()) * dtype_size(t.dtype());
-    for (std::int64_t r = 0; r < raw.shape()[0]; ++r)
-      std::memcpy(static_cast<std::byte*>(t.raw()) + static_cast<std::size_t>(r) * row,
-                  static_cast<const std::byte*>(raw.raw()) + static_cast<std::size_t>(r) * stride, row);
-  }
   return outs;
 }
 

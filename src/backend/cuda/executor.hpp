@@ -44,8 +44,8 @@ class Executor {
 };
 
 // Compiles every executable for the device's architecture, checks the launches, plans and
-// allocates device memory and uploads parameters. Adds RuntimeOp-declared parameters to
-// `plan` and fills plan.memory.
+// allocates device memory and uploads parameters; fills plan.memory. With LoadOptions::checked
+// every launch is verified (guard canaries, poisoned outputs) after it runs.
 std::unique_ptr<Executor> make_executor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
                                         runtime::Plan& plan, const LoadOptions& options);
 

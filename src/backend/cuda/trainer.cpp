@@ -19,9 +19,10 @@ namespace {
 constexpr unsigned kThreads = 256;
 }  // namespace
 
-Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const runtime::Plan& plan,
-                 DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params)
-    : ctx_(ctx), graph_(graph), plan_(plan), arena_(arena), params_(std::move(params)) {
+Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered,
+                 const runtime::Plan& plan, DevicePtr arena, std::vector<DevicePtr> inputs,
+                 std::vector<std::vector<DevicePtr>> params, bool checked)
+    : ctx_(ctx), graph_(graph), plan_(plan), arena_(arena), params_(std::move(params)), checked_(checked) {
   const runtime::TrainingPlan& tp = plan.training;
   // Runtime kernels.
   {
@@ -62,19 +63,19 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
     bw.rt = e.runtime_op;
     try {
       const auto& st = plan.steps[static_cast<std::size_t>(b.step)];
-      BackwardTensors& t = bw.tensors;
+      LaunchTensors& t = bw.tensors;
       for (std::size_t i = 0; i < n.inputs.size(); ++i) {
         const int in = n.inputs[i];
         const auto& v = plan.values[static_cast<std::size_t>(in)];
-        t.inputs.push_back({b.saves.inputs ? lower::value_address(plan, in, arena, inputs) : 0, v.shape, v.dtype});
+        t.inputs.push_back(
+            {b.saves.inputs ? lower::value_address(plan, in, arena, inputs) : 0, v.shape, v.dtype});
         const runtime::GradTarget& g = b.inputs[i];
         DevicePtr gp = g.root < 0 ? 0 : g.accumulate ? arena + g.temp_offset : grad_addr(in);
         if (g.root >= 0 && v.dtype != DType::F32)
-          throw Error(util::cat("input ", i, " is ", dtype_name(v.dtype), "; training on cuda supports f32 activations"));
+          throw Error(util::cat("input ", i, " is ", dtype_name(v.dtype),
+                                "; training on cuda supports f32 activations"));
         t.grad_inputs.push_back({gp, v.shape, v.dtype});
       }
-      t.inputs.resize(static_cast<std::size_t>(bw.rt->n_activation_inputs()));
-      t.grad_inputs.resize(t.inputs.size());
       const auto& pa = params_.at(static_cast<std::size_t>(b.step));
       for (std::size_t p = 0; p < st.specs.size(); ++p) {
         t.params.push_back({pa.at(p), st.specs[p].shape, st.specs[p].dtype});
@@ -91,19 +92,11 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
         bw.scratch = DeviceBuffer(ctx_, sb);
         t.scratch = bw.scratch.ptr();
       }
-      const compile::CompileResult compiled =
-          compile::Compiler::global().compile(e.name + ".backward", e.backward_source, ctx_.arch());
-      bw.entries = compile::parse_ptx_entries(compiled.ptx);
-      const int nl = bw.rt->n_backward_launches(t);
-      if (nl < 1) throw Error(util::cat("n_backward_launches is ", nl));
-      for (int l = 0; l < nl; ++l) {
-        const std::string want = bw.rt->backward_entry_point(l);
-        const compile::PtxEntry& entry = lower::resolve_entry(bw.entries, want, bw.label);
-        lower::check_block(entry, bw.rt->backward_block(l), bw.label, l);
-        bw.entry_names.push_back(entry.name);
-        bw.arg_names.push_back(compile::kernel_param_names(e.backward_source, want.empty() ? entry.name : want));
-        bw.fns.push_back(ctx_.function(compiled.ptx, entry.name, bw.label));
-      }
+      bw.module = lower::make_module(e.name + ".backward", e.backward_source, "", ctx_.arch());
+      // The launches as the first run will describe them, checked now.
+      for (const auto& L :
+           lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward"))
+        bw.fns[L.ptx_entry] = ctx_.function(bw.module.ptx, L.ptx_entry, bw.label);
     } catch (const Error& err) {
       throw lower::labelled(bw.label, err);
     } catch (const std::exception& err) {
@@ -114,7 +107,8 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
 }
 
 void Trainer::launch_1d(CUfunction f, std::int64_t n, void** params, const std::string& label) {
-  const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, 65535));
+  const auto blocks =
+      static_cast<unsigned>(std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, 65535));
   ctx_.launch(f, Dim3{blocks, 1, 1}, Dim3{kThreads, 1, 1}, 0, params, label);
 }
 
@@ -124,7 +118,8 @@ void Trainer::add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::strin
   launch_1d(add_, n, p, label);
 }
 
-void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile) {
+void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training,
+                       std::vector<NodeTime>* profile) {
   ctx_.make_current();
   const runtime::TrainingPlan& tp = plan_.training;
   for (int r : tp.zero_roots)
@@ -132,7 +127,8 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
                           plan_.values[static_cast<std::size_t>(r)].bytes());
   {
     const auto& lv = plan_.values[static_cast<std::size_t>(tp.loss_node)];
-    if (lv.dtype != DType::F32) throw Error("training on cuda needs an f32 loss, got " + std::string(dtype_name(lv.dtype)));
+    if (lv.dtype != DType::F32)
+      throw Error("training on cuda needs an f32 loss, got " + std::string(dtype_name(lv.dtype)));
     DevicePtr lp = arena_ + tp.grad_offset[static_cast<std::size_t>(lv.root)];
     float one = 1.0f;
     long long n = numel_of(lv.shape);
@@ -144,23 +140,22 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
     const Node& n = graph_.node(b.node);
     auto t0 = std::chrono::steady_clock::now();
     if (profile) ctx_.synchronize();
-    BackwardTensors& t = bw.tensors;
+    LaunchTensors& t = bw.tensors;
     for (std::size_t p = 0; p < t.grad_params.size(); ++p)
       t.grad_params[p].ptr = accumulate_params ? bw.temp_param_grads[p] : bw.direct_param_grads[p];
     t.seed = runtime::node_seed(seed, b.node);
     t.training = training;
     try {
-      for (std::size_t l = 0; l < bw.fns.size(); ++l) {
-        const int li = static_cast<int>(l);
-        const Dim3 grid = bw.rt->backward_grid(li, t), block = bw.rt->backward_block(li);
-        lower::check_grid(grid, t.grad_output.shape, bw.label, li);
-        lower::ArgPack pack;
-        bw.rt->pack_backward_args(li, t, pack);
-        const compile::PtxEntry& entry = lower::resolve_entry(bw.entries, bw.entry_names[l], bw.label);
-        lower::check_args(entry, pack, bw.arg_names[l], bw.label, li);
-        auto kp = pack.kernel_params();
-        ctx_.launch(bw.fns[l], grid, block, bw.rt->backward_dynamic_shared_bytes(li, t), kp.data(), bw.label);
+      for (const auto& L :
+           lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward")) {
+        auto f = bw.fns.find(L.ptx_entry);
+        if (f == bw.fns.end())
+          f = bw.fns.emplace(L.ptx_entry, ctx_.function(bw.module.ptx, L.ptx_entry, bw.label)).first;
+        auto kp = L.launch.args.kernel_params();
+        ctx_.launch(f->second, L.launch.grid, L.launch.block, L.launch.shared_bytes, kp.data(),
+                    util::cat(bw.label, " kernel '", bw.module.name, "' entry '", L.entry, "'"));
       }
+      if (checked_) ctx_.synchronize();
     } catch (const Error& err) {
       throw lower::labelled(bw.label, err);
     }
@@ -168,8 +163,8 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
       const runtime::GradTarget& g = b.inputs[i];
       if (g.root < 0 || !g.accumulate) continue;
       const auto& v = plan_.values[static_cast<std::size_t>(n.inputs[i])];
-      add(arena_ + tp.grad_offset[static_cast<std::size_t>(v.root)], arena_ + g.temp_offset, numel_of(v.shape),
-          bw.label + " gradient sum");
+      add(arena_ + tp.grad_offset[static_cast<std::size_t>(v.root)], arena_ + g.temp_offset,
+          numel_of(v.shape), bw.label + " gradient sum");
     }
     if (accumulate_params)
       for (std::size_t p = 0; p < bw.direct_param_grads.size(); ++p)
@@ -178,8 +173,9 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
               bw.label + " parameter gradient sum");
     if (profile) {
       ctx_.synchronize();
-      profile->push_back({n.name, n.op_name() + " (backward)",
-                          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
+      profile->push_back(
+          {n.name, n.op_name() + " (backward)",
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
     }
   }
 }
@@ -225,7 +221,8 @@ void Trainer::step(const OptimizerOptions& o, std::int64_t step) {
         launch_1d(sgd_, n, a, label);
       } else {
         DevicePtr m = slots_.at(s).at(p).at(0).ptr(), v = slots_[s][p].at(1).ptr();
-        float b1 = static_cast<float>(o.beta1), b2 = static_cast<float>(o.beta2), eps = static_cast<float>(o.eps);
+        float b1 = static_cast<float>(o.beta1), b2 = static_cast<float>(o.beta2),
+              eps = static_cast<float>(o.eps);
         float c1 = static_cast<float>(1.0 - std::pow(o.beta1, static_cast<double>(step)));
         float c2 = static_cast<float>(std::sqrt(1.0 - std::pow(o.beta2, static_cast<double>(step))));
         void* a[] = {&param, &grad, &m, &v, &lr, &wd, &b1, &b2, &c1, &c2, &eps, &n};

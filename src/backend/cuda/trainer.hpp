@@ -4,13 +4,14 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "backend/cuda/context.hpp"
 #include "kg/model.hpp"
-#include "lower/launch_check.hpp"
+#include "lower/launch_plan.hpp"
 #include "lower/lowering.hpp"
 #include "runtime/plan.hpp"
 
@@ -21,7 +22,8 @@ class Trainer {
   // Compiles every backward source for the device, checks entries and blocks, and allocates
   // gradients. `params[s]` are the device addresses of plan.steps[s]'s parameters.
   Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const runtime::Plan& plan,
-          DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params);
+          DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params,
+          bool checked);
 
   void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile);
   void zero_grad();
@@ -36,12 +38,10 @@ class Trainer {
     const runtime::BackwardStep* step = nullptr;
     std::string label;
     std::shared_ptr<RuntimeOp> rt;
-    std::vector<compile::PtxEntry> entries;
-    std::vector<std::string> entry_names;      // per launch: PTX entry
-    std::vector<std::vector<std::string>> arg_names;  // per launch: CUDA parameter names
-    std::vector<CUfunction> fns;               // per launch
+    lower::KernelModule module;             // the backward source, compiled
+    std::map<std::string, CUfunction> fns;  // by PTX entry
     DeviceBuffer scratch;
-    BackwardTensors tensors;                   // addresses; params grads filled per run
+    LaunchTensors tensors;  // addresses; parameter gradients filled per run
     std::vector<DevicePtr> direct_param_grads, temp_param_grads;
   };
   void add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::string& label);
@@ -55,6 +55,7 @@ class Trainer {
   std::vector<std::vector<DeviceBuffer>> grads_;               // per plan step, parameter
   std::vector<std::vector<std::vector<DeviceBuffer>>> slots_;  // per plan step, parameter, slot
   std::vector<std::vector<DevicePtr>> params_;
+  bool checked_ = false;  // synchronise after each backward step, so a fault names its op
   CUfunction fill_ = nullptr, add_ = nullptr, sgd_ = nullptr, adamw_ = nullptr;
 };
 

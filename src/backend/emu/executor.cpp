@@ -20,7 +20,7 @@
 namespace kg::emu {
 namespace {
 
-using Kind = lower::ArgPack::Kind;
+using Kind = KernelArg::Kind;
 
 std::string kind_words(const KgEmuParam& p) {
   switch (p.kind) {
@@ -71,10 +71,10 @@ void check_args(const KernelEntry& k, const lower::ArgPack& pack, const std::str
   const auto& args = pack.args();
   const std::size_t n = std::min(args.size(), k.params.size());
   for (std::size_t i = 0; i < n; ++i)
-    if (!compatible(args[i].kind, args[i].data.size(), k.params[i].info))
+    if (!compatible(args[i].kind(), args[i].data().size(), k.params[i].info))
       throw Error(util::cat(label, " pack_args: ", arg_name(k, i), " is ", type_text(k.params[i]),
-                            " in the kernel '", k.entry, "' but ", lower::ArgPack::kind_name(args[i].kind),
-                            " (", args[i].data.size(), " bytes) was visited"));
+                            " in the kernel '", k.entry, "' but ", KernelArg::kind_name(args[i].kind()),
+                            " (", args[i].data().size(), " bytes) was visited"));
   if (args.size() < k.params.size())
     throw Error(util::cat(label, " pack_args: the kernel '", k.entry, "' takes ", k.params.size(),
                           " arguments but ", args.size(), " were visited; missing ", arg_name(k, args.size()),
@@ -163,7 +163,7 @@ class CheckedLaunch {
   CheckedLaunch(const KernelEntry& k, const lower::ArgPack& pack, const std::vector<HostBuffer>& buffers,
                 const std::string& label)
       : k_(k), label_(label) {
-    for (const auto& a : pack.args()) bytes_.push_back(a.data);
+    for (const auto& a : pack.args()) bytes_.push_back(a.data());
     // Each pointer argument to the buffer that contains it; overlapping buffers share one copy.
     std::vector<std::pair<std::size_t, std::size_t>> uses;  // (argument, buffer)
     for (std::size_t i = 0; i < bytes_.size(); ++i) {
@@ -324,7 +324,7 @@ void run_kernel(const KernelEntry& k, Dim3 grid, Dim3 block, std::size_t shared,
   }
   std::vector<std::vector<std::byte>> bytes;
   std::vector<void*> ptrs;
-  for (const auto& a : pack.args()) bytes.push_back(a.data);
+  for (const auto& a : pack.args()) bytes.push_back(a.data());
   for (auto& b : bytes) ptrs.push_back(b.data());
   GridLaunch gl;
   gl.kernel = &k;
@@ -352,47 +352,6 @@ class HostBlock {
   std::unique_ptr<std::byte[]> mem_;
   std::size_t bytes_;
 };
-
-// pack_launches without NVRTC: the same packing, grids and checks, minus the PTX signature.
-void pack_on_host(lower::LaunchPlan& lp, const Graph& graph, const lower::LoweredGraph& lowered,
-                  const runtime::Plan& plan, DevicePtr arena, const std::vector<DevicePtr>& inputs,
-                  const std::vector<std::vector<DevicePtr>>& params) {
-  std::size_t k = 0;
-  for (const auto& e : lowered.executables) {
-    if (e.view) continue;
-    lower::StepLaunches& sl = lp.steps.at(k++);
-    const Node& n = graph.node(e.node);
-    const RuntimeOp& rt = *e.runtime_op;
-    const auto& out_val = plan.values[static_cast<std::size_t>(e.node)];
-    std::size_t si = 0;
-    while (si < plan.steps.size() && plan.steps[si].node != e.node) ++si;
-    const runtime::Step& step = plan.steps.at(si);
-    std::vector<DeviceTensor> ins;
-    for (int in : n.inputs) {
-      const auto& v = plan.values[static_cast<std::size_t>(in)];
-      ins.push_back({lower::value_address(plan, in, arena, inputs), v.shape, v.dtype});
-    }
-    ins.resize(static_cast<std::size_t>(rt.n_activation_inputs()));
-    std::vector<DeviceTensor> prm;
-    for (std::size_t i = 0; i < step.specs.size(); ++i)
-      prm.push_back({params.at(si).at(i), step.specs[i].shape, step.specs[i].dtype});
-    const DeviceTensor out{lower::value_address(plan, e.node, arena, inputs), out_val.shape, out_val.dtype};
-    const DevicePtr scratch = sl.scratch_bytes ? arena + sl.scratch_offset : 0;
-    const int nl = rt.n_launches(out_val.shape);
-    if (nl < 1) throw Error(util::cat(sl.label, " n_launches is ", nl));
-    sl.launches.clear();
-    for (int l = 0; l < nl; ++l) {
-      lower::LaunchSpec L;
-      L.grid = rt.grid_for_launch(l, out_val.shape);
-      L.block = rt.block_for_launch(l);
-      L.shared = rt.dynamic_shared_bytes(out_val.shape);
-      lower::check_grid(L.grid, out_val.shape, sl.label, l);
-      rt.pack_args_for_launch(l, ins, prm, out, out_val.shape,
-                              lp.row_stride[static_cast<std::size_t>(e.node)], scratch, L.args);
-      sl.launches.push_back(std::move(L));
-    }
-  }
-}
 
 }  // namespace
 
@@ -427,8 +386,8 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
   for (const auto& o : model.outputs()) outs.push_back(o.second);
   const auto bound = runtime::bind_shapes(graph, model.live_nodes(), shapes);
   runtime::Plan plan = runtime::build_plan(graph, model.live_nodes(), outs, bound, 0);
-  const lower::LoweredGraph lowered = lower::lower_model(model);
-  lower::LaunchPlan lp = lower::size_launches(graph, lowered, plan, 0);
+  const lower::LoweredGraph lowered = lower::lower_model(model, lower::LowerTarget{bound.node_shapes, 0, true});
+  lower::LaunchPlan lp = lower::size_launches(graph, lowered, plan);
 
   // Parameters by name.
   std::set<std::string> used;
@@ -472,16 +431,9 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
     for (auto& t : st.params) p.push_back(reinterpret_cast<std::uintptr_t>(t.raw()));
     param_ptrs.push_back(p);
   }
-  if (compile::Compiler::available())
-    lower::pack_launches(lp, graph, lowered, plan, 90, arena.address(), input_ptrs, param_ptrs);
-  else
-    pack_on_host(lp, graph, lowered, plan, arena.address(), input_ptrs, param_ptrs);
+  lower::pack_launches(lp, graph, lowered, plan, 0, arena.address(), input_ptrs, param_ptrs);
 
-  auto value_bytes = [&](int id) {
-    const auto& v = plan.values[static_cast<std::size_t>(id)];
-    if (v.input_index >= 0 || v.root < 0) return v.bytes();
-    return std::max(v.bytes(), lp.value_bytes[static_cast<std::size_t>(v.root)]);
-  };
+  auto value_bytes = [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); };
   std::size_t k = 0;
   for (const auto& e : lowered.executables) {
     if (e.view) continue;
@@ -492,7 +444,6 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
     } catch (const Error& err) {
       throw Error(sl.label + " " + err.what());
     }
-    const KernelEntry& kernel = mod->find(e.entry_point, sl.label);
     LaunchOptions o;
     o.checked = checked;
     o.label = sl.label;
@@ -504,7 +455,7 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
                              util::cat("input ", i, " '", graph.node(in).name, "'")});
       }
       o.buffers.push_back({lower::value_address(plan, e.node, arena.address(), input_ptrs),
-                           lp.value_bytes[static_cast<std::size_t>(e.node)], "output '" + n.name + "'"});
+                           value_bytes(e.node), "output '" + n.name + "'"});
       std::size_t si = 0;
       while (si < plan.steps.size() && plan.steps[si].node != e.node) ++si;
       for (std::size_t i = 0; i < plan.steps.at(si).specs.size(); ++i)
@@ -513,7 +464,9 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
       if (sl.scratch_bytes)
         o.buffers.push_back({arena.address() + sl.scratch_offset, sl.scratch_bytes, "scratch"});
     }
-    for (const auto& L : sl.launches) run_kernel(kernel, L.grid, L.block, L.shared, L.args, o, sl.label);
+    for (const auto& L : sl.launches)
+      run_kernel(mod->find(L.entry, sl.label), L.launch.grid, L.launch.block, L.launch.shared_bytes, L.launch.args, o,
+                 sl.label);
   }
 
   std::vector<Tensor> results;
@@ -522,17 +475,7 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
     Tensor t = Tensor::empty(v.dtype, v.shape);
     const auto* src =
         reinterpret_cast<const std::byte*>(lower::value_address(plan, id, arena.address(), input_ptrs));
-    const std::int64_t last = v.shape.empty() ? 1 : v.shape.back();
-    const std::int64_t rs = lp.row_stride[static_cast<std::size_t>(id)];
-    if (rs == last || last == 0) {
-      if (t.nbytes()) std::memcpy(t.raw(), src, t.nbytes());
-    } else {
-      const std::size_t row = static_cast<std::size_t>(last) * dtype_size(v.dtype);
-      const std::size_t stride = static_cast<std::size_t>(rs) * dtype_size(v.dtype);
-      for (std::int64_t r = 0; r < numel_of(v.shape) / last; ++r)
-        std::memcpy(static_cast<std::byte*>(t.raw()) + static_cast<std::size_t>(r) * row,
-                    src + static_cast<std::size_t>(r) * stride, row);
-    }
+    if (t.nbytes()) std::memcpy(t.raw(), src, t.nbytes());
     results.push_back(t);
   }
   return results;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/emu/emu_abi.hpp"
+#include "compile/cuda_source.hpp"
 
 namespace kg::emu {
 
@@ -44,16 +45,8 @@ struct JitModule {
   const KernelEntry& find(const std::string& entry, const std::string& label) const;
 };
 
-// A __global__ function as the source spells it.
-struct KernelSignature {
-  std::string name;
-  std::vector<std::string> param_names, param_types;
-  std::string launch_bounds;  // the first argument of __launch_bounds__, or ""
-  bool extern_c = false;
-};
-
-// The non-template __global__ functions of `source`, in order of appearance.
-std::vector<KernelSignature> find_kernels(const std::string& source);
+using compile::find_kernels;
+using compile::KernelSignature;
 
 // `extern __shared__ T name[];` → a pointer to the block's dynamic shared memory.
 std::string rewrite_dynamic_shared(const std::string& source);

@@ -1,0 +1,18 @@
+// What the normalisation kernels (norm.cu, norm_backward.cu) share with ops/norm.cpp: block
+// size, row strategies and the layouts of their scratch buffers. Plain host C++ too.
+#pragma once
+
+#define KG_NORM_THREADS 256
+
+// nn.batch_norm2d. Forward scratch: KG_BN_SCALE_SHIFT values per channel (the C scales, then the
+// C shifts). Backward scratch: KG_BN_COEFS values per channel, channel-major (A, B, mean, C of
+// dx = A dy + B (x - mean) + C).
+#define KG_BN_SCALE_SHIFT 2
+#define KG_BN_COEFS 4
+
+// nn.layer_norm. Rows of up to KG_LN_WARP_MAX elements take a warp each (KG_NORM_THREADS / 32
+// rows per block), longer ones a block. The backward's parameter sums take KG_LN_COLS adjacent
+// columns per block; its scratch holds KG_LN_STATS values per row (mean, 1 / std).
+#define KG_LN_WARP_MAX 1024
+#define KG_LN_COLS 32
+#define KG_LN_STATS 2

@@ -1,0 +1,13 @@
+// What the pooling kernels (pool.cu, pool_backward.cu) share with ops/pool.cpp: the block size
+// and the concrete geometry passed by value. Plain host C++ too.
+#pragma once
+
+#define KG_POOL_THREADS 256
+
+// [N, C, H, W] → [N, C, H', W'] seen as N*C planes. Upsampling reads its scale factors from kh
+// and kw.
+struct KgPoolShape {
+  long long planes;  // N * C
+  long long h, w, ho, wo;
+  long long kh, kw, sh, sw, ph, pw, dh, dw;
+};
