@@ -1,0 +1,410 @@
+// The book's silent failures planted inside a model: each is an error naming the op, the node and
+// the numbers — at load on every device, or in checked mode (LoadOptions::checked) — never a
+// plausible wrong result. On a machine with a GPU the same models run on cuda in checked mode.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "kg/kg.hpp"
+#include "kg/runtime_op.hpp"
+#include "support/test_util.hpp"
+
+namespace {
+
+// What is wrong with the op.
+enum class Fault {
+  None,
+  WideShape,        // infer_output_shape one column too wide
+  MissingArg,       // one argument too few
+  IntForPointer,    // an i32 where the kernel takes float*
+  I64ForPointer,    // an i64 where the kernel takes float* (same width)
+  BlockOverBounds,  // a block of 512 threads for __launch_bounds__(256)
+  NoLower,          // lower() gives nothing
+  WritePastEnd,     // the kernel writes one element past its output
+  WrongEntry,       // an entry point the source does not have
+  BadInitSize,      // parameter init data one element short
+  NoBackward,       // no backward at all
+};
+
+const char* kScaleSource = R"(
+extern "C" __global__ void __launch_bounds__(256)
+scale_fwd(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int n, long long total) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i < total) y[i] = x[i] * w[i % n];
+}
+extern "C" __global__ void __launch_bounds__(256)
+scale_fwd_past_end(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int n,
+                   long long total) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i <= total) y[i] = x[i < total ? i : 0] * w[i % n];
+}
+)";
+
+const char* kScaleBackward = R"(
+extern "C" __global__ void scale_bwd_input(const float* g, const float* w, float* dx, int n, long long total) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i < total) dx[i] = g[i] * w[i % n];
+}
+extern "C" __global__ void scale_bwd_weight(const float* g, const float* x, float* dw, int n, long long rows) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= n) return;
+  float s = 0.f;
+  for (long long r = 0; r < rows; ++r) s += g[r * n + j] * x[r * n + j];
+  dw[j] = s;
+}
+)";
+
+class ScaleRuntime final : public kg::RuntimeOp {
+ public:
+  explicit ScaleRuntime(Fault f) : f_(f) {}
+  std::vector<kg::Launch> launches(const kg::LaunchTensors& t) const override {
+    const std::int64_t total = t.inputs[0].numel();
+    const auto n = static_cast<std::int32_t>(t.inputs[0].shape.back());
+    kg::Launch l;
+    l.entry = f_ == Fault::WritePastEnd ? "scale_fwd_past_end"
+              : f_ == Fault::WrongEntry ? "scale_forward"
+                                        : "";
+    l.block = {f_ == Fault::BlockOverBounds ? 512u : 256u, 1, 1};
+    l.grid = {static_cast<unsigned>((total + 1 + 255) / 256), 1, 1};
+    l.args.add(t.inputs[0]);
+    if (f_ == Fault::IntForPointer)
+      l.args.i32(0);
+    else if (f_ == Fault::I64ForPointer)
+      l.args.i64(0);
+    else
+      l.args.add(t.params[0]);
+    l.args.add(t.output);
+    l.args.add(n);
+    if (f_ != Fault::MissingArg) l.args.add(total);
+    return {l};
+  }
+  std::vector<kg::Launch> backward_launches(const kg::LaunchTensors& t) const override {
+    const std::int64_t total = t.inputs[0].numel();
+    const auto n = static_cast<std::int32_t>(t.inputs[0].shape.back());
+    std::vector<kg::Launch> v;
+    if (t.grad_inputs[0].ptr)
+      v.push_back({"scale_bwd_input",
+                   {static_cast<unsigned>((total + 255) / 256), 1, 1},
+                   {256, 1, 1},
+                   0,
+                   {t.grad_output, t.params[0], t.grad_inputs[0], n, total}});
+    if (t.grad_params[0].ptr)
+      v.push_back({"scale_bwd_weight",
+                   {static_cast<unsigned>((n + 255) / 256), 1, 1},
+                   {256, 1, 1},
+                   0,
+                   {t.grad_output, t.inputs[0], t.grad_params[0], n, total / n}});
+    return v;
+  }
+
+ private:
+  Fault f_;
+};
+
+// y = x · w over the last dim, w a learned [n] (init 0.5, 1.5, 0.5, ...).
+class ScaleOp final : public kg::CustomOp {
+ public:
+  explicit ScaleOp(Fault f) : f_(f) {}
+  std::string name() const override { return "test.scale"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override {
+    kg::Shape s = in.at(0);
+    if (f_ == Fault::WideShape) {
+      std::vector<kg::Dim> d(s.begin(), s.end());
+      d.back() = kg::Dim(d.back().size() + 1);
+      return kg::Shape(d);
+    }
+    return s;
+  }
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>& in) const override {
+    const std::int64_t n = in.at(0)[in[0].rank() - 1].size();
+    std::vector<float> v(static_cast<std::size_t>(f_ == Fault::BadInitSize ? n - 1 : n));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = i % 2 ? 1.5f : 0.5f;
+    kg::ParamSpec w;
+    w.name = "weight";
+    w.shape = {n};
+    w.init = kg::ParamInit::from_values(v);
+    return {w};
+  }
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    if (f_ == Fault::NoLower) return std::nullopt;
+    return kg::Lowered{"test.scale", kScaleSource, "scale_fwd", std::make_shared<ScaleRuntime>(f_)};
+  }
+  std::string lower_backward_source(const kg::LowerContext&) const override {
+    return f_ == Fault::NoBackward ? "" : kScaleBackward;
+  }
+  void cpu_forward(kg::CpuContext& ctx) const override {
+    const kg::Tensor& x = ctx.inputs[0];
+    const std::int64_t n = x.shape().back();
+    const std::int64_t out_n = ctx.output.shape().back();
+    for (std::int64_t i = 0; i < x.numel(); ++i)  // writes as the kernel does: x's layout
+      ctx.output.data<float>()[i] = x.data<float>()[i] * ctx.params[0].data<float>()[i % n];
+    for (std::int64_t i = x.numel(); i < ctx.output.numel() && out_n != n; ++i)
+      ctx.output.data<float>()[i] = 0.f;
+  }
+  bool has_cpu_backward() const override { return f_ != Fault::NoBackward; }
+  void cpu_backward(kg::CpuBackwardContext& ctx) const override {
+    const kg::Tensor& x = ctx.inputs[0];
+    const std::int64_t n = x.shape().back();
+    const float* g = ctx.grad_output.data<float>();
+    const float* w = ctx.params[0].data<float>();
+    if (ctx.wants_input_grad(0))
+      for (std::int64_t i = 0; i < x.numel(); ++i) ctx.grad_inputs[0].data<float>()[i] = g[i] * w[i % n];
+    if (ctx.wants_param_grad(0)) {
+      float* dw = ctx.grad_params[0].data<float>();
+      for (std::int64_t j = 0; j < n; ++j) dw[j] = 0.f;
+      for (std::int64_t i = 0; i < x.numel(); ++i) dw[i % n] += g[i] * x.data<float>()[i];
+    }
+  }
+
+ private:
+  Fault f_;
+};
+
+// A row sum through shared memory; `sync` false leaves out the barrier between the tree's steps.
+class RowSumOp final : public kg::CustomOp {
+ public:
+  explicit RowSumOp(bool sync) : sync_(sync) {}
+  std::string name() const override { return "test.row_sum"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override {
+    return kg::Shape{in.at(0)[0]};
+  }
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    std::string src = R"(
+extern "C" __global__ void row_sum(const float* x, float* y, int n) {
+  __shared__ float s[64];
+  const float* r = x + (long long)blockIdx.x * n;
+  float v = 0.f;
+  for (int i = threadIdx.x; i < n; i += 64) v += r[i];
+  s[threadIdx.x] = v;
+  __syncthreads();
+  for (int k = 32; k > 0; k >>= 1) {
+    if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+    SYNC
+  }
+  if (threadIdx.x == 0) y[blockIdx.x] = s[0];
+}
+)";
+    src.replace(src.find("SYNC"), 4, sync_ ? "__syncthreads();" : "");
+    struct Rt final : kg::RuntimeOp {
+      void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+        v.pointer(t.inputs[0].ptr);
+        v.pointer(t.output.ptr);
+        v.i32(static_cast<std::int32_t>(t.inputs[0].shape[1]));
+      }
+      kg::Dim3 block() const override { return {64, 1, 1}; }
+      kg::Dim3 grid(const std::vector<std::int64_t>& out) const override {
+        return {static_cast<unsigned>(out[0]), 1, 1};
+      }
+    };
+    return kg::Lowered{"test.row_sum", src, "row_sum", std::make_shared<Rt>()};
+  }
+  void cpu_forward(kg::CpuContext& ctx) const override {
+    const kg::Tensor& x = ctx.inputs[0];
+    const std::int64_t n = x.shape()[1];
+    for (std::int64_t r = 0; r < x.shape()[0]; ++r) {
+      float s = 0.f;
+      for (std::int64_t i = 0; i < n; ++i) s += x.data<float>()[r * n + i];
+      ctx.output.data<float>()[r] = s;
+    }
+  }
+
+ private:
+  bool sync_;
+};
+
+kg::Tensor random(std::vector<std::int64_t> shape, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  kg::Tensor t = kg::Tensor::empty(kg::DType::F32, shape);
+  for (std::int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = u(rng);
+  return t;
+}
+
+// x [batch, 40] → linear(40) → scale → [batch, 40 or 41] as "y".
+kg::Model scale_model(Fault f, kg::LoweringMode mode = kg::LoweringMode::Inference) {
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 40}, "x");
+  kg::SymTensor h = kg::nn::linear(x, 40, "fc");
+  kg::SymTensor y = h.record_custom(kg::CustomData::make<ScaleOp>(f), {}, std::nullopt, "scale");
+  if (mode == kg::LoweringMode::Training) {
+    kg::SymTensor target = g->input(kg::DType::F32, kg::Shape{kg::Dim::named("batch"), 40}, "target");
+    return kg::Model(g, {{"y", y}, {"loss", kg::mse_loss(y, target, "loss")}}, mode);
+  }
+  return kg::Model(g, {{"y", y}}, mode);
+}
+
+kg::LoadOptions checked() {
+  kg::LoadOptions o;
+  o.checked = true;
+  return o;
+}
+
+// Each test runs once per device; the cuda instance skips without a GPU.
+class CheckedMode : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (cuda() && !kg::Device::cuda_available()) GTEST_SKIP() << "no usable GPU on this machine";
+  }
+  bool cuda() const { return GetParam() == "Cuda"; }
+  kg::Device device() const { return cuda() ? kg::Device::cuda() : kg::Device::cpu(); }
+};
+
+const std::vector<std::vector<std::int64_t>> kShapes{{3, 40}};
+const std::vector<std::vector<std::int64_t>> kTrainShapes{{3, 40}, {3, 40}};
+
+TEST_P(CheckedMode, HealthyModelMatchesUnchecked) {
+  kg::Model m = scale_model(Fault::None);
+  const kg::Tensor x = random({3, 40}, 1);
+  kg::LoadedModel ref = m.load(kg::Device::cpu(), kShapes);
+  const kg::Tensor want = ref.forward({x})[0];
+  kg::LoadedModel c = m.load(device(), kShapes, checked());
+  c.load_state_dict(ref.state_dict());
+  const kg::Tensor got = c.forward({x})[0];
+  ASSERT_EQ(got.shape(), want.shape());
+  for (std::int64_t i = 0; i < want.numel(); ++i) ASSERT_NEAR(got.item(i), want.item(i), 1e-5) << i;
+}
+
+TEST_P(CheckedMode, WrongOutputShapeIsAnUnwrittenElement) {
+  kg::Model m = scale_model(Fault::WideShape);
+  // Unchecked, the cpu's own cpu_forward fills the extra column and the GPU leaves it as it was:
+  // a plausible result either way.
+  EXPECT_NO_THROW(m.load(device(), kShapes).forward({random({3, 40}, 2)}));
+  kg_test::expect_error(
+      [&] {
+        m.load(device(), kShapes, checked()).forward({random({3, 40}, 2)});
+      },
+      {"[test.scale @ scale]", "kernel 'test.scale'", "output 'scale' [3, 41]", "element 120",
+       "was not written", "infer_output_shape"});
+}
+
+TEST_P(CheckedMode, ArgumentChecksRunAtLoad) {
+  // Whether or not the op has a cpu_forward, and without checked mode.
+  {
+    const kg::Device d = device();
+    kg_test::expect_error([&] { scale_model(Fault::MissingArg).load(d, kShapes); },
+                          {"[test.scale @ scale]", "kernel 'scale_fwd'",
+                           "takes 5 arguments but 4 were packed", "missing argument 4 'total' (long long)"});
+    kg_test::expect_error([&] { scale_model(Fault::IntForPointer).load(d, kShapes); },
+                          {"[test.scale @ scale]", "argument 1 'w' (const float*) is a pointer in the kernel",
+                           "an i32 (4 bytes) was packed"});
+    kg_test::expect_error([&] { scale_model(Fault::I64ForPointer).load(d, kShapes); },
+                          {"[test.scale @ scale]", "argument 1 'w' (const float*) is a pointer in the kernel",
+                           "an i64 (8 bytes) was packed"});
+    kg_test::expect_error(
+        [&] { scale_model(Fault::BlockOverBounds).load(d, kShapes); },
+        {"[test.scale @ scale]", "block (512, 1, 1) has 512 threads", "__launch_bounds__(256)"});
+    kg_test::expect_error([&] { scale_model(Fault::WrongEntry).load(d, kShapes); },
+                          {"[test.scale @ scale]", "entry point 'scale_forward' is not a __global__ function",
+                           "scale_fwd, scale_fwd_past_end"});
+  }
+}
+
+TEST_P(CheckedMode, NoLowerIsTheSeedsErrorWhereKernelsAreNeeded) {
+  kg::Model m = scale_model(Fault::NoLower);
+  const std::vector<std::string> parts{"[test.scale @ scale]", "custom op 'test.scale' is not handled",
+                                       "implement CustomOp::lower()"};
+  if (cuda()) {
+    kg_test::expect_error([&] { m.load(device(), kShapes); }, parts);
+  } else {
+    EXPECT_NO_THROW(m.load(device(), kShapes).forward({random({3, 40}, 3)}));  // cpu_forward serves
+  }
+  kg_test::expect_error([&] { m.load(device(), kShapes, checked()); }, parts);
+}
+
+TEST_P(CheckedMode, WritePastTheEndNamesTheBuffer) {
+  kg::Model m = scale_model(Fault::WritePastEnd);
+  if (cuda())
+    kg_test::expect_error(
+        [&] {
+          m.load(device(), kShapes, checked()).forward({random({3, 40}, 4)});
+        },
+        {"[test.scale @ scale]", "kernel 'test.scale'", "wrote past the end of its output 'scale'",
+         "element 120"});
+  else
+    kg_test::expect_error(
+        [&] {
+          m.load(device(), kShapes, checked()).forward({random({3, 40}, 4)});
+        },
+        {"[test.scale @ scale]", "output 'scale'", "120"});
+}
+
+TEST(CheckedModeCpu, MissingBarrierIsARace) {
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 256}, "x");
+  kg::Model good(g, {{"y", x.record_custom(kg::CustomData::make<RowSumOp>(true), {}, std::nullopt, "sum")}});
+  const kg::Tensor in = random({4, 256}, 5);
+  EXPECT_NO_THROW(good.load(kg::Device::cpu(), {{4, 256}}, checked()).forward({in}));
+  auto [x2, g2] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 256}, "x");
+  kg::Model racy(g2,
+                 {{"y", x2.record_custom(kg::CustomData::make<RowSumOp>(false), {}, std::nullopt, "sum")}});
+  EXPECT_NO_THROW(racy.load(kg::Device::cpu(), {{4, 256}}).forward({in}));  // cpu_forward: silent
+  kg_test::expect_error(
+      [&] {
+        racy.load(kg::Device::cpu(), {{4, 256}}, checked()).forward({in});
+      },
+      {"[test.row_sum @ sum]"});
+}
+
+TEST_P(CheckedMode, NoBackwardOnThePathToTheLoss) {
+  for (bool c : {false, true}) {
+    kg::LoadOptions o;
+    o.checked = c;
+    kg_test::expect_error(
+        [&] { scale_model(Fault::NoBackward, kg::LoweringMode::Training).load(device(), kTrainShapes, o); },
+        {"[test.scale @ scale] has no backward", "parameter 'scale.weight'", "the loss 'loss'"});
+  }
+}
+
+TEST(CheckedModeCpu, InitDataOfTheWrongSizeFailsAtRecord) {
+  kg_test::expect_error(
+      [&] { scale_model(Fault::BadInitSize); },
+      {"[test.scale @ scale]", "parameter 'scale.weight'", "init data is 156 bytes", "[40] × f32 needs 160"});
+}
+
+TEST_P(CheckedMode, ParameterDeclaredOnceHasOneNameOnEveryDevice) {
+  kg::Model m = scale_model(Fault::None, kg::LoweringMode::Training);
+  std::map<std::string, std::vector<std::int64_t>> want;
+  for (const auto& p : m.parameters()) want[p.name] = p.shape;
+  ASSERT_EQ(want.count("scale.weight"), 1u);
+  {
+    for (bool c : {false, true}) {
+      SCOPED_TRACE(c ? "checked" : "unchecked");
+      kg::LoadOptions o;
+      o.checked = c;
+      kg::LoadedModel lm = m.load(device(), kTrainShapes, o);
+      std::map<std::string, std::vector<std::int64_t>> got;
+      for (const auto& [name, t] : lm.state_dict()) got[name] = t.shape();
+      EXPECT_EQ(got, want);
+      EXPECT_EQ(lm.parameter("scale.weight").item(1), 1.5);  // the declared init
+    }
+  }
+}
+
+TEST_P(CheckedMode, ParameterDeclaredOnceTrainsAndPassesCheckOp) {
+  const auto report = kg::testing::check_op(kg::CustomData::make<ScaleOp>(Fault::None),
+                                            {kg::Shape{kg::Dim::named("batch"), 40}}, {kg::DType::F32});
+  EXPECT_TRUE(report.ok) << report.to_string();
+  EXPECT_GE(kg_test::count_lines(report, "PASS", {"gradients"}), 1) << report.to_string();
+  // Training through the op, checked (kernels emulated and verified, backward too) and not.
+  kg::Model m = scale_model(Fault::None, kg::LoweringMode::Training);
+  for (bool c : {false, true}) {
+    SCOPED_TRACE(c ? "checked" : "unchecked");
+    kg::LoadOptions o;
+    o.checked = c;
+    kg::LoadedModel lm = m.load(device(), kTrainShapes, o);
+    lm.set_optimizer(kg::OptimizerOptions::sgd(0.01));
+    const kg::Tensor x = random({3, 40}, 6);
+    const double before = lm.parameter("scale.weight").item(0);
+    lm.zero_grad();
+    lm.forward({x, random({3, 40}, 7)});
+    lm.backward();
+    const kg::Tensor g = lm.grad("scale.weight");
+    lm.step();
+    EXPECT_NE(g.item(0), 0.0);
+    EXPECT_NEAR(lm.parameter("scale.weight").item(0), before - 0.01 * g.item(0), 1e-6);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, CheckedMode, ::testing::Values("Cpu", "Cuda"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
