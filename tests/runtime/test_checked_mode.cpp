@@ -3,8 +3,11 @@
 // plausible wrong result. On a machine with a GPU the same models run on cuda in checked mode.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <random>
+#include <string>
 
 #include "kg/kg.hpp"
 #include "kg/runtime_op.hpp"
@@ -402,6 +405,75 @@ TEST_P(CheckedMode, ParameterDeclaredOnceTrainsAndPassesCheckOp) {
     EXPECT_NE(g.item(0), 0.0);
     EXPECT_NEAR(lm.parameter("scale.weight").item(0), before - 0.01 * g.item(0), 1e-6);
   }
+}
+
+// An op whose kernel writes far outside any allocation: a real fault on a GPU.
+class WildWriteOp final : public kg::CustomOp {
+ public:
+  std::string name() const override { return "test.wild"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    struct Rt final : kg::RuntimeOp {
+      void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+        v.pointer(t.output.ptr);
+        v.i64(t.output.numel());
+      }
+    };
+    return kg::Lowered{"test.wild", R"(
+extern "C" __global__ void wild(float* y, long long n) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i < n) y[i + (1LL << 40)] = 1.f;
+}
+)",
+                       "wild", std::make_shared<Rt>()};
+  }
+};
+
+kg::Model wild_model() {
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 8}, "x");
+  return kg::Model(g, {{"y", x.record_custom(kg::CustomData::make<WildWriteOp>(), {}, std::nullopt, "wild")}});
+}
+
+// Run only as a child process by the test below: a fault on the GPU, and what the process says
+// about the CUDA context afterwards.
+TEST(CheckedModeGpuChild, DISABLED_Fault) {
+  try {
+    wild_model().load(kg::Device::cuda(), {{2, 8}}, checked()).forward({random({2, 8}, 9)});
+    std::printf("no fault\n");
+  } catch (const kg::Error& e) {
+    std::printf("first: %s\n", e.what());
+  }
+  try {
+    scale_model(Fault::None).load(kg::Device::cuda(), kShapes).forward({random({3, 40}, 10)});
+    std::printf("later: ran\n");
+  } catch (const kg::Error& e) {
+    std::printf("later: %s\n", e.what());
+  }
+}
+
+// A fault is that op's error, and it does not spread beyond its process: the CUDA context of the
+// process that faulted stays unusable (and says why), this one runs on.
+TEST(CheckedModeGpu, AFaultIsTheOpsErrorAndStaysInItsProcess) {
+  if (!kg::Device::cuda_available()) GTEST_SKIP() << "no usable GPU on this machine";
+  const std::string cmd = "'" + std::filesystem::read_symlink("/proc/self/exe").string() +
+                          "' --gtest_also_run_disabled_tests --gtest_filter=CheckedModeGpuChild.DISABLED_Fault 2>&1";
+  std::string out;
+  if (FILE* p = popen(cmd.c_str(), "r")) {
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    pclose(p);
+  }
+  EXPECT_NE(out.find("first: [test.wild @ wild] kernel 'test.wild'"), std::string::npos) << out;
+  EXPECT_NE(out.find("CUDA_ERROR_ILLEGAL_ADDRESS"), std::string::npos) << out;
+  EXPECT_NE(out.find("first seen at: [test.wild @ wild]"), std::string::npos) << out;
+  // This process's context is untouched.
+  kg::Model m = scale_model(Fault::None);
+  kg::LoadedModel ref = m.load(kg::Device::cpu(), kShapes);
+  kg::LoadedModel gpu = m.load(kg::Device::cuda(), kShapes, checked());
+  gpu.load_state_dict(ref.state_dict());
+  const kg::Tensor x = random({3, 40}, 11);
+  const kg::Tensor a = ref.forward({x})[0], b = gpu.forward({x})[0];
+  for (std::int64_t i = 0; i < a.numel(); ++i) ASSERT_NEAR(a.item(i), b.item(i), 1e-5) << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, CheckedMode, ::testing::Values("Cpu", "Cuda"),

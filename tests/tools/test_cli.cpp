@@ -80,7 +80,8 @@ TEST_F(Cli, HelpAndVersion) {
       {"models", {"models"}},
       {"inspect", {"MODEL", "--batch", "--dot", "--render", "--recorded"}},
       {"run",
-       {"MODEL", "--device", "--weights", "--input", "--random", "--batch", "--seed", "--output", "--runs"}},
+       {"MODEL", "--device", "--weights", "--input", "--random", "--batch", "--seed", "--output", "--runs",
+        "--checked"}},
   };
   for (const auto& [sub, parts] : options) {
     auto h = run({sub, "--help"});
@@ -202,6 +203,35 @@ TEST_F(Cli, RunWithRandomInput) {
     auto a = run({"run", "lenet5", "--device", "auto"});
     EXPECT_EQ(a.code, 0) << a.err;
     EXPECT_NE(a.out.find("on cpu"), std::string::npos) << a.out;
+  }
+}
+
+// Checked mode runs every kernel under the emulator, verified, and gives the same result.
+TEST_F(Cli, RunChecked) {
+  auto plain = run({"run", "lenet5", "--random", "--batch", "2", "--runs", "1"});
+  auto checked = run({"run", "lenet5", "--random", "--batch", "2", "--runs", "1", "--checked"});
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  ASSERT_EQ(checked.code, 0) << checked.err;
+  EXPECT_NE(checked.out.find("model lenet5 on cpu (checked"), std::string::npos) << checked.out;
+  // (class, value) pairs of the "row N: top-5 c (v), ..." lines.
+  auto top = [](const std::string& out) {
+    std::vector<std::pair<int, double>> v;
+    static const std::regex pair_re(R"((\d+) \(([-+0-9.eE]+)\))");
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("row ") == std::string::npos) continue;
+      const std::string body = line.substr(line.find("top-5"));
+      for (auto it = std::sregex_iterator(body.begin(), body.end(), pair_re); it != std::sregex_iterator(); ++it)
+        v.emplace_back(std::stoi((*it)[1]), std::stod((*it)[2]));
+    }
+    return v;
+  };
+  const auto a = top(plain.out), b = top(checked.out);
+  ASSERT_EQ(a.size(), 10u) << plain.out;
+  ASSERT_EQ(b.size(), a.size()) << checked.out;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b[i].first, a[i].first) << i;
+    EXPECT_NEAR(b[i].second, a[i].second, 1e-5 + 1e-4 * std::abs(a[i].second)) << i;
   }
 }
 

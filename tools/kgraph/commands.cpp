@@ -232,7 +232,8 @@ void run(const RunArgs& args, std::ostream& out) {
     weights_description = args.weights_path;
   }
 
-  out << "model " << args.model << " on " << loaded.device().to_string() << "\n";
+  out << "model " << args.model << " on " << loaded.device().to_string()
+      << (args.checked ? " (checked: every kernel's writes verified)" : "") << "\n";
   out << "input " << input_node.name << ": " << kg::sizes_to_string(input.shape()) << " "
       << kg::dtype_name(input.dtype()) << ", " << input_description << "\n";
   out << "weights: " << weights_description << "\n";

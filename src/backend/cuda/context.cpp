@@ -83,7 +83,9 @@ void Context::download_async(void* dst, DevicePtr src, std::size_t bytes) {
 void Context::fill_bytes_async(DevicePtr dst, unsigned char value, std::size_t bytes) {
   if (bytes) d_.check(d_.cuMemsetD8Async(static_cast<CUdeviceptr>(dst), value, bytes, stream_), "cuMemsetD8Async");
 }
-void Context::synchronize() { d_.check(d_.cuStreamSynchronize(stream_), "cuStreamSynchronize"); }
+void Context::synchronize(const std::string& after) {
+  d_.check(d_.cuStreamSynchronize(stream_), after.empty() ? "cuStreamSynchronize" : after + ": cuStreamSynchronize");
+}
 
 CUfunction Context::function(const std::string& ptx, const std::string& entry, const std::string& label) {
   std::lock_guard<std::mutex> lk(mu_);

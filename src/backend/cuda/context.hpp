@@ -32,7 +32,8 @@ class Context {
   void upload_async(DevicePtr dst, const void* src, std::size_t bytes);
   void download_async(void* dst, DevicePtr src, std::size_t bytes);
   void fill_bytes_async(DevicePtr dst, unsigned char value, std::size_t bytes);
-  void synchronize();
+  // Waits for the stream; `after` names what ran (an op's kernel) in the error of a fault.
+  void synchronize(const std::string& after = "");
 
   // The function `entry` (exact PTX name) of the module built from `ptx`; modules are cached
   // by content. `label` names the op in errors.

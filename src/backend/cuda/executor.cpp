@@ -194,9 +194,10 @@ void GpuExecutor::launch_checked(std::size_t i) {
   ctx_.download(before.data(), arena_block_.ptr(), total);
   try {
     launch_step(i);
-    ctx_.synchronize();
+    ctx_.synchronize(kernel);
   } catch (const Error& e) {
-    throw Error(util::cat(kernel, " faulted while running in checked mode: ", e.what()));
+    const std::string what = e.what();
+    throw Error(what.rfind(kernel, 0) == 0 ? what : kernel + " failed in checked mode: " + what);
   }
   ctx_.download(after.data(), arena_block_.ptr(), total);
   const std::size_t s_lo = guard_ + sl.scratch_offset, s_hi = s_lo + sl.scratch_bytes;

@@ -155,7 +155,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
         ctx_.launch(f->second, L.launch.grid, L.launch.block, L.launch.shared_bytes, kp.data(),
                     util::cat(bw.label, " kernel '", bw.module.name, "' entry '", L.entry, "'"));
       }
-      if (checked_) ctx_.synchronize();
+      if (checked_) ctx_.synchronize(bw.label);
     } catch (const Error& err) {
       throw lower::labelled(bw.label, err);
     }
