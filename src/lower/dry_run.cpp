@@ -4,8 +4,8 @@
 #include <optional>
 
 #include "kg/error.hpp"
-#include "runtime/plan_builder.hpp"
-#include "runtime/shape_binding.hpp"
+#include "plan/plan_builder.hpp"
+#include "plan/shape_binding.hpp"
 
 namespace kg::lower {
 namespace {
@@ -30,8 +30,8 @@ DryRun dry_run(const Model& model, const std::vector<std::vector<std::int64_t>>&
   DryRun r;
   std::vector<int> outs;
   for (const auto& o : model.outputs()) outs.push_back(o.second);
-  auto bound = runtime::bind_shapes(model.graph(), model.live_nodes(), input_shapes);
-  r.plan = runtime::build_plan(model.graph(), model.live_nodes(), outs, bound, seed);
+  auto bound = plan::bind_shapes(model.graph(), model.live_nodes(), input_shapes);
+  r.plan = plan::build_plan(model.graph(), model.live_nodes(), outs, bound, seed);
   r.lowered = lower_model(model, LowerTarget{bound.node_shapes, arch, true});
   r.launches = size_launches(model.graph(), r.lowered, r.plan);
   FakeAddresses fake;
@@ -49,9 +49,9 @@ DryRun dry_run(const Model& model, const std::vector<std::vector<std::int64_t>>&
   return r;
 }
 
-void check_lowered(const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan) {
+void check_lowered(const Graph& graph, const LoweredGraph& lowered, const plan::Plan& plan) {
   FakeAddresses fake;
-  std::map<int, const runtime::BackwardStep*> backward;
+  std::map<int, const plan::BackwardStep*> backward;
   for (const auto& b : plan.training.steps) backward[b.node] = &b;
   for (const auto& e : lowered.executables) {
     if (e.view || !e.lowered) continue;

@@ -9,12 +9,12 @@
 
 #include "kg/model.hpp"
 #include "lower/launch_plan.hpp"
-#include "runtime/plan.hpp"
+#include "plan/plan.hpp"
 
 namespace kg::lower {
 
 struct DryRun {
-  runtime::Plan plan;
+  plan::Plan plan;
   LoweredGraph lowered;
   LaunchPlan launches;
 };
@@ -27,6 +27,6 @@ DryRun dry_run(const Model& model, const std::vector<std::vector<std::int64_t>>&
 // kernels' CUDA signatures: forward (both modes for run-dependent launches of a training model)
 // and, for the steps of the training plan without a CPU backward, backward. A dry pack costs
 // microseconds per node; the first failure is an error naming the op and the node.
-void check_lowered(const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan);
+void check_lowered(const Graph& graph, const LoweredGraph& lowered, const plan::Plan& plan);
 
 }  // namespace kg::lower

@@ -4,13 +4,13 @@
 
 #include "compile/compiler.hpp"
 #include "kg/error.hpp"
-#include "runtime/plan_builder.hpp"
+#include "plan/plan_builder.hpp"
 #include "util/str.hpp"
 
 namespace kg::lower {
 namespace {
 
-std::size_t step_index(const runtime::Plan& plan, int node) {
+std::size_t step_index(const plan::Plan& plan, int node) {
   for (std::size_t i = 0; i < plan.steps.size(); ++i)
     if (plan.steps[i].node == node) return i;
   throw Error(util::cat("lowering: node ", node, " has no step in the plan"));
@@ -76,14 +76,14 @@ std::vector<CheckedLaunch> check_launches(const KernelModule& m, std::vector<Lau
   return out;
 }
 
-DevicePtr value_address(const runtime::Plan& plan, int node, DevicePtr arena,
+DevicePtr value_address(const plan::Plan& plan, int node, DevicePtr arena,
                         const std::vector<DevicePtr>& inputs) {
   const auto& v = plan.values[static_cast<std::size_t>(node)];
   if (v.input_index >= 0) return inputs.at(static_cast<std::size_t>(v.input_index));
   return arena + v.offset;
 }
 
-LaunchTensors shape_tensors(const Node& n, const runtime::Plan& plan, std::size_t step) {
+LaunchTensors shape_tensors(const Node& n, const plan::Plan& plan, std::size_t step) {
   LaunchTensors t;
   for (int in : n.inputs) {
     const auto& v = plan.values[static_cast<std::size_t>(in)];
@@ -95,9 +95,9 @@ LaunchTensors shape_tensors(const Node& n, const runtime::Plan& plan, std::size_
   return t;
 }
 
-LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtime::Plan& plan) {
+LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, plan::Plan& plan) {
   LaunchPlan lp;
-  std::vector<runtime::BufferRequest> scratch_reqs;
+  std::vector<plan::BufferRequest> scratch_reqs;
   std::vector<std::size_t> scratch_step;
   for (const auto& e : lowered.executables) {
     if (e.view || !e.lowered) continue;
@@ -120,14 +120,14 @@ LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtim
     }
     lp.steps.push_back(std::move(sl));
   }
-  auto offsets = runtime::place_in_arena(
+  auto offsets = plan::place_in_arena(
       plan, graph, [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); }, scratch_reqs);
   for (std::size_t i = 0; i < offsets.size(); ++i) lp.steps[scratch_step[i]].scratch_offset = offsets[i];
   lp.arena_bytes = plan.memory.arena_bytes;
   return lp;
 }
 
-void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan,
+void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lowered, const plan::Plan& plan,
                    int arch, DevicePtr arena, const std::vector<DevicePtr>& inputs,
                    const std::vector<std::vector<DevicePtr>>& params) {
   std::size_t k = 0;

@@ -15,7 +15,7 @@
 #include "kg/model.hpp"
 #include "lower/launch_check.hpp"
 #include "lower/lowering.hpp"
-#include "runtime/plan.hpp"
+#include "plan/plan.hpp"
 
 namespace kg::lower {
 
@@ -66,16 +66,16 @@ struct LaunchPlan {
 };
 
 // The tensors of node `n` with every address 0: what RuntimeOp sizing sees.
-LaunchTensors shape_tensors(const Node& n, const runtime::Plan& plan, std::size_t step);
+LaunchTensors shape_tensors(const Node& n, const plan::Plan& plan, std::size_t step);
 
 // Phase 1: sizes each RuntimeOp's scratch and places activations and scratch in one arena
 // (plan.memory filled).
-LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, runtime::Plan& plan);
+LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, plan::Plan& plan);
 
 // Phase 2: builds every kernel module for `arch` (0: parse only, as on the CPU), and describes
 // and checks every launch for the given addresses. `params[i]` are the addresses of
 // plan.steps[i]'s parameters.
-void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lowered, const runtime::Plan& plan,
+void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lowered, const plan::Plan& plan,
                    int arch, DevicePtr arena, const std::vector<DevicePtr>& inputs,
                    const std::vector<std::vector<DevicePtr>>& params);
 
@@ -83,7 +83,7 @@ void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lower
 void pack_step(StepLaunches& sl, bool training, std::uint64_t seed);
 
 // The address of a node's output for the given arena and input addresses.
-DevicePtr value_address(const runtime::Plan& plan, int node, DevicePtr arena,
+DevicePtr value_address(const plan::Plan& plan, int node, DevicePtr arena,
                         const std::vector<DevicePtr>& inputs);
 
 }  // namespace kg::lower

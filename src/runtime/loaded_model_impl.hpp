@@ -8,7 +8,7 @@
 #include "backend/cpu/executor.hpp"
 #include "backend/cuda/executor.hpp"
 #include "kg/model.hpp"
-#include "runtime/plan.hpp"
+#include "plan/plan.hpp"
 
 namespace kg {
 
@@ -18,7 +18,7 @@ struct LoadedModel::Impl {
   LoweringMode mode = LoweringMode::Inference;
   LoadOptions options;
   std::vector<std::string> output_names;
-  runtime::Plan plan;
+  plan::Plan plan;
   Tensor arena;  // activation bytes
   std::unique_ptr<cpu::Executor> executor;      // device cpu
   std::unique_ptr<cuda::Executor> cuda;         // device cuda

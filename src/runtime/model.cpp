@@ -12,10 +12,10 @@
 #include "lower/lowering.hpp"
 #include "passes/dead_nodes.hpp"
 #include "passes/passes.hpp"
-#include "runtime/autograd.hpp"
+#include "plan/autograd.hpp"
 #include "runtime/loaded_model_impl.hpp"
-#include "runtime/plan_builder.hpp"
-#include "runtime/shape_binding.hpp"
+#include "plan/plan_builder.hpp"
+#include "plan/shape_binding.hpp"
 #include "util/str.hpp"
 
 namespace kg {
@@ -104,11 +104,11 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
   std::vector<int> outs;
   for (auto& o : outputs_) outs.push_back(o.second);
 
-  runtime::BoundShapes bound = runtime::bind_shapes(*graph_, live_, input_shapes);
-  impl->plan = runtime::build_plan(*graph_, live_, outs, bound, options.seed);
+  plan::BoundShapes bound = plan::bind_shapes(*graph_, live_, input_shapes);
+  impl->plan = plan::build_plan(*graph_, live_, outs, bound, options.seed);
   int loss = -1;
   if (mode_ == LoweringMode::Training) {
-    loss = runtime::find_loss(*graph_, outputs_, bound, options.loss);
+    loss = plan::find_loss(*graph_, outputs_, bound, options.loss);
     for (auto& o : outputs_)
       if (o.second == loss) impl->loss_name = o.first;
   } else if (!options.loss.empty()) {
@@ -129,17 +129,17 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
     return it != by_node.end() && it->second->lowered && !it->second->backward_source.empty();
   };
   if (cuda) {
-    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, lowered_backward);
+    plan::plan_training(*graph_, impl->plan, loss, impl->loss_name, lowered_backward);
     impl->cuda = cuda::make_executor(device.index, *graph_, lowered, impl->plan, options);
   } else {
-    runtime::plan_training(*graph_, impl->plan, loss, impl->loss_name, [&](const Node& n) {
+    plan::plan_training(*graph_, impl->plan, loss, impl->loss_name, [&](const Node& n) {
       return n.op->op().has_cpu_backward() || lowered_backward(n);
     });
     // Every lowered op's launches are checked against its kernels' CUDA signatures, whether or
     // not the cpu runs them.
     lower::check_lowered(*graph_, lowered, impl->plan);
-    runtime::Plan& plan = impl->plan;
-    runtime::place_in_arena(plan, *graph_,
+    plan::Plan& plan = impl->plan;
+    plan::place_in_arena(plan, *graph_,
                             [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); }, {});
     impl->arena = Tensor::empty(
         DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(plan.memory.arena_bytes, 1))});

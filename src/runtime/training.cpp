@@ -6,7 +6,7 @@
 #include "kg/io.hpp"
 #include "kg/model.hpp"
 #include "runtime/loaded_model_impl.hpp"
-#include "runtime/optimizer.hpp"
+#include "plan/optimizer.hpp"
 #include "util/str.hpp"
 
 namespace kg {
@@ -110,11 +110,11 @@ void LoadedModel::zero_grad() {
 void LoadedModel::set_optimizer(const OptimizerOptions& options) {
   Impl& m = *impl_;
   require_training(m, "set_optimizer");
-  runtime::check_optimizer(options);
+  plan::check_optimizer(options);
   m.optimizer = options;
   m.have_optimizer = true;
   m.optimizer_steps = 0;
-  const auto names = runtime::optimizer_slots(options);
+  const auto names = plan::optimizer_slots(options);
   m.slots.assign(m.plan.steps.size(), {});
   for (std::size_t s = 0; s < m.plan.steps.size(); ++s) m.slots[s].resize(m.plan.steps[s].specs.size());
   std::size_t bytes = 0;
@@ -134,7 +134,7 @@ void LoadedModel::set_learning_rate(double lr) {
   if (!m.have_optimizer) throw Error("set_learning_rate: no optimizer set (call set_optimizer first)");
   OptimizerOptions o = m.optimizer;
   o.lr = lr;
-  runtime::check_optimizer(o);
+  plan::check_optimizer(o);
   m.optimizer = o;
 }
 
@@ -149,7 +149,7 @@ void LoadedModel::step() {
   }
   each_trainable(m, [&](std::size_t s, std::size_t p, const ParamSpec&) {
     Tensor param = m.plan.steps[s].params[p];
-    runtime::optimizer_update_cpu(m.optimizer, m.optimizer_steps, param, m.grads[s][p], m.slots[s][p]);
+    plan::optimizer_update_cpu(m.optimizer, m.optimizer_steps, param, m.grads[s][p], m.slots[s][p]);
   });
 }
 
@@ -183,7 +183,7 @@ std::map<std::string, Tensor> LoadedModel::optimizer_state() const {
   if (!m.have_optimizer) throw Error("optimizer_state: no optimizer set (call set_optimizer first)");
   if (m.cuda) m.cuda->download_slots(m.slots);
   std::map<std::string, Tensor> out;
-  const auto names = runtime::optimizer_slots(m.optimizer);
+  const auto names = plan::optimizer_slots(m.optimizer);
   each_trainable(m, [&](std::size_t s, std::size_t p, const ParamSpec& spec) {
     for (std::size_t k = 0; k < names.size(); ++k) out.emplace(spec.name + "." + names[k], m.slots[s][p][k].clone());
   });
@@ -194,7 +194,7 @@ std::map<std::string, Tensor> LoadedModel::optimizer_state() const {
 void LoadedModel::load_optimizer_state(const std::map<std::string, Tensor>& state) {
   Impl& m = *impl_;
   if (!m.have_optimizer) throw Error("load_optimizer_state: no optimizer set (call set_optimizer first)");
-  const auto names = runtime::optimizer_slots(m.optimizer);
+  const auto names = plan::optimizer_slots(m.optimizer);
   std::vector<std::string> problems;
   std::map<std::string, bool> used;
   for (auto& [k, v] : state) used[k] = false;

@@ -12,7 +12,7 @@
 #include "kg/runtime_op.hpp"
 #include "lower/launch_check.hpp"
 #include "lower/launch_plan.hpp"
-#include "runtime/plan_builder.hpp"
+#include "plan/plan_builder.hpp"
 #include "util/str.hpp"
 
 namespace kg::cpu {
@@ -117,7 +117,7 @@ std::vector<emu::HostBuffer> launch_buffers(const Node& n, const Graph& graph, c
 
 // Describes, checks and runs every launch of the node's kernel on the emulator, with host
 // addresses. In checked mode the output is poisoned first and verified after.
-void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, const runtime::Step& step,
+void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, const plan::Step& step,
                   const std::vector<Tensor>& ins, Tensor& out, bool training, std::uint64_t seed,
                   bool checked) {
   const std::string label = n.label();
@@ -281,12 +281,12 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
 
 }  // namespace
 
-void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs,
+void Executor::run_backward(const Graph& graph, plan::Plan& plan, const std::vector<Tensor>& inputs,
                             void* arena, std::vector<std::vector<Tensor>>& param_grads,
                             bool accumulate_params, bool training, std::uint64_t seed,
                             std::vector<NodeTime>* profile) {
   using clock = std::chrono::steady_clock;
-  const runtime::TrainingPlan& tp = plan.training;
+  const plan::TrainingPlan& tp = plan.training;
   auto* base = static_cast<std::byte*>(arena);
   auto grad_of = [&](int node) {
     const auto& v = plan.values[static_cast<std::size_t>(node)];
@@ -298,9 +298,9 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
   grad_of(tp.loss_node).fill(1.0);
 
   std::vector<Tensor> ins, grad_in, grad_params;
-  for (const runtime::BackwardStep& b : tp.steps) {
+  for (const plan::BackwardStep& b : tp.steps) {
     const Node& n = graph.node(b.node);
-    const runtime::Step& step = plan.steps[static_cast<std::size_t>(b.step)];
+    const plan::Step& step = plan.steps[static_cast<std::size_t>(b.step)];
     auto t0 = clock::now();
     ins.clear();
     grad_in.clear();
@@ -310,7 +310,7 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
       const auto& v = plan.values[static_cast<std::size_t>(in)];
       ins.push_back(b.saves.inputs ? value_tensor(plan, in, inputs, arena)
                                    : Tensor::wrap(nullptr, v.dtype, v.shape));
-      const runtime::GradTarget& g = b.inputs[i];
+      const plan::GradTarget& g = b.inputs[i];
       if (g.root < 0)
         grad_in.push_back(Tensor::wrap(nullptr, v.dtype, v.shape));
       else if (g.accumulate)
@@ -331,7 +331,7 @@ void Executor::run_backward(const Graph& graph, runtime::Plan& plan, const std::
       else
         grad_params.push_back(pg[p]);
     }
-    const std::uint64_t s = runtime::node_seed(seed, b.node);
+    const std::uint64_t s = plan::node_seed(seed, b.node);
     try {
       const lower::Executable* exe = executable(b.node);
       const bool lowered_backward = exe && exe->lowered && !exe->backward_source.empty();
@@ -380,7 +380,7 @@ const lower::Executable* Executor::executable(int node) const {
   return it == by_node_.end() ? nullptr : it->second;
 }
 
-Tensor Executor::value_tensor(const runtime::Plan& plan, int node, const std::vector<Tensor>& inputs,
+Tensor Executor::value_tensor(const plan::Plan& plan, int node, const std::vector<Tensor>& inputs,
                               void* arena) {
   const auto& v = plan.values.at(static_cast<std::size_t>(node));
   if (v.input_index >= 0) {
@@ -390,7 +390,7 @@ Tensor Executor::value_tensor(const runtime::Plan& plan, int node, const std::ve
   return Tensor::wrap(static_cast<std::byte*>(arena) + v.offset, v.dtype, v.shape);
 }
 
-void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
+void Executor::run(const Graph& graph, plan::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
                    bool training, std::uint64_t seed, std::vector<NodeTime>* profile) {
   using clock = std::chrono::steady_clock;
   std::vector<Tensor> ins;
@@ -406,7 +406,7 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
     // and its kernels only when it has none.
     bool emulate = emulated != emulated_.end() || checked_;
     if (!emulate) {
-      PoolContext ctx(ins, step.params, out, training, runtime::node_seed(seed, step.node), pool());
+      PoolContext ctx(ins, step.params, out, training, plan::node_seed(seed, step.node), pool());
       try {
         n.op->op().cpu_forward(ctx);
       } catch (const NoCpuImplementation&) {
@@ -421,7 +421,7 @@ void Executor::run(const Graph& graph, runtime::Plan& plan, const std::vector<Te
       try {
         if (emulated == emulated_.end()) emulated = emulated_.emplace(step.node, prepare(n, exe)).first;
         run_emulated(*emulated->second, n, graph, step, ins, out, training,
-                     training ? runtime::node_seed(seed, step.node) : 0, checked_);
+                     training ? plan::node_seed(seed, step.node) : 0, checked_);
       } catch (const Error& e) {
         throw lower::labelled(n.label(), e);
       } catch (const std::exception& e) {

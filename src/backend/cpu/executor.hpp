@@ -6,13 +6,15 @@
 #include <memory>
 #include <vector>
 
-#include "backend/cpu/thread_pool.hpp"
+#include "util/thread_pool.hpp"
 #include "kg/model.hpp"
 #include "lower/launch_plan.hpp"
 #include "lower/lowering.hpp"
-#include "runtime/plan.hpp"
+#include "plan/plan.hpp"
 
 namespace kg::cpu {
+
+using util::ThreadPool;
 
 class Executor {
  public:
@@ -22,18 +24,18 @@ class Executor {
   Executor(int threads, lower::LoweredGraph lowered, bool checked);
   // Executes every step. `inputs` are the bound model inputs, `arena` the activation bytes.
   // Errors from an op are rethrown prefixed with its node's label.
-  void run(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
+  void run(const Graph& graph, plan::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
            bool training, std::uint64_t seed, std::vector<NodeTime>* profile);
   // Runs the backward steps of plan.training: seeds the loss gradient with 1, runs each op's
   // backward (CPU, else its lowered backward kernels through the emulator) and sums gradients.
   // `param_grads[s][p]` is the gradient of plan.steps[s]'s parameter p (undefined when not
   // trainable); with `accumulate_params` contributions are added to it, else written. `seed`
   // and `training` must be the forward's.
-  void run_backward(const Graph& graph, runtime::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
+  void run_backward(const Graph& graph, plan::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
                     std::vector<std::vector<Tensor>>& param_grads, bool accumulate_params, bool training,
                     std::uint64_t seed, std::vector<NodeTime>* profile);
   // The tensor of a node's output (a view into the arena or an input).
-  static Tensor value_tensor(const runtime::Plan& plan, int node, const std::vector<Tensor>& inputs,
+  static Tensor value_tensor(const plan::Plan& plan, int node, const std::vector<Tensor>& inputs,
                              void* arena);
   ThreadPool& pool() { return own_ ? *own_ : ThreadPool::global(); }
 

@@ -21,7 +21,7 @@ namespace kg::cuda {
 
 bool available() { return false; }
 
-std::unique_ptr<Executor> make_executor(int, const Graph&, const lower::LoweredGraph&, runtime::Plan&,
+std::unique_ptr<Executor> make_executor(int, const Graph&, const lower::LoweredGraph&, plan::Plan&,
                                         const LoadOptions&) {
   throw Error("device cuda: this build has no CUDA path (configured without the CUDA toolkit)");
 }
@@ -37,7 +37,7 @@ constexpr std::size_t kGuardBytes = 1 << 16;
 
 class GpuExecutor final : public Executor {
  public:
-  GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, runtime::Plan& plan,
+  GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, plan::Plan& plan,
               const LoadOptions& options);
   ~GpuExecutor() override;
   std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
@@ -61,7 +61,7 @@ class GpuExecutor final : public Executor {
 
  private:
   struct Step {
-    const runtime::Step* plan_step;
+    const plan::Step* plan_step;
     std::vector<CUfunction> fns;  // per launch
     std::vector<DeviceBuffer> params;
     std::vector<std::vector<void*> > kparams;  // per launch, into lp_.steps[i].launches[l].args
@@ -82,7 +82,7 @@ class GpuExecutor final : public Executor {
 
   Context& ctx_;
   const Graph& graph_;
-  runtime::Plan& plan_;
+  plan::Plan& plan_;
   LoadOptions options_;
   lower::LaunchPlan lp_;
   DeviceBuffer arena_block_;  // the arena, with guard bytes before and after it in checked mode
@@ -100,7 +100,7 @@ class GpuExecutor final : public Executor {
 };
 
 GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
-                         runtime::Plan& plan, const LoadOptions& options)
+                         plan::Plan& plan, const LoadOptions& options)
     : ctx_(Context::get(device)), graph_(graph), plan_(plan), options_(options) {
   lp_ = lower::size_launches(graph, lowered, plan);
   guard_ = options.checked ? kGuardBytes : 0;
@@ -201,8 +201,23 @@ void GpuExecutor::launch_checked(std::size_t i) {
   }
   ctx_.download(after.data(), arena_block_.ptr(), total);
   const std::size_t s_lo = guard_ + sl.scratch_offset, s_hi = s_lo + sl.scratch_bytes;
-  for (std::size_t b = 0; b < total; ++b) {
-    if (before[b] == after[b] || (in_arena && b >= out_lo && b < out_hi) || (b >= s_lo && b < s_hi)) continue;
+  // The first changed byte outside the output and the scratch: memcmp over the ranges between
+  // them, then the byte within the first range that differs.
+  std::vector<std::pair<std::size_t, std::size_t>> allowed;
+  if (in_arena) allowed.emplace_back(out_lo, out_hi);
+  if (sl.scratch_bytes) allowed.emplace_back(s_lo, s_hi);
+  std::sort(allowed.begin(), allowed.end());
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  std::size_t from = 0;
+  for (const auto& [lo, hi] : allowed) {
+    if (lo > from) ranges.emplace_back(from, lo);
+    from = std::max(from, hi);
+  }
+  if (from < total) ranges.emplace_back(from, total);
+  for (const auto& [lo, hi] : ranges) {
+    if (std::memcmp(before.data() + lo, after.data() + lo, hi - lo) == 0) continue;
+    std::size_t b = lo;
+    while (before[b] == after[b]) ++b;
     const std::size_t es = dtype_size(ov.dtype);
     std::string where;
     if (b < guard_) {
@@ -250,7 +265,7 @@ bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {
     auto& sl = lp_.steps[i];
     if (!sl.depends_on_run) continue;
     // Eval-mode launches take no seed, so they stay the same from run to run (and in a CUDA graph).
-    lower::pack_step(sl, training, training ? runtime::node_seed(seed, sl.node) : 0);
+    lower::pack_step(sl, training, training ? plan::node_seed(seed, sl.node) : 0);
     bind_launches(i);
   }
   packed_training_ = training;
@@ -339,7 +354,7 @@ void GpuExecutor::download_params() {
 }  // namespace
 
 std::unique_ptr<Executor> make_executor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
-                                        runtime::Plan& plan, const LoadOptions& options) {
+                                        plan::Plan& plan, const LoadOptions& options) {
   return std::make_unique<GpuExecutor>(device, graph, lowered, plan, options);
 }
 

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "kg/model.hpp"
-#include "runtime/plan.hpp"
+#include "plan/plan.hpp"
 
 namespace kg::lower {
 struct LoweredGraph;
@@ -21,7 +21,7 @@ class Executor {
  public:
   virtual ~Executor() = default;
   // Uploads inputs, runs every step, downloads the outputs.
-  // `seed` is the run's (see runtime::node_seed).
+  // `seed` is the run's (see plan::node_seed).
   virtual std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
                                   std::vector<NodeTime>* profile) = 0;
   // Copies host parameter values (plan.steps[].params) to the device.
@@ -47,6 +47,6 @@ class Executor {
 // allocates device memory and uploads parameters; fills plan.memory. With LoadOptions::checked
 // every launch is verified (guard canaries, poisoned outputs) after it runs.
 std::unique_ptr<Executor> make_executor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
-                                        runtime::Plan& plan, const LoadOptions& options);
+                                        plan::Plan& plan, const LoadOptions& options);
 
 }  // namespace kg::cuda

@@ -10,7 +10,7 @@
 #include "compile/ptx.hpp"
 #include "kg/error.hpp"
 #include "lower/launch_plan.hpp"
-#include "runtime/optimizer.hpp"
+#include "plan/optimizer.hpp"
 #include "util/str.hpp"
 
 namespace kg::cuda {
@@ -20,10 +20,10 @@ constexpr unsigned kThreads = 256;
 }  // namespace
 
 Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered,
-                 const runtime::Plan& plan, DevicePtr arena, std::vector<DevicePtr> inputs,
+                 const plan::Plan& plan, DevicePtr arena, std::vector<DevicePtr> inputs,
                  std::vector<std::vector<DevicePtr>> params, bool checked)
     : ctx_(ctx), graph_(graph), plan_(plan), arena_(arena), params_(std::move(params)), checked_(checked) {
-  const runtime::TrainingPlan& tp = plan.training;
+  const plan::TrainingPlan& tp = plan.training;
   // Runtime kernels.
   {
     const std::string& src = compile::kernel_source("train.cu");
@@ -69,7 +69,7 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
         const auto& v = plan.values[static_cast<std::size_t>(in)];
         t.inputs.push_back(
             {b.saves.inputs ? lower::value_address(plan, in, arena, inputs) : 0, v.shape, v.dtype});
-        const runtime::GradTarget& g = b.inputs[i];
+        const plan::GradTarget& g = b.inputs[i];
         DevicePtr gp = g.root < 0 ? 0 : g.accumulate ? arena + g.temp_offset : grad_addr(in);
         if (g.root >= 0 && v.dtype != DType::F32)
           throw Error(util::cat("input ", i, " is ", dtype_name(v.dtype),
@@ -121,7 +121,7 @@ void Trainer::add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::strin
 void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training,
                        std::vector<NodeTime>* profile) {
   ctx_.make_current();
-  const runtime::TrainingPlan& tp = plan_.training;
+  const plan::TrainingPlan& tp = plan_.training;
   for (int r : tp.zero_roots)
     ctx_.fill_bytes_async(arena_ + tp.grad_offset[static_cast<std::size_t>(r)], 0,
                           plan_.values[static_cast<std::size_t>(r)].bytes());
@@ -136,14 +136,14 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
     launch_1d(fill_, n, p, "[kg.train loss seed]");
   }
   for (auto& bw : steps_) {
-    const runtime::BackwardStep& b = *bw.step;
+    const plan::BackwardStep& b = *bw.step;
     const Node& n = graph_.node(b.node);
     auto t0 = std::chrono::steady_clock::now();
     if (profile) ctx_.synchronize();
     LaunchTensors& t = bw.tensors;
     for (std::size_t p = 0; p < t.grad_params.size(); ++p)
       t.grad_params[p].ptr = accumulate_params ? bw.temp_param_grads[p] : bw.direct_param_grads[p];
-    t.seed = runtime::node_seed(seed, b.node);
+    t.seed = plan::node_seed(seed, b.node);
     t.training = training;
     try {
       for (const auto& L :
@@ -160,7 +160,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
       throw lower::labelled(bw.label, err);
     }
     for (std::size_t i = 0; i < b.inputs.size(); ++i) {
-      const runtime::GradTarget& g = b.inputs[i];
+      const plan::GradTarget& g = b.inputs[i];
       if (g.root < 0 || !g.accumulate) continue;
       const auto& v = plan_.values[static_cast<std::size_t>(n.inputs[i])];
       add(arena_ + tp.grad_offset[static_cast<std::size_t>(v.root)], arena_ + g.temp_offset,
@@ -189,7 +189,7 @@ void Trainer::zero_grad() {
 
 void Trainer::reset_optimizer(const OptimizerOptions& options) {
   ctx_.make_current();
-  const std::size_t n_slots = runtime::optimizer_slots(options).size();
+  const std::size_t n_slots = plan::optimizer_slots(options).size();
   slots_.clear();
   slots_.resize(grads_.size());
   for (std::size_t s = 0; s < grads_.size(); ++s) {

@@ -13,7 +13,7 @@
 #include "kg/model.hpp"
 #include "lower/launch_plan.hpp"
 #include "lower/lowering.hpp"
-#include "runtime/plan.hpp"
+#include "plan/plan.hpp"
 
 namespace kg::cuda {
 
@@ -21,7 +21,7 @@ class Trainer {
  public:
   // Compiles every backward source for the device, checks entries and blocks, and allocates
   // gradients. `params[s]` are the device addresses of plan.steps[s]'s parameters.
-  Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const runtime::Plan& plan,
+  Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const plan::Plan& plan,
           DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params,
           bool checked);
 
@@ -35,7 +35,7 @@ class Trainer {
 
  private:
   struct Backward {
-    const runtime::BackwardStep* step = nullptr;
+    const plan::BackwardStep* step = nullptr;
     std::string label;
     std::shared_ptr<RuntimeOp> rt;
     lower::KernelModule module;             // the backward source, compiled
@@ -49,7 +49,7 @@ class Trainer {
 
   Context& ctx_;
   const Graph& graph_;
-  const runtime::Plan& plan_;
+  const plan::Plan& plan_;
   DevicePtr arena_;
   std::vector<Backward> steps_;
   std::vector<std::vector<DeviceBuffer>> grads_;               // per plan step, parameter

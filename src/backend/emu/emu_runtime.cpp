@@ -14,7 +14,7 @@
 #include <mutex>
 #include <vector>
 
-#include "backend/cpu/thread_pool.hpp"
+#include "util/thread_pool.hpp"
 #include "backend/emu/host_jit.hpp"
 #include "kg/error.hpp"
 #include "util/str.hpp"
@@ -679,7 +679,7 @@ void run_grid(const GridLaunch& L) {
   install_fault_handlers();
   const long long blocks = static_cast<long long>(L.grid.x) * L.grid.y * L.grid.z;
   if (blocks <= 0) return;
-  auto& pool = cpu::ThreadPool::global();
+  auto& pool = util::ThreadPool::global();
   const int workers = static_cast<int>(std::min<long long>(pool.size(), blocks));
   std::atomic<long long> next{0};
   std::atomic<bool> stop{false};

@@ -12,8 +12,8 @@
 #include "kg/error.hpp"
 #include "lower/launch_plan.hpp"
 #include "lower/lowering.hpp"
-#include "runtime/plan_builder.hpp"
-#include "runtime/shape_binding.hpp"
+#include "plan/plan_builder.hpp"
+#include "plan/shape_binding.hpp"
 #include "util/half.hpp"
 #include "util/str.hpp"
 
@@ -384,8 +384,8 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
   }
   std::vector<int> outs;
   for (const auto& o : model.outputs()) outs.push_back(o.second);
-  const auto bound = runtime::bind_shapes(graph, model.live_nodes(), shapes);
-  runtime::Plan plan = runtime::build_plan(graph, model.live_nodes(), outs, bound, 0);
+  const auto bound = plan::bind_shapes(graph, model.live_nodes(), shapes);
+  plan::Plan plan = plan::build_plan(graph, model.live_nodes(), outs, bound, 0);
   const lower::LoweredGraph lowered = lower::lower_model(model, lower::LowerTarget{bound.node_shapes, 0, true});
   lower::LaunchPlan lp = lower::size_launches(graph, lowered, plan);
 

@@ -1,11 +1,11 @@
-#include "backend/cpu/thread_pool.hpp"
+#include "util/thread_pool.hpp"
 
 #include <algorithm>
 #include <cstdlib>
 
 #include "kg/custom_op.hpp"
 
-namespace kg::cpu {
+namespace kg::util {
 namespace {
 thread_local bool t_in_pool = false;  // nested parallel_for calls run inline
 
@@ -110,7 +110,7 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t grain,
   if (error_) std::rethrow_exception(error_);
 }
 
-}  // namespace kg::cpu
+}  // namespace kg::util
 
 namespace kg {
 
@@ -119,7 +119,7 @@ CpuContext::CpuContext(std::span<const Tensor> in, std::span<const Tensor> ps, T
     : inputs(in), params(ps), output(std::move(out)), training(train), seed(s) {}
 
 void CpuContext::parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const {
-  cpu::ThreadPool::global().parallel_for(n, grain, fn);
+  util::ThreadPool::global().parallel_for(n, grain, fn);
 }
 
 }  // namespace kg

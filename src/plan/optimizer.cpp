@@ -1,11 +1,11 @@
-#include "runtime/optimizer.hpp"
+#include "plan/optimizer.hpp"
 
 #include <cmath>
 
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 std::vector<std::string> optimizer_slots(const OptimizerOptions& o) {
   if (o.kind == OptimizerOptions::Kind::AdamW) return {"exp_avg", "exp_avg_sq"};
@@ -72,4 +72,4 @@ void optimizer_update_cpu(const OptimizerOptions& o, std::int64_t step, Tensor& 
   }
 }
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -1,11 +1,11 @@
-#include "runtime/plan_builder.hpp"
+#include "plan/plan_builder.hpp"
 
 #include <algorithm>
 
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 void init_param(Tensor& t, const ParamSpec& spec, const Node& node, std::mt19937_64& rng) {
   const ParamInit& in = spec.init;
@@ -147,4 +147,4 @@ std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const st
                                   placement.offsets.begin() + static_cast<std::ptrdiff_t>(n_before_training));
 }
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

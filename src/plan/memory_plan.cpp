@@ -1,9 +1,9 @@
-#include "runtime/memory_plan.hpp"
+#include "plan/memory_plan.hpp"
 
 #include <algorithm>
 #include <numeric>
 
-namespace kg::runtime {
+namespace kg::plan {
 
 Placement plan_buffers(const std::vector<BufferRequest>& req, std::size_t alignment) {
   Placement p;
@@ -38,4 +38,4 @@ Placement plan_buffers(const std::vector<BufferRequest>& req, std::size_t alignm
   return p;
 }
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

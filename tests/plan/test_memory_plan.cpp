@@ -2,11 +2,11 @@
 // chain, and the MemoryPlan a loaded model reports.
 #include <algorithm>
 
-#include "runtime/memory_plan.hpp"
+#include "plan/memory_plan.hpp"
 #include "support/test_util.hpp"
 
-using kg::runtime::BufferRequest;
-using kg::runtime::plan_buffers;
+using kg::plan::BufferRequest;
+using kg::plan::plan_buffers;
 using kg_test::fresh_seed;
 
 namespace {
@@ -15,7 +15,7 @@ std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a;
 
 // Checks every property a placement must have; returns the first violation.
 ::testing::AssertionResult valid_placement(const std::vector<BufferRequest>& req,
-                                           const kg::runtime::Placement& p, std::size_t alignment) {
+                                           const kg::plan::Placement& p, std::size_t alignment) {
   if (p.offsets.size() != req.size())
     return ::testing::AssertionFailure() << p.offsets.size() << " offsets for " << req.size() << " requests";
   std::size_t unshared = 0;

@@ -1,9 +1,9 @@
-#include "runtime/shape_binding.hpp"
+#include "plan/shape_binding.hpp"
 
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 namespace {
 
 // Matches a symbolic shape against concrete sizes, binding named symbols. Returns an empty
@@ -79,4 +79,4 @@ BoundShapes bind_shapes(const Graph& graph, const std::vector<int>& live,
   return out;
 }
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "kg/model.hpp"
-#include "runtime/memory_plan.hpp"
+#include "plan/memory_plan.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 // The seed an op node gets in the run seeded `seed`: its CPU forward and backward, its
 // run-dependent launches and its backward launches all see this one.
@@ -79,4 +79,4 @@ struct Plan {
   TrainingPlan training;
 };
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -7,10 +7,10 @@
 #include <string>
 
 #include "kg/graph.hpp"
-#include "runtime/plan.hpp"
-#include "runtime/shape_binding.hpp"
+#include "plan/plan.hpp"
+#include "plan/shape_binding.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 // Whether the node's op has a backward on the device the model is loaded on.
 using HasBackward = std::function<bool(const Node& node)>;
@@ -26,4 +26,4 @@ int find_loss(const Graph& graph, const std::vector<std::pair<std::string, int>>
 void plan_training(const Graph& graph, Plan& plan, int loss_node, const std::string& loss_name,
                    const HasBackward& has_backward);
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <vector>
 
-namespace kg::runtime {
+namespace kg::plan {
 
 // One buffer to place: its size and the step range [first, last] in which it is live.
 struct BufferRequest {
@@ -23,4 +23,4 @@ struct Placement {
 // step never overlap. Largest buffers first, each at the lowest offset that fits.
 Placement plan_buffers(const std::vector<BufferRequest>& requests, std::size_t alignment = 64);
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -9,7 +9,7 @@
 
 #include "kg/model.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 // Names of the per-parameter state tensors the optimiser keeps ("momentum_buffer";
 // "exp_avg", "exp_avg_sq"; none for plain SGD).
@@ -23,4 +23,4 @@ void check_optimizer(const OptimizerOptions& options);
 void optimizer_update_cpu(const OptimizerOptions& options, std::int64_t step, Tensor& param, const Tensor& grad,
                           std::vector<Tensor>& slots);
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -9,7 +9,7 @@
 
 #include "kg/graph.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 struct BoundShapes {
   std::vector<std::vector<std::int64_t>> node_shapes;  // by node id; empty for dead nodes
@@ -21,4 +21,4 @@ struct BoundShapes {
 BoundShapes bind_shapes(const Graph& graph, const std::vector<int>& live,
                         const std::vector<std::vector<std::int64_t>>& input_shapes);
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -6,10 +6,10 @@
 #include <stdexcept>
 #include <thread>
 
-#include "backend/cpu/thread_pool.hpp"
+#include "util/thread_pool.hpp"
 #include "support/test_util.hpp"
 
-using kg::cpu::ThreadPool;
+using kg::util::ThreadPool;
 using kg_test::expect_error;
 
 namespace {

@@ -7,11 +7,11 @@
 #include <random>
 #include <vector>
 
-#include "runtime/memory_plan.hpp"
-#include "runtime/plan.hpp"
-#include "runtime/shape_binding.hpp"
+#include "plan/memory_plan.hpp"
+#include "plan/plan.hpp"
+#include "plan/shape_binding.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 // Values, lifetimes (first/last step index of each storage root) and steps with parameters
 // initialised from their ParamInit (PyTorch's defaults for built-in layers), seeded by `seed`.
@@ -26,4 +26,4 @@ void init_param(Tensor& t, const ParamSpec& spec, const Node& node, std::mt19937
 std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const std::function<std::size_t(int)>& bytes_of,
                                         const std::vector<BufferRequest>& extra);
 
-}  // namespace kg::runtime
+}  // namespace kg::plan

@@ -8,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-namespace kg::cpu {
+namespace kg::util {
 
 class ThreadPool {
  public:
@@ -41,4 +41,4 @@ class ThreadPool {
   std::mutex run_mu_;  // one parallel_for at a time
 };
 
-}  // namespace kg::cpu
+}  // namespace kg::util

@@ -1,11 +1,11 @@
-#include "runtime/autograd.hpp"
+#include "plan/autograd.hpp"
 
 #include <algorithm>
 
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
-namespace kg::runtime {
+namespace kg::plan {
 
 int find_loss(const Graph& graph, const std::vector<std::pair<std::string, int>>& outputs, const BoundShapes& bound,
               const std::string& loss) {
@@ -149,4 +149,4 @@ void plan_training(const Graph& graph, Plan& plan, int loss_node, const std::str
   }
 }
 
-}  // namespace kg::runtime
+}  // namespace kg::plan
