@@ -53,20 +53,8 @@ std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
   m.forward_ready = false;
   m.last_seed = m.options.seed + m.runs;
   m.last_training = m.training;
-  if (m.cuda) {
-    auto outs = m.cuda->run(inputs, m.training, m.last_seed, m.options.profile ? &m.last_profile : nullptr);
-    m.forward_ready = m.plan.training.enabled;
-    return outs;
-  }
-  void* arena = m.arena.raw();
-  if (m.options.poison_buffers) std::memset(arena, 0xFF, m.arena.nbytes());
-  m.executor->run(g, m.plan, inputs, arena, m.training, m.last_seed, m.options.profile ? &m.last_profile : nullptr);
-  if (m.plan.training.enabled) {
-    m.last_inputs = inputs;  // handles: the backward reads saved inputs
-    m.forward_ready = true;
-  }
-  std::vector<Tensor> outs;
-  for (int o : m.plan.outputs) outs.push_back(cpu::Executor::value_tensor(m.plan, o, inputs, arena).clone());
+  auto outs = m.exec->run(inputs, m.training, m.last_seed, m.options.profile ? &m.last_profile : nullptr);
+  m.forward_ready = m.plan.training.enabled;
   return outs;
 }
 
@@ -96,7 +84,7 @@ std::map<std::string, ParamRef> param_map(LoadedModel::Impl& m) {
 }  // namespace
 
 Tensor LoadedModel::parameter(const std::string& name) const {
-  if (impl_->cuda) impl_->cuda->download_params();
+  impl_->exec->download_params();
   auto params = param_map(*impl_);
   auto it = params.find(name);
   if (it == params.end()) throw Error("no parameter named '" + name + "' in the model");
@@ -104,7 +92,7 @@ Tensor LoadedModel::parameter(const std::string& name) const {
 }
 
 std::map<std::string, Tensor> LoadedModel::state_dict() const {
-  if (impl_->cuda) impl_->cuda->download_params();
+  impl_->exec->download_params();
   std::map<std::string, Tensor> out;
   for (auto& [name, ref] : param_map(*impl_)) out.emplace(name, ref.tensor->clone());
   return out;
@@ -149,7 +137,7 @@ void LoadedModel::load_state_dict(const std::map<std::string, Tensor>& tensors, 
     Tensor src = t.dtype() == ref.spec->dtype ? t : t.to(ref.spec->dtype);
     std::memcpy(ref.tensor->raw(), src.raw(), src.nbytes());
   }
-  if (impl_->cuda) impl_->cuda->upload_params();
+  impl_->exec->upload_params();
 }
 
 void LoadedModel::load_weights(const std::string& path) {

@@ -5,8 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/executor.hpp"
-#include "backend/cuda/executor.hpp"
+#include "backend/executor.hpp"
 #include "kg/model.hpp"
 #include "plan/plan.hpp"
 
@@ -19,9 +18,7 @@ struct LoadedModel::Impl {
   LoadOptions options;
   std::vector<std::string> output_names;
   plan::Plan plan;
-  Tensor arena;  // activation bytes
-  std::unique_ptr<cpu::Executor> executor;      // device cpu
-  std::unique_ptr<cuda::Executor> cuda;         // device cuda
+  std::unique_ptr<backend::Executor> exec;  // the device's backend
   bool training = false;
   std::uint64_t runs = 0;
   std::vector<NodeTime> last_profile;
@@ -29,14 +26,14 @@ struct LoadedModel::Impl {
   // ---- training (plan.training.enabled) ----
   std::string loss_name;
   // Host gradients and optimiser state, per plan step and parameter (undefined tensors for
-  // parameters without a gradient). On cuda they mirror the device's when asked for.
+  // parameters without a gradient). The cpu backend works on them; cuda's mirror the device's
+  // when asked for.
   std::vector<std::vector<Tensor>> grads;
   std::vector<std::vector<std::vector<Tensor>>> slots;  // per step, parameter, slot
   bool grads_fresh = true;     // zero since zero_grad(): backward writes instead of adding
   bool forward_ready = false;  // a forward ran since the last backward
   std::uint64_t last_seed = 0;
   bool last_training = false;
-  std::vector<Tensor> last_inputs;  // cpu: the last forward's inputs (the backward reads them)
   bool have_optimizer = false;
   OptimizerOptions optimizer;
   std::int64_t optimizer_steps = 0;

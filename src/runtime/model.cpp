@@ -130,20 +130,14 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
   };
   if (cuda) {
     plan::plan_training(*graph_, impl->plan, loss, impl->loss_name, lowered_backward);
-    impl->cuda = cuda::make_executor(device.index, *graph_, lowered, impl->plan, options);
+    impl->exec = cuda::make_executor(device.index, *graph_, lowered, impl->plan, options);
   } else {
-    plan::plan_training(*graph_, impl->plan, loss, impl->loss_name, [&](const Node& n) {
-      return n.op->op().has_cpu_backward() || lowered_backward(n);
-    });
+    plan::plan_training(*graph_, impl->plan, loss, impl->loss_name,
+                        [&](const Node& n) { return n.op->op().has_cpu_backward() || lowered_backward(n); });
     // Every lowered op's launches are checked against its kernels' CUDA signatures, whether or
     // not the cpu runs them.
     lower::check_lowered(*graph_, lowered, impl->plan);
-    plan::Plan& plan = impl->plan;
-    plan::place_in_arena(plan, *graph_,
-                            [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); }, {});
-    impl->arena = Tensor::empty(
-        DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(plan.memory.arena_bytes, 1))});
-    impl->executor = std::make_unique<cpu::Executor>(options.threads, std::move(lowered), options.checked);
+    impl->exec = cpu::make_executor(*graph_, impl->plan, std::move(lowered), options, impl->grads, impl->slots);
   }
   if (impl->plan.training.enabled) init_training_state(*impl);
   return LoadedModel(impl);

@@ -54,7 +54,7 @@ template <class F> void each_trainable(const Impl& m, F&& f) {
 }
 
 void sync_grads(Impl& m) {
-  if (m.cuda) m.cuda->download_grads(m.grads);
+  m.exec->download_grads(m.grads);
 }
 
 }  // namespace
@@ -87,20 +87,14 @@ void LoadedModel::backward() {
   m.forward_ready = false;
   const bool accumulate = !m.grads_fresh;
   std::vector<NodeTime>* prof = m.options.profile ? &m.last_profile : nullptr;
-  if (m.cuda) {
-    m.cuda->backward(accumulate, m.last_seed, m.last_training, prof);
-  } else {
-    m.executor->run_backward(*m.graph, m.plan, m.last_inputs, m.arena.raw(), m.grads, accumulate, m.last_training,
-                             m.last_seed, prof);
-    m.last_inputs.clear();
-  }
+  m.exec->backward(accumulate, m.last_seed, m.last_training, prof);
   m.grads_fresh = false;
 }
 
 void LoadedModel::zero_grad() {
   Impl& m = *impl_;
   require_training(m, "zero_grad");
-  if (m.cuda) m.cuda->zero_grad();
+  m.exec->zero_grad();
   each_trainable(m, [&](std::size_t s, std::size_t p, const ParamSpec&) {
     std::memset(m.grads[s][p].raw(), 0, m.grads[s][p].nbytes());
   });
@@ -126,7 +120,7 @@ void LoadedModel::set_optimizer(const OptimizerOptions& options) {
   });
   m.plan.memory.peak_bytes += bytes - m.plan.memory.optimizer_bytes;
   m.plan.memory.optimizer_bytes = bytes;
-  if (m.cuda) m.cuda->reset_optimizer(options);
+  m.exec->reset_optimizer(options);
 }
 
 void LoadedModel::set_learning_rate(double lr) {
@@ -143,14 +137,7 @@ void LoadedModel::step() {
   require_training(m, "step");
   if (!m.have_optimizer) throw Error("step: no optimizer set (call set_optimizer first)");
   ++m.optimizer_steps;
-  if (m.cuda) {
-    m.cuda->step(m.optimizer, m.optimizer_steps);
-    return;
-  }
-  each_trainable(m, [&](std::size_t s, std::size_t p, const ParamSpec&) {
-    Tensor param = m.plan.steps[s].params[p];
-    plan::optimizer_update_cpu(m.optimizer, m.optimizer_steps, param, m.grads[s][p], m.slots[s][p]);
-  });
+  m.exec->step(m.optimizer, m.optimizer_steps);
 }
 
 Tensor LoadedModel::grad(const std::string& name) const {
@@ -181,7 +168,7 @@ std::map<std::string, Tensor> LoadedModel::gradients() const {
 std::map<std::string, Tensor> LoadedModel::optimizer_state() const {
   Impl& m = *impl_;
   if (!m.have_optimizer) throw Error("optimizer_state: no optimizer set (call set_optimizer first)");
-  if (m.cuda) m.cuda->download_slots(m.slots);
+  m.exec->download_slots(m.slots);
   std::map<std::string, Tensor> out;
   const auto names = plan::optimizer_slots(m.optimizer);
   each_trainable(m, [&](std::size_t s, std::size_t p, const ParamSpec& spec) {
@@ -231,7 +218,7 @@ void LoadedModel::load_optimizer_state(const std::map<std::string, Tensor>& stat
       std::memcpy(m.slots[s][p][k].raw(), conv.raw(), conv.nbytes());
     }
   });
-  if (m.cuda) m.cuda->upload_slots(m.slots);
+  m.exec->upload_slots(m.slots);
 }
 
 void LoadedModel::save_checkpoint(const std::string& path, const std::map<std::string, std::string>& metadata) const {

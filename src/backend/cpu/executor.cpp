@@ -12,6 +12,7 @@
 #include "kg/runtime_op.hpp"
 #include "lower/launch_check.hpp"
 #include "lower/launch_plan.hpp"
+#include "plan/optimizer.hpp"
 #include "plan/plan_builder.hpp"
 #include "util/str.hpp"
 
@@ -432,6 +433,73 @@ void Executor::run(const Graph& graph, plan::Plan& plan, const std::vector<Tenso
       profile->push_back(
           {n.name, n.op_name(), std::chrono::duration<double, std::milli>(clock::now() - t0).count()});
   }
+}
+
+namespace {
+
+class CpuModelExecutor final : public backend::Executor {
+ public:
+  CpuModelExecutor(const Graph& graph, plan::Plan& plan, lower::LoweredGraph lowered, const LoadOptions& options,
+                   std::vector<std::vector<Tensor>>& grads, std::vector<std::vector<std::vector<Tensor>>>& slots)
+      : graph_(graph),
+        plan_(plan),
+        options_(options),
+        grads_(grads),
+        slots_(slots),
+        exec_(options.threads, std::move(lowered), options.checked) {
+    plan::place_in_arena(
+        plan_, graph_, [&](int id) { return plan_.values[static_cast<std::size_t>(id)].bytes(); }, {});
+    arena_ = Tensor::empty(DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(plan_.memory.arena_bytes, 1))});
+  }
+
+  std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
+                          std::vector<NodeTime>* profile) override {
+    void* arena = arena_.raw();
+    if (options_.poison_buffers) std::memset(arena, 0xFF, arena_.nbytes());
+    exec_.run(graph_, plan_, inputs, arena, training, seed, profile);
+    if (plan_.training.enabled) last_inputs_ = inputs;  // handles: the backward reads saved inputs
+    std::vector<Tensor> outs;
+    for (int o : plan_.outputs) outs.push_back(cpu::Executor::value_tensor(plan_, o, inputs, arena).clone());
+    return outs;
+  }
+  void upload_params() override {}
+  void download_params() override {}
+
+  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile) override {
+    exec_.run_backward(graph_, plan_, last_inputs_, arena_.raw(), grads_, accumulate_params, training, seed, profile);
+    last_inputs_.clear();
+  }
+  void zero_grad() override {}  // the host gradients are LoadedModel's, zeroed there
+  void step(const OptimizerOptions& options, std::int64_t step) override {
+    for (std::size_t s = 0; s < plan_.steps.size(); ++s)
+      for (std::size_t p = 0; p < plan_.steps[s].specs.size(); ++p)
+        if (grads_[s][p].raw() != nullptr) {
+          Tensor param = plan_.steps[s].params[p];
+          plan::optimizer_update_cpu(options, step, param, grads_[s][p], slots_[s][p]);
+        }
+  }
+  void reset_optimizer(const OptimizerOptions&) override {}  // LoadedModel zeroes the host state
+  void download_grads(std::vector<std::vector<Tensor>>&) override {}
+  void download_slots(std::vector<std::vector<std::vector<Tensor>>>&) override {}
+  void upload_slots(const std::vector<std::vector<std::vector<Tensor>>>&) override {}
+
+ private:
+  const Graph& graph_;
+  plan::Plan& plan_;
+  LoadOptions options_;
+  std::vector<std::vector<Tensor>>& grads_;
+  std::vector<std::vector<std::vector<Tensor>>>& slots_;
+  cpu::Executor exec_;
+  Tensor arena_;                    // activation bytes
+  std::vector<Tensor> last_inputs_;  // the last forward's inputs (the backward reads them)
+};
+
+}  // namespace
+
+std::unique_ptr<backend::Executor> make_executor(const Graph& graph, plan::Plan& plan, lower::LoweredGraph lowered,
+                                                 const LoadOptions& options, std::vector<std::vector<Tensor>>& grads,
+                                                 std::vector<std::vector<std::vector<Tensor>>>& slots) {
+  return std::make_unique<CpuModelExecutor>(graph, plan, std::move(lowered), options, grads, slots);
 }
 
 }  // namespace kg::cpu

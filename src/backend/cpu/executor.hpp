@@ -6,11 +6,12 @@
 #include <memory>
 #include <vector>
 
-#include "util/thread_pool.hpp"
+#include "backend/executor.hpp"
 #include "kg/model.hpp"
 #include "lower/launch_plan.hpp"
 #include "lower/lowering.hpp"
 #include "plan/plan.hpp"
+#include "util/thread_pool.hpp"
 
 namespace kg::cpu {
 
@@ -51,5 +52,13 @@ class Executor {
   std::map<int, std::shared_ptr<EmulatedNode>> emulated_;  // by node id
   std::map<int, lower::KernelModule> emulated_backward_;   // by node id
 };
+
+// The cpu backend behind backend::Executor: places the activations in a host arena (fills
+// plan.memory) and runs the model with an Executor. Parameter gradients and optimiser state are
+// the host tensors LoadedModel owns (`grads`, `slots`, filled by it after this returns; this
+// keeps references), so their uploads and downloads are no-ops here.
+std::unique_ptr<backend::Executor> make_executor(const Graph& graph, plan::Plan& plan, lower::LoweredGraph lowered,
+                                                 const LoadOptions& options, std::vector<std::vector<Tensor>>& grads,
+                                                 std::vector<std::vector<std::vector<Tensor>>>& slots);
 
 }  // namespace kg::cpu

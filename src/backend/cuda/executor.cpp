@@ -21,7 +21,7 @@ namespace kg::cuda {
 
 bool available() { return false; }
 
-std::unique_ptr<Executor> make_executor(int, const Graph&, const lower::LoweredGraph&, plan::Plan&,
+std::unique_ptr<backend::Executor> make_executor(int, const Graph&, const lower::LoweredGraph&, plan::Plan&,
                                         const LoadOptions&) {
   throw Error("device cuda: this build has no CUDA path (configured without the CUDA toolkit)");
 }
@@ -35,7 +35,7 @@ namespace {
 // Checked mode: bytes of canaries before and after the arena.
 constexpr std::size_t kGuardBytes = 1 << 16;
 
-class GpuExecutor final : public Executor {
+class GpuExecutor final : public backend::Executor {
  public:
   GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, plan::Plan& plan,
               const LoadOptions& options);
@@ -353,7 +353,7 @@ void GpuExecutor::download_params() {
 
 }  // namespace
 
-std::unique_ptr<Executor> make_executor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
+std::unique_ptr<backend::Executor> make_executor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
                                         plan::Plan& plan, const LoadOptions& options) {
   return std::make_unique<GpuExecutor>(device, graph, lowered, plan, options);
 }

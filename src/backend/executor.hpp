@@ -1,0 +1,39 @@
+// What runs a loaded model, whatever the device: the cpu backend and the cuda backend implement
+// this one interface (cpu::make_executor, cuda::make_executor), and LoadedModel talks to it alone.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kg/model.hpp"
+
+namespace kg::backend {
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Runs every step on `inputs` (graph-input order, the loaded shapes) and returns the outputs.
+  // `seed` is the run's (see plan::node_seed).
+  virtual std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
+                                  std::vector<NodeTime>* profile) = 0;
+  // Host parameter values (plan.steps[].params) to the device's copy, and back (no-ops where the
+  // host tensors are the parameters).
+  virtual void upload_params() = 0;
+  virtual void download_params() = 0;
+
+  // ---- training (plan.training.enabled) ----
+  // The backward of the last run: parameter gradients written, or added with `accumulate_params`.
+  // `seed` and `training` are the forward's.
+  virtual void backward(bool accumulate_params, std::uint64_t seed, bool training,
+                        std::vector<NodeTime>* profile) = 0;
+  virtual void zero_grad() = 0;
+  // One optimiser update at step `step` (1-based); state starts at zero after reset_optimizer.
+  virtual void step(const OptimizerOptions& options, std::int64_t step) = 0;
+  virtual void reset_optimizer(const OptimizerOptions& options) = 0;
+  // The device's gradients and optimiser state into / from the host tensors of LoadedModel.
+  virtual void download_grads(std::vector<std::vector<Tensor>>& grads) = 0;
+  virtual void download_slots(std::vector<std::vector<std::vector<Tensor>>>& slots) = 0;
+  virtual void upload_slots(const std::vector<std::vector<std::vector<Tensor>>>& slots) = 0;
+};
+
+}  // namespace kg::backend
