@@ -296,12 +296,24 @@ class GradChecker {
     const ParamSpec& p = s.specs[k - s.inputs.size()];
     return p.trainable && is_floating(p.dtype);
   }
+  // The op's forward: its cpu_forward, or, for an op without one, its kernels run by the CUDA
+  // emulator (so that finite differences have a forward to differentiate).
   Tensor forward(const Setup& s, const std::vector<Tensor>& inputs, const std::vector<Tensor>& params) const {
     Tensor out = poisoned(s.out_dtype, s.out_shape);
-    CpuContext ctx(inputs, params, out, o_.training, op_seed_);
-    op_.cpu_forward(ctx);
+    if (!no_cpu_forward_) {
+      try {
+        CpuContext ctx(inputs, params, out, o_.training, op_seed_);
+        op_.cpu_forward(ctx);
+        return out;
+      } catch (const NoCpuImplementation&) {
+        no_cpu_forward_ = true;
+      }
+    }
+    emulated_forward(s, inputs, params, out);
     return out;
   }
+  void emulated_forward(const Setup& s, const std::vector<Tensor>& inputs, const std::vector<Tensor>& params,
+                        Tensor& out) const;
   // sum(grad_output * forward(inputs, params)) in double.
   double objective(const Setup& s, const std::vector<Tensor>& inputs,
                    const std::vector<Tensor>& params) const {
@@ -344,6 +356,7 @@ class GradChecker {
   std::string prefix_;
   std::uint64_t op_seed_ = 0;
   BackwardSaves saves_;
+  mutable bool no_cpu_forward_ = false;  // cpu_forward threw NoCpuImplementation once
 };
 
 std::vector<Tensor> GradChecker::backward(const Setup& s, const Tensor& output,
@@ -468,17 +481,44 @@ void GradChecker::run() {
       forward(given, given.inputs, given.params);
     } catch (const NoCpuImplementation&) {
       rep_.skip(at("gradients"),
-                "the op has neither a CPU backward nor a CPU forward to take finite differences of");
+                "the op has neither a CPU backward nor a forward (CPU or lowered) to take finite differences of");
       return;
     } catch (const std::exception&) {
       // Reported by the finite differences.
     }
     rep_.skip(at("cpu_backward"),
-              "the op has no CPU backward (CustomOp::has_cpu_backward() is false); its lowered "
-              "backward is compared with finite differences of its CPU forward");
+              util::cat("the op has no CPU backward (CustomOp::has_cpu_backward() is false); its lowered "
+                        "backward is compared with finite differences of its ",
+                        no_cpu_forward_ ? "emulated forward kernels (it has no CPU forward)" : "CPU forward"));
   }
   // The lowered backward runs in the dtypes given, against the CPU backward in them.
   check_lowered(given, fd);
+}
+
+void GradChecker::emulated_forward(const Setup& s, const std::vector<Tensor>& inputs,
+                                   const std::vector<Tensor>& params, Tensor& out) const {
+  std::optional<Lowered> l = op_.lower(s.context);
+  if (!l || !l->runtime_op) throw NoCpuImplementation();
+  const RuntimeOp& rt = *l->runtime_op;
+  auto dev = [](const Tensor& t) {
+    return DeviceTensor{reinterpret_cast<std::uintptr_t>(t.raw()), t.shape(), t.dtype()};
+  };
+  LaunchTensors t;
+  for (const auto& x : inputs) t.inputs.push_back({0, x.shape(), x.dtype()});
+  for (const auto& x : params) t.params.push_back({0, x.shape(), x.dtype()});
+  t.output = {0, out.shape(), out.dtype()};
+  t.training = o_.training;
+  t.seed = op_seed_;
+  Tensor scratch;
+  if (const std::size_t sb = rt.scratch_bytes(t); sb > 0) scratch = Tensor::zeros(DType::U8, {static_cast<std::int64_t>(sb)});
+  for (std::size_t i = 0; i < inputs.size(); ++i) t.inputs[i] = dev(inputs[i]);
+  for (std::size_t i = 0; i < params.size(); ++i) t.params[i] = dev(params[i]);
+  t.output = dev(out);
+  t.scratch = scratch.defined() ? dev(scratch).ptr : 0;
+  const std::string name = l->name.empty() ? op_.name() : l->name;
+  const lower::KernelModule module = lower::make_module(name, l->source, l->entry_point, 0);
+  for (const auto& L : lower::check_launches(module, rt.launches(t), s.label, ""))
+    emu::launch(name, l->source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes, L.launch.args);
 }
 
 bool GradChecker::check_cpu(Setup& s) {

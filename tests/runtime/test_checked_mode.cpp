@@ -110,6 +110,10 @@ class ScaleOp final : public kg::CustomOp {
  public:
   explicit ScaleOp(Fault f) : f_(f) {}
   std::string name() const override { return "test.scale"; }
+  kg::DType infer_output_dtype(const std::vector<kg::DType>& in) const override {
+    if (in.at(0) != kg::DType::F32) throw kg::Error("its kernels take f32");
+    return in[0];
+  }
   kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override {
     kg::Shape s = in.at(0);
     if (f_ == Fault::WideShape) {
@@ -162,6 +166,26 @@ class ScaleOp final : public kg::CustomOp {
 
  private:
   Fault f_;
+};
+
+// ScaleOp's kernels alone: no cpu_forward, no cpu_backward.
+class KernelOnlyScaleOp final : public kg::CustomOp {
+ public:
+  std::string name() const override { return "test.scale_gpu"; }
+  kg::DType infer_output_dtype(const std::vector<kg::DType>& in) const override {
+    return inner_.infer_output_dtype(in);
+  }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return inner_.infer_output_shape(in); }
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>& in) const override {
+    return inner_.parameters(in);
+  }
+  std::optional<kg::Lowered> lower(const kg::LowerContext& c) const override { return inner_.lower(c); }
+  std::string lower_backward_source(const kg::LowerContext& c) const override {
+    return inner_.lower_backward_source(c);
+  }
+
+ private:
+  ScaleOp inner_{Fault::None};
 };
 
 // A row sum through shared memory; `sync` false leaves out the barrier between the tree's steps.
@@ -474,6 +498,39 @@ TEST(CheckedModeGpu, AFaultIsTheOpsErrorAndStaysInItsProcess) {
   const kg::Tensor x = random({3, 40}, 11);
   const kg::Tensor a = ref.forward({x})[0], b = gpu.forward({x})[0];
   for (std::int64_t i = 0; i < a.numel(); ++i) ASSERT_NEAR(a.item(i), b.item(i), 1e-5) << i;
+}
+
+// An op with kernels only: check_op compares them with a reference when given one, says there is
+// none otherwise, and checks the backward kernels against finite differences of the emulated
+// forward.
+TEST(CheckedModeCpu, KernelOnlyOpGetsAReferenceAndFiniteDifferences) {
+  const auto op = kg::CustomData::make<KernelOnlyScaleOp>();
+  const std::vector<kg::Shape> shapes{kg::Shape{kg::Dim::named("batch"), 40}};
+  const auto plain = kg::testing::check_op(op, shapes, {kg::DType::F32});
+  EXPECT_TRUE(plain.ok) << plain.to_string();
+  EXPECT_EQ(kg_test::count_lines(plain, "SKIP", {"reference", "not with an independent value"}), 1) << plain.to_string();
+  EXPECT_GE(kg_test::count_lines(plain, "PASS", {"gradients", "emulator", "finite differences"}), 2)
+      << plain.to_string();
+  EXPECT_EQ(kg_test::count_lines(plain, "SKIP", {"cpu_backward", "emulated forward kernels"}), 1)
+      << plain.to_string();
+
+  kg::testing::CheckOpOptions o;
+  o.reference = [](const std::vector<kg::Tensor>& in, const std::map<std::string, kg::Tensor>& p) {
+    kg::Tensor r = kg::Tensor::empty(kg::DType::F64, in[0].shape());
+    const std::int64_t n = in[0].shape().back();
+    for (std::int64_t i = 0; i < in[0].numel(); ++i) r.data<double>()[i] = in[0].item(i) * p.at("weight").item(i % n);
+    return r;
+  };
+  const auto good = kg::testing::check_op(op, shapes, {kg::DType::F32}, o);
+  EXPECT_TRUE(good.ok) << good.to_string();
+  EXPECT_EQ(kg_test::count_lines(good, "PASS", {"reference"}), 3) << good.to_string();
+  // A reference that disagrees fails the check.
+  o.reference = [](const std::vector<kg::Tensor>& in, const std::map<std::string, kg::Tensor>&) {
+    return in[0].clone();
+  };
+  const auto bad = kg::testing::check_op(op, shapes, {kg::DType::F32}, o);
+  EXPECT_FALSE(bad.ok) << bad.to_string();
+  EXPECT_GE(kg_test::count_lines(bad, "FAIL", {"reference"}), 1) << bad.to_string();
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, CheckedMode, ::testing::Values("Cpu", "Cuda"),
