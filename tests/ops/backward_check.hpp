@@ -73,19 +73,34 @@ inline std::vector<kg::Shape> input_shapes(const Problem& p) {
   return v;
 }
 
-// What lower() and lower_backward_source() are told for the problem (training, the emulator).
-inline kg::LowerContext lower_context(const Problem& p) {
+// What the lowering tells `op` about a node over inputs of these shapes and dtypes, for training
+// (the emulator as target).
+inline kg::LowerContext lower_context(const kg::CustomData& op, const std::vector<std::vector<std::int64_t>>& shapes,
+                                      const std::vector<kg::DType>& dtypes) {
   kg::LowerContext c;
-  c.input_shapes = input_shapes(p);
-  for (const auto& t : p.inputs) {
-    c.input_dtypes.push_back(t.dtype());
-    c.concrete_input_shapes.push_back(t.shape());
-  }
-  c.output_dtype = p.op->infer_output_dtype(c.input_dtypes);
-  c.output_shape = p.op->infer_output_shape(c.input_shapes);
+  for (const auto& s : shapes) c.input_shapes.push_back(kg::Shape::of(s));
+  c.input_dtypes = dtypes;
+  c.concrete_input_shapes = shapes;
+  c.output_dtype = op->infer_output_dtype(c.input_dtypes);
+  c.output_shape = op->infer_output_shape(c.input_shapes);
   c.concrete_output_shape = c.output_shape.sizes();
   c.mode = kg::LoweringMode::Training;
   return c;
+}
+// The same with one dtype for every input.
+inline kg::LowerContext lower_context(const kg::CustomData& op, const std::vector<std::vector<std::int64_t>>& shapes,
+                                      kg::DType dtype) {
+  return lower_context(op, shapes, std::vector<kg::DType>(shapes.size(), dtype));
+}
+// What lower() and lower_backward_source() are told for the problem.
+inline kg::LowerContext lower_context(const Problem& p) {
+  std::vector<std::vector<std::int64_t>> shapes;
+  std::vector<kg::DType> dtypes;
+  for (const auto& t : p.inputs) {
+    shapes.push_back(t.shape());
+    dtypes.push_back(t.dtype());
+  }
+  return lower_context(p.op, shapes, dtypes);
 }
 
 // The problem's parameters with their initialisation replaced by values from `rng` (floats in

@@ -57,19 +57,7 @@ std::vector<UnaryCase> unary_cases() {
   };
 }
 
-// What the lowering tells `op` about a node over inputs of these shapes and dtype, for training.
-kg::LowerContext lower_context(const kg::CustomData& op, const std::vector<std::vector<std::int64_t>>& shapes,
-                               kg::DType dtype) {
-  kg::LowerContext lc;
-  for (const auto& s : shapes) lc.input_shapes.push_back(kg::Shape::of(s));
-  lc.input_dtypes.assign(shapes.size(), dtype);
-  lc.output_shape = op->infer_output_shape(lc.input_shapes);
-  lc.output_dtype = op->infer_output_dtype(lc.input_dtypes);
-  lc.concrete_input_shapes = shapes;
-  lc.concrete_output_shape = lc.output_shape.sizes();
-  lc.mode = kg::LoweringMode::Training;
-  return lc;
-}
+using bwd::lower_context;
 
 bwd::Problem problem(const std::vector<std::vector<std::int64_t>>& shapes, kg::DType dtype,
                      const Build& build, std::mt19937_64& rng, double lo = -2.0, double hi = 2.0) {

@@ -33,19 +33,7 @@ const std::vector<Config>& configs() {
   return v;
 }
 
-// What the lowering tells `op` about a node over inputs of these shapes and dtype, for training.
-kg::LowerContext lower_context(const kg::CustomData& op, const std::vector<std::vector<std::int64_t>>& shapes,
-                               kg::DType dtype) {
-  kg::LowerContext lc;
-  for (const auto& s : shapes) lc.input_shapes.push_back(kg::Shape::of(s));
-  lc.input_dtypes.assign(shapes.size(), dtype);
-  lc.output_shape = op->infer_output_shape(lc.input_shapes);
-  lc.output_dtype = op->infer_output_dtype(lc.input_dtypes);
-  lc.concrete_input_shapes = shapes;
-  lc.concrete_output_shape = lc.output_shape.sizes();
-  lc.mode = kg::LoweringMode::Training;
-  return lc;
-}
+using bwd::lower_context;
 
 kg::CustomData softmax_op(const Config& c, bool log, kg::DType dtype) {
   return bwd::record_op({c.shape}, dtype, [&](const V& x) {
