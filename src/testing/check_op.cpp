@@ -311,29 +311,34 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
       // A kernel that faults on a GPU leaves the CUDA context unusable for the rest of the process.
       rep.skip(gpu_at, "not run: the emulator found the kernel broken (see above)");
     } else {
+      bool gpu_faulted = false;
       rep.guard(gpu_at, [&] {
-        LoadOptions lo;
-        lo.poison_buffers = true;
-        lo.checked = true;  // a fault or a stray write is reported against the op
-        LoadedModel gpu = model->load(Device::cuda(), shapes, lo);
-        gpu.load_state_dict(params, false);
-        Tensor got = gpu.forward(inputs).at(0);
-        std::int64_t first = -1;
-        if (const std::int64_t n = count_nan(got, &first); n > 0 && count_nan(want, &first) == 0)
-          throw Error(util::cat("the kernel left ", n, " of ", got.numel(),
-                                " output elements unwritten on the GPU (first at ",
-                                index_text(first, out_shape), ")"));
-        const Comparison c = compare(got, want, o.rtol, o.atol, "the GPU", ref);
-        if (!c.ok) throw Error(c.text);
-        for (int k = 1; k <= o.reruns; ++k) {
-          Tensor again = gpu.forward(inputs).at(0);
-          if (const std::int64_t i = first_byte_difference(again, got); i >= 0)
-            throw Error(util::cat("GPU rerun ", k, " differs from the first run at ",
-                                  index_text(i, out_shape), ": ", num(again.item(i)), " vs ",
-                                  num(got.item(i)), " (the same inputs must give bitwise-equal results)"));
-        }
-        rep.pass(gpu_at, c.text + (o.reruns > 0 ? util::cat("; ", o.reruns, " rerun(s) bitwise equal") : ""));
+        with_gpu_fault_recovery(gpu_faulted, [&] {
+          LoadOptions lo;
+          lo.poison_buffers = true;
+          lo.checked = true;  // a fault or a stray write is reported against the op
+          LoadedModel gpu = model->load(Device::cuda(), shapes, lo);
+          gpu.load_state_dict(params, false);
+          Tensor got = gpu.forward(inputs).at(0);
+          std::int64_t first = -1;
+          if (const std::int64_t n = count_nan(got, &first); n > 0 && count_nan(want, &first) == 0)
+            throw Error(util::cat("the kernel left ", n, " of ", got.numel(),
+                                  " output elements unwritten on the GPU (first at ",
+                                  index_text(first, out_shape), ")"));
+          const Comparison c = compare(got, want, o.rtol, o.atol, "the GPU", ref);
+          if (!c.ok) throw Error(c.text);
+          for (int k = 1; k <= o.reruns; ++k) {
+            Tensor again = gpu.forward(inputs).at(0);
+            if (const std::int64_t i = first_byte_difference(again, got); i >= 0)
+              throw Error(util::cat("GPU rerun ", k, " differs from the first run at ",
+                                    index_text(i, out_shape), ": ", num(again.item(i)), " vs ",
+                                    num(got.item(i)), " (the same inputs must give bitwise-equal results)"));
+          }
+          rep.pass(gpu_at,
+                   c.text + (o.reruns > 0 ? util::cat("; ", o.reruns, " rerun(s) bitwise equal") : ""));
+        });
       });
+      if (gpu_faulted) break;  // the later batch sizes would fault the same way
     }
   }
 

@@ -5,7 +5,20 @@
 #include <regex>
 #include <sstream>
 
+#include "kg/cuda.hpp"
+
 namespace kg::testing::detail {
+
+void with_gpu_fault_recovery(bool& faulted, const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    if (!cuda::faulted()) throw;
+    faulted = true;
+    cuda::reset_after_fault(0);
+    throw Error(util::cat(e.what(), "; the GPU's CUDA context was reset so that later checks can use it"));
+  }
+}
 
 std::string index_text(std::int64_t flat, const std::vector<std::int64_t>& shape) {
   std::vector<std::int64_t> idx(shape.size(), 0);

@@ -480,16 +480,18 @@ void GradChecker::run() {
     try {
       forward(given, given.inputs, given.params);
     } catch (const NoCpuImplementation&) {
-      rep_.skip(at("gradients"),
-                "the op has neither a CPU backward nor a forward (CPU or lowered) to take finite differences of");
+      rep_.skip(
+          at("gradients"),
+          "the op has neither a CPU backward nor a forward (CPU or lowered) to take finite differences of");
       return;
     } catch (const std::exception&) {
       // Reported by the finite differences.
     }
-    rep_.skip(at("cpu_backward"),
-              util::cat("the op has no CPU backward (CustomOp::has_cpu_backward() is false); its lowered "
-                        "backward is compared with finite differences of its ",
-                        no_cpu_forward_ ? "emulated forward kernels (it has no CPU forward)" : "CPU forward"));
+    rep_.skip(
+        at("cpu_backward"),
+        util::cat("the op has no CPU backward (CustomOp::has_cpu_backward() is false); its lowered "
+                  "backward is compared with finite differences of its ",
+                  no_cpu_forward_ ? "emulated forward kernels (it has no CPU forward)" : "CPU forward"));
   }
   // The lowered backward runs in the dtypes given, against the CPU backward in them.
   check_lowered(given, fd);
@@ -510,7 +512,8 @@ void GradChecker::emulated_forward(const Setup& s, const std::vector<Tensor>& in
   t.training = o_.training;
   t.seed = op_seed_;
   Tensor scratch;
-  if (const std::size_t sb = rt.scratch_bytes(t); sb > 0) scratch = Tensor::zeros(DType::U8, {static_cast<std::int64_t>(sb)});
+  if (const std::size_t sb = rt.scratch_bytes(t); sb > 0)
+    scratch = Tensor::zeros(DType::U8, {static_cast<std::int64_t>(sb)});
   for (std::size_t i = 0; i < inputs.size(); ++i) t.inputs[i] = dev(inputs[i]);
   for (std::size_t i = 0; i < params.size(); ++i) t.params[i] = dev(params[i]);
   t.output = dev(out);
@@ -518,7 +521,8 @@ void GradChecker::emulated_forward(const Setup& s, const std::vector<Tensor>& in
   const std::string name = l->name.empty() ? op_.name() : l->name;
   const lower::KernelModule module = lower::make_module(name, l->source, l->entry_point, 0);
   for (const auto& L : lower::check_launches(module, rt.launches(t), s.label, ""))
-    emu::launch(name, l->source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes, L.launch.args);
+    emu::launch(name, l->source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                L.launch.args);
 }
 
 bool GradChecker::check_cpu(Setup& s) {
@@ -832,38 +836,42 @@ std::optional<std::vector<Tensor>> GradChecker::run_lowered(const Setup& s, cons
   const std::size_t n_in = s.inputs.size();
   std::optional<std::vector<Tensor>> result;
   rep_.guard(stage, [&] {
-    BackwardMemory mem(gpu);
-    const LaunchTensors t = backward_tensors(mem, s, rt);
-    const lower::KernelModule module = lower::make_module(name, source, "", 0);
-    const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward");
-    std::map<std::string, cuda::Kernel> kernels;
-    for (std::size_t l = 0; l < launches.size(); ++l) {
-      const std::string label = util::cat(s.label, " backward launch ", l);
-      const Launch& L = launches[l].launch;
-      const std::string& entry = launches[l].entry;
-      if (gpu) {
-        auto it = kernels.find(entry);
-        if (it == kernels.end())
-          it = kernels.emplace(entry, cuda::Kernel::compile(name, source, entry)).first;
-        try {
-          it->second.launch(
-              L.grid, L.block, [&](ArgVisitor& v) { replay(L.args, v); }, L.shared_bytes);
-        } catch (const Error& err) {
-          throw Error(util::cat(label, ": ", err.what()));
+    bool faulted = false;
+    with_gpu_fault_recovery(faulted, [&] {
+      BackwardMemory mem(gpu);
+      const LaunchTensors t = backward_tensors(mem, s, rt);
+      const lower::KernelModule module = lower::make_module(name, source, "", 0);
+      const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward");
+      std::map<std::string, cuda::Kernel> kernels;
+      for (std::size_t l = 0; l < launches.size(); ++l) {
+        const std::string label = util::cat(s.label, " backward launch ", l);
+        const Launch& L = launches[l].launch;
+        const std::string& entry = launches[l].entry;
+        if (gpu) {
+          auto it = kernels.find(entry);
+          if (it == kernels.end())
+            it = kernels.emplace(entry, cuda::Kernel::compile(name, source, entry)).first;
+          try {
+            it->second.launch(
+                L.grid, L.block, [&](ArgVisitor& v) { replay(L.args, v); }, L.shared_bytes);
+          } catch (const Error& err) {
+            throw Error(util::cat(label, ": ", err.what()));
+          }
+        } else {
+          emu::LaunchOptions lo;
+          lo.checked = true;
+          lo.buffers = mem.host_buffers();
+          lo.label = label;
+          emu::launch(name, source, entry, L.grid, L.block, L.shared_bytes, L.args, lo);
         }
-      } else {
-        emu::LaunchOptions lo;
-        lo.checked = true;
-        lo.buffers = mem.host_buffers();
-        lo.label = label;
-        emu::launch(name, source, entry, L.grid, L.block, L.shared_bytes, L.args, lo);
       }
-    }
-    if (gpu) cuda::synchronize();
-    std::vector<Tensor> got;
-    for (std::size_t j = 0; j < n_in + s.params.size(); ++j)
-      got.push_back(wants(s, j) ? mem.read(j < n_in ? t.grad_inputs[j] : t.grad_params[j - n_in]) : Tensor());
-    result = std::move(got);
+      if (gpu) cuda::synchronize();
+      std::vector<Tensor> got;
+      for (std::size_t j = 0; j < n_in + s.params.size(); ++j)
+        got.push_back(wants(s, j) ? mem.read(j < n_in ? t.grad_inputs[j] : t.grad_params[j - n_in])
+                                  : Tensor());
+      result = std::move(got);
+    });
   });
   return result;
 }

@@ -9,6 +9,7 @@
 #include <random>
 #include <string>
 
+#include "kg/cuda.hpp"
 #include "kg/kg.hpp"
 #include "kg/runtime_op.hpp"
 #include "support/test_util.hpp"
@@ -531,6 +532,51 @@ TEST(CheckedModeCpu, KernelOnlyOpGetsAReferenceAndFiniteDifferences) {
   const auto bad = kg::testing::check_op(op, shapes, {kg::DType::F32}, o);
   EXPECT_FALSE(bad.ok) << bad.to_string();
   EXPECT_GE(kg_test::count_lines(bad, "FAIL", {"reference"}), 1) << bad.to_string();
+}
+
+// Writes ones; on a GPU (not under the emulator) also far outside any allocation.
+class GpuFaultOp final : public kg::CustomOp {
+ public:
+  std::string name() const override { return "test.gpu_fault"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    struct Rt final : kg::RuntimeOp {
+      void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+        v.pointer(t.output.ptr);
+        v.i64(t.output.numel());
+      }
+    };
+    return kg::Lowered{"test.gpu_fault", R"(
+extern "C" __global__ void ones(float* y, long long n) {
+  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  y[i] = 1.f;
+#ifdef __CUDA_ARCH__
+  y[i + (1LL << 40)] = 1.f;
+#endif
+}
+)",
+                       "ones", std::make_shared<Rt>()};
+  }
+  void cpu_forward(kg::CpuContext& ctx) const override { ctx.output.fill(1.0); }
+};
+
+// check_op on an op whose kernel faults on the GPU: its gpu line fails naming the op and the fault,
+// the device's context is reset, and the next check (and model) uses the GPU as if nothing happened.
+TEST(CheckedModeGpu, AFaultInCheckOpDoesNotFailTheNextCheck) {
+  if (!kg::Device::cuda_available()) GTEST_SKIP() << "no usable GPU on this machine";
+  const std::vector<kg::Shape> shapes{kg::Shape{kg::Dim::named("batch"), 40}};
+  const auto bad = kg::testing::check_op(kg::CustomData::make<GpuFaultOp>(), shapes, {kg::DType::F32});
+  EXPECT_FALSE(bad.ok) << bad.to_string();
+  EXPECT_EQ(kg_test::count_lines(bad, "FAIL batch 1, gpu",
+                                 {"[test.gpu_fault @ gpu_fault]", "CUDA_ERROR_ILLEGAL_ADDRESS", "context was reset"}),
+            1)
+      << bad.to_string();
+  EXPECT_EQ(kg_test::count_lines(bad, "PASS batch 1, emulator"), 1) << bad.to_string();
+  EXPECT_FALSE(kg::cuda::faulted());
+  const auto good = kg::testing::check_op(kg::CustomData::make<ScaleOp>(Fault::None), shapes, {kg::DType::F32});
+  EXPECT_TRUE(good.ok) << good.to_string();
+  EXPECT_GE(kg_test::count_lines(good, "PASS", {", gpu"}), 4) << good.to_string();  // 3 batches + gradients
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, CheckedMode, ::testing::Values("Cpu", "Cuda"),

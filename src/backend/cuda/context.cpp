@@ -9,14 +9,19 @@
 
 namespace kg::cuda {
 
-Context& Context::get(int index) {
+Context& Context::get_without_activating(int index) {
   static std::mutex mu;
   static std::map<int, std::unique_ptr<Context>> contexts;
   std::lock_guard<std::mutex> lk(mu);
   auto& c = contexts[index];
   if (!c) c.reset(new Context(index));
-  c->make_current();
   return *c;
+}
+
+Context& Context::get(int index) {
+  Context& c = get_without_activating(index);
+  c.make_current();
+  return c;
 }
 
 Context::Context(int index) : d_(Driver::require()), index_(index) {
@@ -26,8 +31,10 @@ Context::Context(int index) : d_(Driver::require()), index_(index) {
     throw Error(util::cat("device cuda:", index, " does not exist (", count, " CUDA device(s))"));
   d_.check(d_.cuDeviceGet(&device_, index), "cuDeviceGet");
   int major = 0, minor = 0;
-  d_.check(d_.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device_), "cuDeviceGetAttribute");
-  d_.check(d_.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device_), "cuDeviceGetAttribute");
+  d_.check(d_.cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device_),
+           "cuDeviceGetAttribute");
+  d_.check(d_.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device_),
+           "cuDeviceGetAttribute");
   arch_ = major * 10 + minor;
   char name[256] = {};
   d_.check(d_.cuDeviceGetName(name, sizeof name, device_), "cuDeviceGetName");
@@ -44,6 +51,19 @@ Context::~Context() {
   if (ctx_) d_.cuDevicePrimaryCtxRelease(device_);
 }
 
+void Context::reset_after_fault() {
+  std::lock_guard<std::mutex> lk(mu_);
+  modules_.clear();  // unloading them would fail in the dead context
+  stream_ = nullptr;
+  if (ctx_) d_.cuDevicePrimaryCtxRelease(device_);
+  ctx_ = nullptr;
+  d_.check(d_.cuDevicePrimaryCtxReset(device_), "cuDevicePrimaryCtxReset");
+  d_.clear_fault();
+  d_.check(d_.cuDevicePrimaryCtxRetain(&ctx_, device_), "cuDevicePrimaryCtxRetain");
+  d_.check(d_.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
+  d_.check(d_.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+}
+
 void Context::make_current() const { d_.check(d_.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }
 
 DevicePtr Context::alloc(std::size_t bytes) {
@@ -53,7 +73,8 @@ DevicePtr Context::alloc(std::size_t bytes) {
   if (r != CUDA_SUCCESS) {
     std::size_t free_b = 0, total = 0;
     d_.cuMemGetInfo(&free_b, &total);
-    d_.check(r, util::cat("cuMemAlloc of ", bytes, " bytes on cuda:", index_, " (", free_b, " of ", total, " bytes free)"));
+    d_.check(r, util::cat("cuMemAlloc of ", bytes, " bytes on cuda:", index_, " (", free_b, " of ", total,
+                          " bytes free)"));
   }
   return static_cast<DevicePtr>(p);
 }
@@ -75,16 +96,20 @@ void Context::download(void* dst, DevicePtr src, std::size_t bytes) {
   synchronize();
 }
 void Context::upload_async(DevicePtr dst, const void* src, std::size_t bytes) {
-  if (bytes) d_.check(d_.cuMemcpyHtoDAsync(static_cast<CUdeviceptr>(dst), src, bytes, stream_), "cuMemcpyHtoDAsync");
+  if (bytes)
+    d_.check(d_.cuMemcpyHtoDAsync(static_cast<CUdeviceptr>(dst), src, bytes, stream_), "cuMemcpyHtoDAsync");
 }
 void Context::download_async(void* dst, DevicePtr src, std::size_t bytes) {
-  if (bytes) d_.check(d_.cuMemcpyDtoHAsync(dst, static_cast<CUdeviceptr>(src), bytes, stream_), "cuMemcpyDtoHAsync");
+  if (bytes)
+    d_.check(d_.cuMemcpyDtoHAsync(dst, static_cast<CUdeviceptr>(src), bytes, stream_), "cuMemcpyDtoHAsync");
 }
 void Context::fill_bytes_async(DevicePtr dst, unsigned char value, std::size_t bytes) {
-  if (bytes) d_.check(d_.cuMemsetD8Async(static_cast<CUdeviceptr>(dst), value, bytes, stream_), "cuMemsetD8Async");
+  if (bytes)
+    d_.check(d_.cuMemsetD8Async(static_cast<CUdeviceptr>(dst), value, bytes, stream_), "cuMemsetD8Async");
 }
 void Context::synchronize(const std::string& after) {
-  d_.check(d_.cuStreamSynchronize(stream_), after.empty() ? "cuStreamSynchronize" : after + ": cuStreamSynchronize");
+  d_.check(d_.cuStreamSynchronize(stream_),
+           after.empty() ? "cuStreamSynchronize" : after + ": cuStreamSynchronize");
 }
 
 CUfunction Context::function(const std::string& ptx, const std::string& entry, const std::string& label) {
@@ -110,15 +135,17 @@ CUfunction Context::function(const std::string& ptx, const std::string& entry, c
 void Context::launch(CUfunction f, Dim3 grid, Dim3 block, std::size_t shared_bytes, void** params,
                      const std::string& label) {
   if (shared_bytes > 48 * 1024)
-    d_.check(d_.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(shared_bytes)),
+    d_.check(d_.cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                   static_cast<int>(shared_bytes)),
              label + " raising the dynamic shared memory limit to " + std::to_string(shared_bytes));
   d_.check(d_.cuLaunchKernel(f, grid.x, grid.y, grid.z, block.x, block.y, block.z,
                              static_cast<unsigned>(shared_bytes), stream_, params, nullptr),
-           util::cat(label, " cuLaunchKernel grid (", grid.x, ", ", grid.y, ", ", grid.z, ") block (", block.x, ", ",
-                     block.y, ", ", block.z, ")"));
+           util::cat(label, " cuLaunchKernel grid (", grid.x, ", ", grid.y, ", ", grid.z, ") block (",
+                     block.x, ", ", block.y, ", ", block.z, ")"));
 }
 
-DeviceBuffer::DeviceBuffer(Context& ctx, std::size_t bytes) : ctx_(&ctx), ptr_(ctx.alloc(bytes)), bytes_(bytes) {}
+DeviceBuffer::DeviceBuffer(Context& ctx, std::size_t bytes)
+    : ctx_(&ctx), ptr_(ctx.alloc(bytes)), bytes_(bytes) {}
 DeviceBuffer::~DeviceBuffer() {
   if (ctx_) ctx_->free(ptr_);
 }

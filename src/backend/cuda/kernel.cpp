@@ -79,6 +79,26 @@ void synchronize(int device) {
 #endif
 }
 
+bool faulted() {
+#ifdef KG_HAVE_CUDA
+  const Driver* d = Driver::get();
+  return d && d->faulted();
+#else
+  return false;
+#endif
+}
+
+void reset_after_fault(int device) {
+#ifdef KG_HAVE_CUDA
+  Driver::require();
+  // Context::get makes the dead context current and would fail on it: reach it directly.
+  Context::get_without_activating(device).reset_after_fault();
+#else
+  (void)device;
+  no_cuda();
+#endif
+}
+
 std::vector<int> compile_archs() {
   std::vector<int> archs;
 #ifdef KG_HAVE_NVRTC
