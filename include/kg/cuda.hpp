@@ -41,13 +41,11 @@ std::string device_name(int device = 0);
 int device_arch(int device = 0);
 // Waits until everything launched on the device's stream has finished.
 void synchronize(int device = 0);
-// True once a kernel has faulted: the CUDA context is then unusable, and every later CUDA error
-// says where the fault was first seen.
-bool faulted();
-// After a fault: destroys the device's CUDA context and makes a new one, so that this process can
-// use the GPU again (a test harness moving on to the next test). Every buffer, kernel and model
-// loaded on the device before is gone; load them again.
-void reset_after_fault(int device = 0);
+// Where a kernel fault was first seen ("" while none was). A fault leaves the CUDA context
+// unusable for the rest of the process (CUDA cannot recover from it in-process); every later CUDA
+// error says where it was first seen. Run GPU checks of a kernel that may fault in a process of
+// their own.
+std::string first_fault();
 
 // The architectures (major*10+minor) this build's NVRTC compiles for; empty without NVRTC.
 std::vector<int> compile_archs();

@@ -99,8 +99,8 @@ CheckOpReport check_gradients(const CustomData& op, const std::vector<std::vecto
 // and `dtypes`, then for each batch size: checks infer_output_shape with concrete sizes against
 // the recorded shape and the kernel's, runs the CPU implementation on poisoned outputs, the
 // lowered kernel under emulation and on a GPU (in checked mode; not after the emulator found the
-// kernel broken; a GPU fault resets the device's context so that later checks run), compares them
-// with the CPU (or CheckOpOptions::reference) and reruns each. An op
+// kernel broken, nor after a GPU fault earlier in the process), compares them with the CPU (or
+// CheckOpOptions::reference) and reruns each. An op
 // with a backward (a CPU one, or backward launches in its RuntimeOp) also gets check_gradients
 // at the largest batch size, its lines marked "gradients batch <n>". Never throws for a failing
 // op: every failure is a line of the report.

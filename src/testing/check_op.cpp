@@ -310,10 +310,12 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
     } else if (emulator_failed) {
       // A kernel that faults on a GPU leaves the CUDA context unusable for the rest of the process.
       rep.skip(gpu_at, "not run: the emulator found the kernel broken (see above)");
+    } else if (const std::string why = gpu_unusable(); !why.empty()) {
+      rep.skip(gpu_at, why);
     } else {
       bool gpu_faulted = false;
       rep.guard(gpu_at, [&] {
-        with_gpu_fault_recovery(gpu_faulted, [&] {
+        with_gpu_fault_note(gpu_faulted, [&] {
           LoadOptions lo;
           lo.poison_buffers = true;
           lo.checked = true;  // a fault or a stray write is reported against the op
@@ -338,7 +340,6 @@ void run_checks(CheckOpReport& report, const CustomData& op, const std::vector<S
                    c.text + (o.reruns > 0 ? util::cat("; ", o.reruns, " rerun(s) bitwise equal") : ""));
         });
       });
-      if (gpu_faulted) break;  // the later batch sizes would fault the same way
     }
   }
 

@@ -9,15 +9,26 @@
 
 namespace kg::testing::detail {
 
-void with_gpu_fault_recovery(bool& faulted, const std::function<void()>& fn) {
+void with_gpu_fault_note(bool& faulted, const std::function<void()>& fn) {
+  const bool before = !cuda::first_fault().empty();
   try {
     fn();
   } catch (const Error& e) {
-    if (!cuda::faulted()) throw;
+    if (before || cuda::first_fault().empty()) throw;
     faulted = true;
-    cuda::reset_after_fault(0);
-    throw Error(util::cat(e.what(), "; the GPU's CUDA context was reset so that later checks can use it"));
+    throw Error(util::cat(e.what(),
+                          "; the kernel faulted on the GPU, which leaves this process's CUDA context ",
+                          "unusable: later GPU checks in this process are skipped (check a kernel that may ",
+                          "fault in a process of its own)"));
   }
+}
+
+std::string gpu_unusable() {
+  const std::string f = cuda::first_fault();
+  return f.empty() ? f
+                   : "not run: a kernel fault earlier in this process left its CUDA context unusable (first "
+                     "seen at: " +
+                         f + ")";
 }
 
 std::string index_text(std::int64_t flat, const std::vector<std::int64_t>& shape) {

@@ -35,10 +35,11 @@ std::int64_t first_byte_difference(const Tensor& a, const Tensor& b);
 // True when every byte of element `i` is `v`.
 bool all_bytes(const Tensor& t, std::int64_t i, unsigned char v);
 
-// Runs `fn` (a GPU check). When a kernel faulted in it, the device's CUDA context is reset so that
-// later checks, in this report and after it, can use the GPU again; the error says so and
-// `faulted` is set.
-void with_gpu_fault_recovery(bool& faulted, const std::function<void()>& fn);
+// Runs `fn` (a GPU check). When a kernel faulted in it, the error says that the process's CUDA
+// context is now unusable, and `faulted` is set.
+void with_gpu_fault_note(bool& faulted, const std::function<void()>& fn);
+// Why GPU checks cannot run in this process any more ("" while they can).
+std::string gpu_unusable();
 
 struct Comparison {
   bool ok = true;

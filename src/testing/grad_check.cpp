@@ -757,6 +757,8 @@ void GradChecker::check_lowered(const Setup& s, Setup& fd) {
   if (gpu && !emulated_ran) {
     // A kernel that faults on a GPU leaves the CUDA context unusable for the rest of the process.
     rep_.skip(gpu_at, "not run: the emulated backward failed to run (see above)");
+  } else if (gpu && !gpu_unusable().empty()) {
+    rep_.skip(gpu_at, gpu_unusable());
   } else if (gpu) {
     if (auto got = run_lowered(s, *lowered, true)) judge_lowered(s, fd, *got, want, true);
   } else
@@ -837,7 +839,7 @@ std::optional<std::vector<Tensor>> GradChecker::run_lowered(const Setup& s, cons
   std::optional<std::vector<Tensor>> result;
   rep_.guard(stage, [&] {
     bool faulted = false;
-    with_gpu_fault_recovery(faulted, [&] {
+    with_gpu_fault_note(faulted, [&] {
       BackwardMemory mem(gpu);
       const LaunchTensors t = backward_tensors(mem, s, rt);
       const lower::KernelModule module = lower::make_module(name, source, "", 0);

@@ -9,19 +9,14 @@
 
 namespace kg::cuda {
 
-Context& Context::get_without_activating(int index) {
+Context& Context::get(int index) {
   static std::mutex mu;
   static std::map<int, std::unique_ptr<Context>> contexts;
   std::lock_guard<std::mutex> lk(mu);
   auto& c = contexts[index];
   if (!c) c.reset(new Context(index));
+  c->make_current();
   return *c;
-}
-
-Context& Context::get(int index) {
-  Context& c = get_without_activating(index);
-  c.make_current();
-  return c;
 }
 
 Context::Context(int index) : d_(Driver::require()), index_(index) {
@@ -49,19 +44,6 @@ Context::~Context() {
   for (auto& [k, m] : modules_) d_.cuModuleUnload(m);
   if (stream_) d_.cuStreamDestroy(stream_);
   if (ctx_) d_.cuDevicePrimaryCtxRelease(device_);
-}
-
-void Context::reset_after_fault() {
-  std::lock_guard<std::mutex> lk(mu_);
-  modules_.clear();  // unloading them would fail in the dead context
-  stream_ = nullptr;
-  if (ctx_) d_.cuDevicePrimaryCtxRelease(device_);
-  ctx_ = nullptr;
-  d_.check(d_.cuDevicePrimaryCtxReset(device_), "cuDevicePrimaryCtxReset");
-  d_.clear_fault();
-  d_.check(d_.cuDevicePrimaryCtxRetain(&ctx_, device_), "cuDevicePrimaryCtxRetain");
-  d_.check(d_.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent");
-  d_.check(d_.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
 }
 
 void Context::make_current() const { d_.check(d_.cuCtxSetCurrent(ctx_), "cuCtxSetCurrent"); }

@@ -15,8 +15,6 @@ class Context {
  public:
   // The context of device `index` (created at first use). Throws kg::Error without a GPU.
   static Context& get(int index);
-  // The same without making it current (for resetting a context that faulted).
-  static Context& get_without_activating(int index);
   ~Context();
 
   const Driver& driver() const { return d_; }
@@ -40,10 +38,6 @@ class Context {
   // The function `entry` (exact PTX name) of the module built from `ptx`; modules are cached
   // by content. `label` names the op in errors.
   CUfunction function(const std::string& ptx, const std::string& entry, const std::string& label);
-  // After a kernel fault (Driver::faulted()): destroys the device's primary context and makes a
-  // new one, so the process can use the GPU again. Every buffer, module and loaded model made on
-  // the device before is gone (their later frees fail quietly).
-  void reset_after_fault();
   // Launches on the context's stream and checks the launch status.
   void launch(CUfunction f, Dim3 grid, Dim3 block, std::size_t shared_bytes, void** params,
               const std::string& label);

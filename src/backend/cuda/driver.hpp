@@ -11,7 +11,7 @@ namespace kg::cuda {
 #define KG_CUDA_DRIVER_FUNCTIONS(X)                                                                     \
   X(cuInit)                                                                                             \
   X(cuDriverGetVersion) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName) X(cuDeviceGetAttribute)   \
-      X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuDevicePrimaryCtxReset) X(cuCtxSetCurrent) X(cuCtxSynchronize)   \
+      X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) X(cuCtxSetCurrent) X(cuCtxSynchronize)   \
           X(cuModuleLoadDataEx) X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncSetAttribute)          \
               X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoD)        \
                   X(cuMemcpyDtoH) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync)        \
@@ -39,9 +39,9 @@ struct Driver {
   // Throws kg::Error "<what>: CUDA_ERROR_X (text)" unless r is CUDA_SUCCESS.
   // After a kernel fault every later message also says where the fault was first seen.
   void check(CUresult r, const std::string& what) const;
-  // True once a kernel fault has been seen (and not cleared by a context reset).
-  bool faulted() const { return !first_fault_.empty(); }
-  void clear_fault() const { first_fault_.clear(); }
+  // Where a kernel fault was first seen ("" while none was): from then on the context is
+  // unusable, for the rest of the process.
+  const std::string& first_fault() const { return first_fault_; }
 
  private:
   mutable std::string first_fault_;

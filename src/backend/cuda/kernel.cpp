@@ -79,23 +79,12 @@ void synchronize(int device) {
 #endif
 }
 
-bool faulted() {
+std::string first_fault() {
 #ifdef KG_HAVE_CUDA
   const Driver* d = Driver::get();
-  return d && d->faulted();
+  return d ? d->first_fault() : std::string();
 #else
-  return false;
-#endif
-}
-
-void reset_after_fault(int device) {
-#ifdef KG_HAVE_CUDA
-  Driver::require();
-  // Context::get makes the dead context current and would fail on it: reach it directly.
-  Context::get_without_activating(device).reset_after_fault();
-#else
-  (void)device;
-  no_cuda();
+  return {};
 #endif
 }
 
