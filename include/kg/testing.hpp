@@ -85,7 +85,7 @@ struct GradCheckOptions {
 //    Before that, the backward runs with stand-ins of other values for them: a changed
 //    gradient means it reads such a tensor, which is reported (a backward that reads one
 //    without changing its result would crash on the null data instead);
-//  - the lowered backward (RuntimeOp::has_backward, lower_backward_source): compiled with
+//  - the lowered backward (lower_backward_source, RuntimeOp::backward_launches): compiled with
 //    NVRTC for sm_90 and checked against the PTX where NVRTC is present, run under the
 //    emulator in checked mode and on a GPU when one is usable, in the dtypes given, on
 //    NaN-filled gradient buffers, against the CPU backward (or against finite differences
