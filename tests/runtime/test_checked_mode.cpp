@@ -434,10 +434,10 @@ TEST_P(CheckedMode, ParameterDeclaredOnceTrainsAndPassesCheckOp) {
   }
 }
 
-// An op whose kernel writes far outside any allocation: a real fault on a GPU.
-class WildWriteOp final : public kg::CustomOp {
+// Writes ones; on a GPU (not under the emulator) also far outside any allocation.
+class GpuFaultOp final : public kg::CustomOp {
  public:
-  std::string name() const override { return "test.wild"; }
+  std::string name() const override { return "test.gpu_fault"; }
   kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
   std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
     struct Rt final : kg::RuntimeOp {
@@ -446,20 +446,25 @@ class WildWriteOp final : public kg::CustomOp {
         v.i64(t.output.numel());
       }
     };
-    return kg::Lowered{"test.wild", R"(
-extern "C" __global__ void wild(float* y, long long n) {
+    return kg::Lowered{"test.gpu_fault", R"(
+extern "C" __global__ void ones(float* y, long long n) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (i < n) y[i + (1LL << 40)] = 1.f;
+  if (i >= n) return;
+  y[i] = 1.f;
+#ifdef __CUDA_ARCH__
+  y[i + (1LL << 40)] = 1.f;
+#endif
 }
 )",
-                       "wild", std::make_shared<Rt>()};
+                       "ones", std::make_shared<Rt>()};
   }
+  void cpu_forward(kg::CpuContext& ctx) const override { ctx.output.fill(1.0); }
 };
 
 kg::Model wild_model() {
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 8}, "x");
   return kg::Model(g,
-                   {{"y", x.record_custom(kg::CustomData::make<WildWriteOp>(), {}, std::nullopt, "wild")}});
+                   {{"y", x.record_custom(kg::CustomData::make<GpuFaultOp>(), {}, std::nullopt, "wild")}});
 }
 
 // The output of this test binary run with one disabled test of its own, in a child process.
@@ -497,9 +502,9 @@ TEST(CheckedModeGpuChild, DISABLED_Fault) {
 TEST(CheckedModeGpu, AFaultIsTheOpsErrorAndStaysInItsProcess) {
   if (!kg::Device::cuda_available()) GTEST_SKIP() << "no usable GPU on this machine";
   const std::string out = run_child("CheckedModeGpuChild.DISABLED_Fault");
-  EXPECT_NE(out.find("first: [test.wild @ wild] kernel 'test.wild'"), std::string::npos) << out;
+  EXPECT_NE(out.find("first: [test.gpu_fault @ wild] kernel 'test.gpu_fault'"), std::string::npos) << out;
   EXPECT_NE(out.find("CUDA_ERROR_ILLEGAL_ADDRESS"), std::string::npos) << out;
-  EXPECT_NE(out.find("first seen at: [test.wild @ wild]"), std::string::npos) << out;
+  EXPECT_NE(out.find("first seen at: [test.gpu_fault @ wild]"), std::string::npos) << out;
   // This process's context is untouched.
   kg::Model m = scale_model(Fault::None);
   kg::LoadedModel ref = m.load(kg::Device::cpu(), kShapes);
@@ -545,32 +550,6 @@ TEST(CheckedModeCpu, KernelOnlyOpGetsAReferenceAndFiniteDifferences) {
   EXPECT_GE(kg_test::count_lines(bad, "FAIL", {"reference"}), 1) << bad.to_string();
 }
 
-// Writes ones; on a GPU (not under the emulator) also far outside any allocation.
-class GpuFaultOp final : public kg::CustomOp {
- public:
-  std::string name() const override { return "test.gpu_fault"; }
-  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
-  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
-    struct Rt final : kg::RuntimeOp {
-      void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
-        v.pointer(t.output.ptr);
-        v.i64(t.output.numel());
-      }
-    };
-    return kg::Lowered{"test.gpu_fault", R"(
-extern "C" __global__ void ones(float* y, long long n) {
-  const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  y[i] = 1.f;
-#ifdef __CUDA_ARCH__
-  y[i + (1LL << 40)] = 1.f;
-#endif
-}
-)",
-                       "ones", std::make_shared<Rt>()};
-  }
-  void cpu_forward(kg::CpuContext& ctx) const override { ctx.output.fill(1.0); }
-};
 
 // Run only as a child process: check_op on an op that faults on the GPU, then on a healthy one.
 TEST(CheckedModeGpuChild, DISABLED_CheckOpFault) {
