@@ -87,11 +87,14 @@ kg::Tensor lenet_input(std::mt19937_64& rng, std::int64_t batch) {
 }
 
 // A pack of kSaxpy's arguments with one thing wrong.
-enum class Bad { None, MissingArg, ExtraArg, FloatForInt, IntForFloat };
+enum class Bad { None, MissingArg, ExtraArg, FloatForInt, IntForFloat, I64ForPointer };
 std::function<void(kg::ArgVisitor&)> saxpy_args(kg::DevicePtr x, kg::DevicePtr y, float a, long long n,
                                                 Bad bad = Bad::None) {
   return [=](kg::ArgVisitor& v) {
-    v.pointer(x);
+    if (bad == Bad::I64ForPointer)
+      v.i64(static_cast<std::int64_t>(x));
+    else
+      v.pointer(x);
     v.pointer(y);
     if (bad == Bad::IntForFloat)
       v.i32(2);
@@ -162,6 +165,12 @@ TEST(CudaByHand, CompileForArchRunsEveryLaunchCheckWithoutAGpu) {
         k.check({4, 70000, 1}, {256, 1, 1}, saxpy_args(x, y, 2.f, 1000));
       },
       {"[test.saxpy]", "grid (4, 70000, 1)", "65535"});
+  // An i64 has a pointer's width, so only the C++ signature tells them apart.
+  expect_error(
+      [&] {
+        k.check({4, 1, 1}, {256, 1, 1}, saxpy_args(x, y, 2.f, 1000, Bad::I64ForPointer));
+      },
+      {"[test.saxpy]", "kernel 'kg_test_saxpy'", "argument 0 'x' (const float*) is a pointer", "an i64 (8 bytes)"});
   expect_error(
       [&] {
         k.check({4, 1, 1}, {256, 1, 1}, saxpy_args(x, y, 2.f, 1000, Bad::MissingArg));

@@ -1,6 +1,7 @@
 // The by-hand path of include/kg/cuda.hpp: kernels compiled through the shared compiler,
 // checked like the graph path's launches, and launched on the device's stream.
 #include <algorithm>
+#include <optional>
 
 #include "compile/compiler.hpp"
 #include "compile/ptx.hpp"
@@ -218,6 +219,7 @@ struct Kernel::Impl {
   std::string name, label, ptx;
   compile::PtxEntry entry;
   std::vector<std::string> param_names;
+  std::optional<compile::KernelSignature> signature;  // from the source, when it has the entry
   int arch = 0;
   int device = -1;  // -1: compiled for an arch only
   bool from_disk = false;
@@ -246,6 +248,8 @@ std::shared_ptr<Kernel::Impl> build_kernel(const std::string& name, const std::s
   const auto entries = compile::parse_ptx_entries(r.ptx);
   k->entry = lower::resolve_entry(entries, entry, k->label);
   k->param_names = compile::kernel_param_names(source, entry);
+  for (const auto& sig : lower::source_kernels(source))
+    if (sig.name == entry) k->signature = sig;
   return k;
 }
 
@@ -258,6 +262,15 @@ void check_launch(const Kernel::Impl& k, Dim3 grid, Dim3 block, const lower::Arg
                           " is over the limits (x up to 2147483647, y and z up to 65535)"));
   lower::check_block(k.entry, block, k.label);
   lower::check_args(k.entry, args, k.param_names, k.label);
+  // What the PTX cannot tell apart (a pointer and a 64-bit integer, an int and a float of one
+  // width), the C++ signature can.
+  if (k.signature) {
+    Launch l;
+    l.grid = grid;
+    l.block = block;
+    l.args = args;
+    lower::check_launch(*k.signature, l, k.label, 0, "");
+  }
 }
 
 const Kernel::Impl& need(const std::shared_ptr<const Kernel::Impl>& k) {
