@@ -91,16 +91,7 @@ kg::Lowered lower_op(const kg::Model& model) {
   for (int id : model.live_nodes()) {
     const kg::Node& n = g.node(id);
     if (n.kind != kg::Node::Kind::Op) continue;
-    kg::LowerContext ctx;
-    ctx.node = n.name;
-    for (int in : n.inputs) {
-      ctx.input_dtypes.push_back(g.node(in).dtype);
-      ctx.input_shapes.push_back(g.node(in).shape);
-    }
-    ctx.output_dtype = n.dtype;
-    ctx.output_shape = n.shape;
-    ctx.mode = model.mode();
-    ctx.sm = 90;
+    const kg::LowerContext ctx = kg::lower::lower_context(model, id, kg::lower::LowerTarget{{}, 90, true});
     std::optional<kg::Lowered> l = n.op->op().lower(ctx);
     if (!l || !l->runtime_op) throw kg::Error(n.label() + " has no lowering");
     return *l;
