@@ -83,6 +83,11 @@ class Graph : public std::enable_shared_from_this<Graph> {
   // Appends a fully formed op node (for optimisation passes): its inputs must be earlier nodes
   // and its name unused. Returns its id.
   int add_node(Node node);
+  // Gives parameter `index` of node `id` its full name and initial value, for importers whose
+  // files name and hold the weights ("conv1.weight" from an ONNX initializer). The init must have
+  // the parameter's size; the name must not be used by another parameter of the graph.
+  void bind_param(int id, std::size_t index, std::string full_name, ParamInit init,
+                  std::optional<bool> trainable = std::nullopt);
 
   const std::vector<Node>& nodes() const { return nodes_; }
   const Node& node(int id) const { return nodes_.at(static_cast<std::size_t>(id)); }

@@ -156,6 +156,31 @@ int Graph::add_node(Node n) {
   return nodes_.back().id;
 }
 
+void Graph::bind_param(int id, std::size_t index, std::string full_name, ParamInit init,
+                       std::optional<bool> trainable) {
+  if (id < 0 || static_cast<std::size_t>(id) >= nodes_.size() || nodes_[static_cast<std::size_t>(id)].kind != Node::Kind::Op)
+    throw Error(util::cat("Graph::bind_param: no op node ", id));
+  Node& n = nodes_[static_cast<std::size_t>(id)];
+  if (index >= n.params.size())
+    throw Error(util::cat(n.label(), " has ", n.params.size(), " parameters; cannot bind parameter ", index,
+                          " to '", full_name, "'"));
+  ParamSpec& p = n.params[index];
+  if (full_name.empty()) throw Error(n.label() + " Graph::bind_param: empty parameter name");
+  for (const auto& other : nodes_)
+    for (std::size_t k = 0; k < other.params.size(); ++k)
+      if (other.params[k].name == full_name && !(other.id == id && k == index))
+        throw Error(util::cat(n.label(), " parameter '", full_name, "' is already a parameter of ", other.label()));
+  if (init.kind == ParamInit::Kind::Data) {
+    const auto want = static_cast<std::size_t>(numel_of(p.shape)) * dtype_size(p.dtype);
+    if (init.data.size() != want)
+      throw Error(util::cat(n.label(), " parameter '", full_name, "' (", p.name, "): ", init.data.size(),
+                            " bytes of data but ", sizes_to_string(p.shape), " × ", dtype_name(p.dtype), " needs ", want));
+  }
+  p.name = std::move(full_name);
+  p.init = std::move(init);
+  if (trainable) p.trainable = *trainable;
+}
+
 NameScope::NameScope(Graph& graph, std::string part) : graph_(graph) { graph_.push_scope(std::move(part)); }
 NameScope::~NameScope() { graph_.pop_scope(); }
 
