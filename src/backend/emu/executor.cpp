@@ -244,8 +244,11 @@ class CheckedLaunch {
             "memory no thread wrote"));
       }
     }
+    // Back to the host buffers, only where the kernel wrote: an input may be read-only memory (a
+    // memory-mapped safetensors file).
     for (auto& g : groups_)
-      if (g->hi > g->lo) std::memcpy(reinterpret_cast<void*>(g->lo), g->region->data(), g->hi - g->lo);
+      if (g->hi > g->lo && std::memcmp(g->region->data(), g->before.data(), g->hi - g->lo) != 0)
+        std::memcpy(reinterpret_cast<void*>(g->lo), g->region->data(), g->hi - g->lo);
   }
 
  private:
