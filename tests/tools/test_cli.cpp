@@ -78,9 +78,9 @@ TEST_F(Cli, HelpAndVersion) {
 
   const std::map<std::string, std::vector<std::string>> options{
       {"models", {"models"}},
-      {"inspect", {"MODEL", "--batch", "--dot", "--render", "--recorded"}},
+      {"inspect", {"MODEL", "--batch", "--dim", "--dot", "--render", "--recorded"}},
       {"run",
-       {"MODEL", "--device", "--weights", "--input", "--random", "--batch", "--seed", "--output", "--runs",
+       {"MODEL", "--device", "--weights", "--input", "--random", "--batch", "--dim", "--seed", "--output", "--runs",
         "--checked"}},
   };
   for (const auto& [sub, parts] : options) {

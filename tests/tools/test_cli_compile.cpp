@@ -164,7 +164,7 @@ TEST_F(CliCompile, BadArgumentsErrorInOneLine) {
 TEST_F(CliCompile, HelpListsTheOptions) {
   auto r = run({"compile", "--help"});
   EXPECT_EQ(r.code, 0) << r.err;
-  for (const char* part : {"MODEL", "--arch", "--batch", "--all"})
+  for (const char* part : {"MODEL", "--arch", "--batch", "--dim", "--all"})
     EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
   auto top = run({"--help"});
   EXPECT_NE(top.out.find("compile"), std::string::npos) << top.out;

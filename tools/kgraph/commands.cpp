@@ -1,4 +1,4 @@
-// The kgraph subcommands: models, inspect, run.
+// The kgraph subcommands: models, inspect, run (MODEL: a zoo name or an ONNX file).
 #include "commands.hpp"
 
 #include <algorithm>
@@ -35,15 +35,6 @@ std::string format_ms(double ms) {
   return buf;
 }
 
-// The zoo models take one input; anything else is a model this tool does not know how to feed.
-const kg::Node& single_input(const kg::Model& model, const std::string& name) {
-  const kg::Graph& g = model.graph();
-  if (g.inputs().size() != 1)
-    throw kg::Error(
-        kg::util::cat("model '", name, "' has ", g.inputs().size(), " inputs; kgraph feeds exactly one"));
-  return g.node(g.inputs()[0]);
-}
-
 kg::DType output_dtype(const kg::Model& model, std::size_t i) {
   return model.graph().node(model.outputs().at(i).second).dtype;
 }
@@ -56,56 +47,76 @@ void write_text_file(const std::string& path, const std::string& text) {
   if (!f) throw kg::Error("error writing '" + path + "'");
 }
 
-// The input tensor of `kgraph run`: read from a safetensors file or drawn at random.
-kg::Tensor make_input(const RunArgs& args, const kg::Node& input, std::string* description) {
-  if (!args.input_path.empty()) {
-    auto tensors = kg::read_safetensors(args.input_path);
-    const kg::Tensor* t = nullptr;
-    std::string tname;
-    if (tensors.size() == 1) {
-      tname = tensors.begin()->first;
-      t = &tensors.begin()->second;
-    } else if (auto it = tensors.find(input.name); it != tensors.end()) {
-      tname = it->first;
-      t = &it->second;
-    } else {
-      std::vector<std::string> names;
-      for (const auto& kv : tensors) names.push_back(kv.first);
-      throw kg::Error(kg::util::cat("input file '", args.input_path, "' has ", tensors.size(), " tensors (",
-                                    kg::util::join(names, ", "), "); expected one tensor or one named '",
-                                    input.name, "'"));
-    }
-    if (t->rank() == 0)
-      throw kg::Error(kg::util::cat("input file '", args.input_path, "': tensor '", tname,
-                                    "' is a scalar; the model takes ", input.shape.to_string()));
-    const std::int64_t batch = t->dim(0);
-    if (args.batch && *args.batch != batch)
-      throw kg::Error(kg::util::cat("--batch ", *args.batch, " disagrees with the input file '",
-                                    args.input_path, "', whose tensor '", tname, "' has batch ", batch, " (",
-                                    kg::sizes_to_string(t->shape()), ")"));
-    const auto want = kg::models::input_shape(args.model, batch);
-    if (t->shape() != want)
-      throw kg::Error(kg::util::cat("input file '", args.input_path, "': tensor '", tname, "' is ",
-                                    kg::sizes_to_string(t->shape()), " but ", args.model, " takes ",
-                                    kg::sizes_to_string(want), " for batch ", batch));
-    if (t->dtype() != input.dtype && !(kg::is_floating(t->dtype()) && kg::is_floating(input.dtype)))
-      throw kg::Error(kg::util::cat("input file '", args.input_path, "': tensor '", tname, "' is ",
-                                    kg::dtype_name(t->dtype()), " but the model's input is ",
-                                    kg::dtype_name(input.dtype)));
-    *description = kg::util::cat("tensor '", tname, "' of ", args.input_path);
-    return t->dtype() == input.dtype ? *t : t->to(input.dtype);
+// The tensors of an input file matched to the model's inputs: by input name (tensors that are not
+// inputs are left out), or the only tensor of the file for a single-input model.
+std::vector<std::pair<std::string, kg::Tensor>> match_input_file(const ModelSource& source,
+                                                                 const std::string& path) {
+  auto tensors = kg::read_safetensors(path);
+  const auto& inputs = source.inputs();
+  std::vector<std::pair<std::string, kg::Tensor>> matched;
+  std::vector<std::string> missing;
+  for (const auto& in : inputs) {
+    if (auto it = tensors.find(in.name); it != tensors.end())
+      matched.emplace_back(it->first, it->second);
+    else
+      missing.push_back(in.name);
   }
-  if (!kg::is_floating(input.dtype))
-    throw kg::Error(kg::util::cat("random inputs need a float input; ", args.model, "'s input is ",
-                                  kg::dtype_name(input.dtype)));
-  const auto shape = kg::models::input_shape(args.model, args.batch.value_or(1));
-  kg::Tensor x = kg::Tensor::empty(kg::DType::F64, shape);
+  if (missing.empty()) return matched;
+  if (inputs.size() == 1 && tensors.size() == 1) return {{tensors.begin()->first, tensors.begin()->second}};
+
+  std::vector<std::string> names;
+  for (const auto& kv : tensors) names.push_back(kv.first);
+  if (inputs.size() == 1)
+    throw kg::Error(kg::util::cat("input file '", path, "' has ", tensors.size(), " tensors (", kg::util::join(names, ", "),
+                                  "); expected one tensor or one named '", inputs[0].name, "'"));
+  std::vector<std::string> input_names;
+  for (const auto& in : inputs) input_names.push_back(in.name);
+  throw kg::Error(kg::util::cat("input file '", path, "' has no tensor named '", kg::util::join(missing, "' or '"),
+                                "' (its tensors: ", names.empty() ? std::string("none") : kg::util::join(names, ", "),
+                                "); ", source.name(), "'s inputs ", kg::util::join(input_names, ", "),
+                                " are matched by name"));
+}
+
+// The inputs of `kgraph run`, in the model's input order: read from a safetensors file or drawn
+// at random (floats uniform in [-1, 1), integers and bools from {0, 1}: valid token ids for any
+// vocabulary, and a valid mask). `descriptions` says where each came from.
+std::vector<kg::Tensor> make_inputs(const RunArgs& args, const ModelSource& source, DimBinding* binding,
+                                    std::vector<std::string>* descriptions) {
+  const auto& inputs = source.inputs();
+  std::vector<kg::Tensor> out;
+  if (!args.input_path.empty()) {
+    const auto matched = match_input_file(source, args.input_path);
+    *binding = source.bind_tensors(matched, args.input_path, args.dims);
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      const auto& [tname, t] = matched[i];
+      out.push_back(t.dtype() == inputs[i].dtype ? t : t.to(inputs[i].dtype));
+      descriptions->push_back(kg::util::cat("tensor '", tname, "' of ", args.input_path));
+    }
+    return out;
+  }
+  *binding = source.bind(args.dims);
+  const auto shapes = source.shapes(*binding);
   std::mt19937_64 rng(args.seed);
-  std::uniform_real_distribution<double> u(-1.0, 1.0);
-  double* d = x.data<double>();
-  for (std::int64_t i = 0; i < x.numel(); ++i) d[i] = u(rng);
-  *description = kg::util::cat("random U(-1, 1), seed ", args.seed);
-  return x.to(input.dtype);
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const kg::DType dtype = inputs[i].dtype;
+    if (kg::is_floating(dtype)) {
+      kg::Tensor x = kg::Tensor::empty(kg::DType::F64, shapes[i]);
+      std::uniform_real_distribution<double> u(-1.0, 1.0);
+      double* d = x.data<double>();
+      for (std::int64_t k = 0; k < x.numel(); ++k) d[k] = u(rng);
+      out.push_back(x.to(dtype));
+      descriptions->push_back(kg::util::cat("random U(-1, 1), seed ", args.seed));
+    } else {
+      kg::Tensor x = kg::Tensor::empty(kg::DType::I64, shapes[i]);
+      std::uniform_int_distribution<std::int64_t> u(0, 1);
+      std::int64_t* d = x.data<std::int64_t>();
+      for (std::int64_t k = 0; k < x.numel(); ++k) d[k] = u(rng);
+      out.push_back(dtype == kg::DType::I64 ? x : x.to(dtype));
+      descriptions->push_back(kg::util::cat("random ", dtype == kg::DType::Bool ? "bools" : "integers",
+                                            " from {0, 1}, seed ", args.seed));
+    }
+  }
+  return out;
 }
 
 void print_output(std::ostream& out, const std::string& name, const kg::Tensor& t) {
@@ -146,8 +157,9 @@ void print_output(std::ostream& out, const std::string& name, const kg::Tensor& 
 void list_models(std::ostream& out) {
   std::vector<std::vector<std::string>> rows{{"name", "input", "output", "parameters"}};
   for (const auto& name : kg::models::names()) {
-    kg::Model model = kg::models::build(name);
-    const kg::Node& in = single_input(model, name);
+    const ModelSource source = ModelSource::open(name);
+    const kg::Model& model = source.model();
+    const auto& in = source.inputs().at(0);
     long long count = 0;
     for (const auto& p : model.parameters()) count += kg::numel_of(p.shape);
     const kg::Node& o = model.graph().node(model.outputs().at(0).second);
@@ -176,16 +188,19 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
 
   if (!args.render_path.empty()) kg::dump::render_format(args.render_path);  // fail before any work
   const auto mode = args.recorded ? kg::LoweringMode::Training : kg::LoweringMode::Inference;
-  kg::Model model = kg::models::build(args.model, mode);
-  const kg::Node& input = single_input(model, args.model);
+  const ModelSource source = ModelSource::open(args.model, mode);
+  const kg::Model& model = source.model();
+  std::optional<DimBinding> binding;  // checked before anything is printed
+  if (!args.dims.empty()) binding = source.bind(args.dims);
   out << "model " << args.model << "\n" << model.summary();
 
-  if (args.batch) {
-    const auto shape = kg::models::input_shape(args.model, *args.batch);
-    kg::LoadedModel loaded = model.load(kg::Device::cpu(), {shape});
-    out << "\nloaded on cpu for batch " << *args.batch << ":\n";
-    out << "  input " << input.name << ": " << kg::sizes_to_string(loaded.input_shapes().at(0)) << " "
-        << kg::dtype_name(input.dtype) << "\n";
+  if (binding) {
+    kg::LoadedModel loaded = model.load(kg::Device::cpu(), source.shapes(*binding));
+    out << "\nloaded on cpu for " << binding->to_string() << ":\n";
+    const auto in_shapes = loaded.input_shapes();
+    for (std::size_t i = 0; i < source.inputs().size(); ++i)
+      out << "  input " << source.inputs()[i].name << ": " << kg::sizes_to_string(in_shapes.at(i)) << " "
+          << kg::dtype_name(source.inputs()[i].dtype) << "\n";
     const auto names = loaded.output_names();
     const auto shapes = loaded.output_shapes();
     for (std::size_t i = 0; i < names.size(); ++i)
@@ -211,22 +226,27 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
 
 void run(const RunArgs& args, std::ostream& out) {
   const kg::Device device = kg::Device::parse(args.device);
-  kg::Model model = kg::models::build(args.model);
-  const kg::Node& input_node = single_input(model, args.model);
-  std::string input_description;
-  kg::Tensor input = make_input(args, input_node, &input_description);
+  const ModelSource source = ModelSource::open(args.model);
+  const kg::Model& model = source.model();
+  DimBinding binding;
+  std::vector<std::string> input_descriptions;
+  const std::vector<kg::Tensor> inputs = make_inputs(args, source, &binding, &input_descriptions);
+  std::vector<std::vector<std::int64_t>> input_shapes;
+  for (const auto& t : inputs) input_shapes.push_back(t.shape());
 
   kg::LoadOptions options;
   options.seed = args.seed;
   options.checked = args.checked;
   std::optional<kg::LoadedModel> loaded_or;
   try {
-    loaded_or.emplace(model.load(device, {input.shape()}, options));
+    loaded_or.emplace(model.load(device, input_shapes, options));
   } catch (const kg::Error& e) {
     throw kg::Error(kg::util::cat("cannot load ", args.model, " on ", device.to_string(), ": ", e.what()));
   }
   kg::LoadedModel& loaded = *loaded_or;
-  std::string weights_description = kg::util::cat("default initialisation, seed ", args.seed);
+  std::string weights_description = source.is_file()
+                                        ? kg::util::cat("the initializers of ", args.model)
+                                        : kg::util::cat("default initialisation, seed ", args.seed);
   if (!args.weights_path.empty()) {
     loaded.load_weights(args.weights_path);
     weights_description = args.weights_path;
@@ -234,15 +254,16 @@ void run(const RunArgs& args, std::ostream& out) {
 
   out << "model " << args.model << " on " << loaded.device().to_string()
       << (args.checked ? " (checked: every kernel's writes verified)" : "") << "\n";
-  out << "input " << input_node.name << ": " << kg::sizes_to_string(input.shape()) << " "
-      << kg::dtype_name(input.dtype()) << ", " << input_description << "\n";
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    out << "input " << source.inputs()[i].name << ": " << kg::sizes_to_string(inputs[i].shape()) << " "
+        << kg::dtype_name(inputs[i].dtype()) << ", " << input_descriptions[i] << "\n";
   out << "weights: " << weights_description << "\n";
 
   std::vector<kg::Tensor> outputs;
   std::vector<double> times;
   for (int r = 0; r < args.runs; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    outputs = loaded.forward({input});
+    outputs = loaded.forward(inputs);
     const auto t1 = std::chrono::steady_clock::now();
     times.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
   }

@@ -1,5 +1,5 @@
-// kgraph compile: compiles a model's kernels (or every built-in kernel file) for a GPU
-// architecture with NVRTC, without needing a GPU, and warms the disk cache.
+// kgraph compile: compiles a model's kernels (a zoo model or an ONNX file; or every built-in
+// kernel file) for a GPU architecture with NVRTC, without needing a GPU, and warms the disk cache.
 #include <algorithm>
 #include <chrono>
 #include <set>
@@ -13,9 +13,9 @@
 #include "graph/dump.hpp"
 #include "kg/cuda.hpp"
 #include "kg/kg.hpp"
-#include "kg/models.hpp"
 #include "lower/dry_run.hpp"
 #include "lower/lowering.hpp"
+#include "model_source.hpp"
 #include "util/str.hpp"
 
 namespace kgraph {
@@ -105,9 +105,10 @@ struct Tally {
 };
 
 void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
-  const std::int64_t batch = args.batch.value_or(1);
-  kg::Model model = kg::models::build(args.model);
-  const auto shape = kg::models::input_shape(args.model, batch);
+  const ModelSource source = ModelSource::open(args.model);
+  const kg::Model& model = source.model();
+  const DimBinding binding = source.bind(args.dims);
+  const auto shapes = source.shapes(binding);
   kg::compile::Compiler& compiler = kg::compile::Compiler::global();
 
   // Each kernel compiled once here (to see where it came from), then the whole model lowered,
@@ -132,7 +133,7 @@ void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
     times.push_back(ms_since(t));
     tally.add(results.back());
   }
-  const kg::lower::DryRun dry = kg::lower::dry_run(model, {shape}, arch);
+  const kg::lower::DryRun dry = kg::lower::dry_run(model, shapes, arch);
 
   std::vector<std::vector<std::string>> rows{
       {"node", "kernel", "entry", "PTX bytes", "cache", "time", "launch"}};
@@ -151,13 +152,22 @@ void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
                     cache_word(r), format_ms(times.at(k)), launch});
     ++k;
   }
-  out << "compiling " << args.model << " for sm_" << arch << " at batch " << batch << " with NVRTC "
+  out << "compiling " << args.model << " for sm_" << arch << " at " << binding.to_string() << " with NVRTC "
       << kg::compile::Compiler::nvrtc_version() << "\n";
   print_table(out, rows, {3, 5});
   out << tally.text("kernel");
   if (views)
     out << kg::util::cat("; ", views, views == 1 ? " view node needs" : " view nodes need", " no kernel");
-  out << "\nevery launch packed and checked for " << kg::sizes_to_string(shape) << " in "
+  std::string shape_text;
+  if (shapes.size() == 1) {
+    shape_text = kg::sizes_to_string(shapes[0]);
+  } else {
+    std::vector<std::string> parts;
+    for (std::size_t i = 0; i < shapes.size(); ++i)
+      parts.push_back(source.inputs()[i].name + " " + kg::sizes_to_string(shapes[i]));
+    shape_text = kg::util::join(parts, ", ");
+  }
+  out << "\nevery launch packed and checked for " << shape_text << " in "
       << format_ms(ms_since(t0)) << "\n";
 }
 
@@ -193,7 +203,8 @@ void compile(const CompileArgs& args, std::ostream& out) {
   if (!args.all && args.model.empty())
     throw kg::Error(
         "give a MODEL to compile its kernels (see 'kgraph models'), or --all for every built-in kernel");
-  if (args.all && args.batch) throw kg::Error("--batch applies to a MODEL, not to --all");
+  if (args.all && args.dims.batch) throw kg::Error("--batch applies to a MODEL, not to --all");
+  if (args.all && !args.dims.dims.empty()) throw kg::Error("--dim applies to a MODEL, not to --all");
   std::string why;
   const int arch = pick_arch(args, &why);
   if (args.all)

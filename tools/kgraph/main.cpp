@@ -1,8 +1,9 @@
-// kgraph: inspect and run kernelgraph models from the command line.
+// kgraph: inspect and run kernelgraph models (the zoo, or ONNX files) from the command line.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "kg/error.hpp"
@@ -33,10 +34,30 @@ int fail(const std::string& message, int code) {
   return code;
 }
 
+constexpr const char* kModelHelp = "A zoo model name (see 'kgraph models') or an ONNX file (.onnx)";
+
+// --dim NAME=SIZE, repeatable; each --dim takes one value (so it cannot swallow MODEL).
+CLI::Option* add_dim_option(CLI::App* command, std::vector<std::string>& values, const std::string& what) {
+  return command
+      ->add_option("--dim", values,
+                   "Size of a named dynamic dim other than batch, e.g. --dim sequence=16 (repeatable)" + what)
+      ->allow_extra_args(false)
+      ->check(kgraph_cli::dim_assignment)
+      ->option_text("NAME=SIZE");
+}
+
+// --batch and the --dim values as DimOptions (the values are checked by the validators).
+kgraph::DimOptions dim_options(const CLI::Option* batch_opt, std::int64_t batch, const std::vector<std::string>& dims) {
+  kgraph::DimOptions o;
+  if (*batch_opt) o.batch = batch;
+  for (const auto& d : dims) o.dims.push_back(kgraph::parse_dim(d));
+  return o;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Inspect and run kernelgraph models.", "kgraph"};
+  CLI::App app{"Inspect and run kernelgraph models: the zoo, or ONNX files.", "kgraph"};
   app.set_version_flag("--version", "kgraph " KG_VERSION);
   app.require_subcommand(1);
   app.footer(
@@ -44,6 +65,7 @@ int main(int argc, char** argv) {
       "  kgraph models\n"
       "  kgraph inspect lenet5 --batch 4\n"
       "  kgraph run lenet5 --random --batch 2\n"
+      "  kgraph run bert.onnx --batch 2 --dim sequence=16\n"
       "  kgraph compile lenet5 --arch 90\n"
       "  kgraph train --epochs 2\n"
       "Run 'kgraph <command> --help' for a command's options.");
@@ -52,14 +74,16 @@ int main(int argc, char** argv) {
 
   kgraph::InspectArgs ia;
   std::int64_t inspect_batch = 0;
+  std::vector<std::string> inspect_dims;
   CLI::App* inspect = app.add_subcommand("inspect", "Print a model's graph: nodes, shapes, parameters");
-  inspect->add_option("MODEL", ia.model, "Model name (see 'kgraph models')")->required();
+  inspect->add_option("MODEL", ia.model, kModelHelp)->required();
   CLI::Option* inspect_batch_opt = inspect
                                        ->add_option("--batch", inspect_batch,
-                                                    "Also load on the CPU for this batch size and print the "
-                                                    "concrete output shapes and the memory plan")
+                                                    "Also load on the CPU for this batch size (the dims named "
+                                                    "batch) and print the concrete shapes and the memory plan")
                                        ->check(kgraph_cli::positive_integer)
                                        ->option_text("N");
+  add_dim_option(inspect, inspect_dims, "; also loads on the CPU, like --batch (whose default is then 1)");
   inspect
       ->add_option("--dot", ia.dot_path,
                    "Write the graph as Graphviz DOT to FILE ('-': standard output only)")
@@ -71,25 +95,31 @@ int main(int argc, char** argv) {
 
   kgraph::RunArgs ra;
   std::int64_t run_batch = 0;
+  std::vector<std::string> run_dims;
   CLI::App* run = app.add_subcommand("run", "Load a model, run it and print its outputs and time");
-  run->add_option("MODEL", ra.model, "Model name (see 'kgraph models')")->required();
+  run->add_option("MODEL", ra.model, kModelHelp)->required();
   run->add_option("--device", ra.device, "cpu (the default), cuda, cuda:N or auto")->option_text("DEVICE");
-  run->add_option("--weights", ra.weights_path, "Load parameters from a safetensors file (by dotted name)")
+  run->add_option("--weights", ra.weights_path,
+                  "Load parameters from a safetensors file, by name (dotted names; an ONNX file's initializer "
+                  "names)")
       ->option_text("FILE");
   CLI::Option* input_opt =
       run->add_option("--input", ra.input_path,
-                      "Input tensor from a safetensors file (its only tensor, or the one named like the "
-                      "model's input)")
+                      "Inputs from a safetensors file, matched by input name (other tensors are ignored; "
+                      "a single-input model also takes a file's only tensor); their shapes set the dynamic dims")
           ->option_text("FILE");
   CLI::Option* random_opt =
-      run->add_flag("--random", ra.random, "Random input, uniform in [-1, 1) (the default without --input)");
+      run->add_flag("--random", ra.random,
+                    "Random inputs (the default without --input): floats uniform in [-1, 1), integers and bools "
+                    "from {0, 1} (valid token ids for any vocabulary, and a valid mask)");
   input_opt->excludes(random_opt);
   CLI::Option* run_batch_opt =
-      run->add_option("--batch", run_batch, "Batch size (default 1, or the input file's)")
+      run->add_option("--batch", run_batch, "Size of the dims named batch (default 1, or the input file's)")
           ->check(kgraph_cli::positive_integer)
           ->option_text("N");
+  add_dim_option(run, run_dims, "; with --input it must agree with the file");
   run->add_option("--seed", ra.seed,
-                  "Seed of the random input and the default parameter initialisation (default 0)")
+                  "Seed of the random inputs and of a zoo model's default parameter initialisation (default 0)")
       ->option_text("S");
   run->add_option("--output", ra.output_path, "Write the outputs to a safetensors file, by output name")
       ->option_text("FILE");
@@ -103,9 +133,10 @@ int main(int argc, char** argv) {
   kgraph::CompileArgs ca;
   int compile_arch = 0;
   std::int64_t compile_batch = 0;
+  std::vector<std::string> compile_dims;
   CLI::App* compile =
       app.add_subcommand("compile", "Compile a model's kernels for a GPU architecture (no GPU needed)");
-  compile->add_option("MODEL", ca.model, "Model name (see 'kgraph models')");
+  compile->add_option("MODEL", ca.model, kModelHelp);
   CLI::Option* compile_arch_opt =
       compile->add_option("--arch", compile_arch, "Compute capability: 90 for sm_90 (default: the GPU's)")
           ->check(kgraph_cli::positive_integer)
@@ -114,6 +145,7 @@ int main(int argc, char** argv) {
       compile->add_option("--batch", compile_batch, "Batch size the launches are packed for (default 1)")
           ->check(kgraph_cli::positive_integer)
           ->option_text("N");
+  add_dim_option(compile, compile_dims, "; the launches are packed for it");
   compile->add_flag("--all", ca.all, "Every built-in kernel file instead of a model");
 
   kgraph::TrainArgs ta;
@@ -138,10 +170,10 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (*inspect_batch_opt) ia.batch = inspect_batch;
-    if (*run_batch_opt) ra.batch = run_batch;
+    ia.dims = dim_options(inspect_batch_opt, inspect_batch, inspect_dims);
+    ra.dims = dim_options(run_batch_opt, run_batch, run_dims);
     if (*compile_arch_opt) ca.arch = compile_arch;
-    if (*compile_batch_opt) ca.batch = compile_batch;
+    ca.dims = dim_options(compile_batch_opt, compile_batch, compile_dims);
     if (*models) kgraph::list_models(std::cout);
     if (*inspect) kgraph::inspect(ia, std::cout);
     if (*run) kgraph::run(ra, std::cout);

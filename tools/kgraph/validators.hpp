@@ -5,6 +5,9 @@
 #include <cmath>
 #include <string>
 
+#include "kg/error.hpp"
+#include "model_source.hpp"
+
 namespace kgraph_cli {
 
 // A whole number >= 1 ("--batch 0" and "--batch two" are usage errors).
@@ -38,5 +41,17 @@ inline const CLI::Validator finite_non_negative(
       return {};
     },
     "X>=0");
+
+// NAME=SIZE for --dim ("--dim sequence" and "--dim sequence=0" are usage errors).
+inline const CLI::Validator dim_assignment(
+    [](std::string& value) -> std::string {
+      try {
+        kgraph::parse_dim(value);
+      } catch (const kg::Error& e) {
+        return e.what();
+      }
+      return {};
+    },
+    "NAME=SIZE");
 
 }  // namespace kgraph_cli
