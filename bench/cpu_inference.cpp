@@ -1,8 +1,12 @@
-// Times a zoo model's forward pass on the CPU; scripts/bench runs it beside ONNX Runtime.
+// Times a model's forward pass on the CPU; scripts/bench runs it beside ONNX Runtime.
 //   cpu_inference --model resnet18 --batch 64 --weights W.safetensors --input X.safetensors
 //                 --output Y.safetensors [--warmup 2] [--runs 10] [--threads 2] [--profile 1]
-// Prints "median_ms=<m> min_ms=<m>" and writes the last forward's logits to --output. With
-// --profile 1 it also prints the last forward's time per op and its slowest nodes.
+//   cpu_inference --onnx resnet18.onnx --batch 64 --input X.safetensors --output Y.safetensors ...
+// --model builds a zoo model and loads --weights into it; --onnx imports the file instead (its
+// initializers are the weights, --batch binds its dynamic batch dim, and the input is the file's
+// single graph input). Prints "median_ms=<m> min_ms=<m>" and writes the last forward's first
+// output (the logits) to --output. With --profile 1 it also prints the last forward's time per op
+// and its slowest nodes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,11 +20,12 @@
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
+#include "kg/onnx.hpp"
 
 namespace {
 
 struct Args {
-  std::string model, weights, input, output;
+  std::string model, onnx, weights, input, output;
   std::int64_t batch = 1;
   int warmup = 2, runs = 10, threads = 2;
   bool profile = false;
@@ -29,6 +34,7 @@ struct Args {
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "cpu_inference: " << why << "\n"
             << "usage: cpu_inference --model NAME --batch N --weights PATH --input PATH --output PATH\n"
+            << "       cpu_inference --onnx FILE --batch N --input PATH --output PATH\n"
             << "                     [--warmup W] [--runs R] [--threads T] [--profile 0|1]\n";
   std::exit(2);
 }
@@ -45,6 +51,8 @@ Args parse(int argc, char** argv) {
     const std::string v = argv[++i];
     if (flag == "--model")
       a.model = v;
+    else if (flag == "--onnx")
+      a.onnx = v;
     else if (flag == "--batch")
       a.batch = parse_int(flag, v, 1);
     else if (flag == "--weights")
@@ -64,13 +72,61 @@ Args parse(int argc, char** argv) {
     else
       usage("unknown option " + flag);
   }
-  if (a.model.empty() || a.weights.empty() || a.input.empty() || a.output.empty())
-    usage("--model, --weights, --input and --output are required");
+  if (!a.model.empty() && !a.onnx.empty()) usage("--model and --onnx exclude each other; give one");
+  if (!a.onnx.empty()) {
+    if (!a.weights.empty()) usage("--weights goes with --model; an --onnx file holds its weights");
+    if (a.input.empty() || a.output.empty()) usage("--onnx, --input and --output are required");
+  } else if (a.model.empty() || a.weights.empty() || a.input.empty() || a.output.empty()) {
+    usage("--model (or --onnx), --weights, --input and --output are required");
+  }
   return a;
 }
 
+// The model to time and its one input, for the batch: a zoo model with --weights loaded later,
+// or an imported ONNX file with its initializers.
+struct Subject {
+  kg::Model model;
+  std::vector<std::int64_t> input_shape;
+  kg::DType input_dtype = kg::DType::F32;
+};
+
+Subject zoo_subject(const Args& a) {
+  return {kg::models::build(a.model), kg::models::input_shape(a.model, a.batch), kg::DType::F32};
+}
+
+// The file's single input, its dynamic batch dim (named "batch", or an unnamed leading one)
+// bound to --batch; any other dynamic dim, or a static leading dim other than --batch, is an error.
+Subject onnx_subject(const Args& a) {
+  kg::Model model = kg::onnx::import(a.onnx);
+  const auto inputs = kg::onnx::model_inputs(model);
+  if (inputs.size() != 1) {
+    std::string names;
+    for (const auto& in : inputs) names += (names.empty() ? "" : ", ") + in.name;
+    throw kg::Error("'" + a.onnx + "' has " + std::to_string(inputs.size()) + " graph inputs (" + names +
+                    "); cpu_inference times models with exactly one");
+  }
+  const kg::onnx::InputInfo& in = inputs.front();
+  std::vector<std::int64_t> shape;
+  for (std::size_t k = 0; k < in.shape.rank(); ++k) {
+    const kg::Dim& d = in.shape[k];
+    if (d.is_static()) {
+      if (k == 0 && d.size() != a.batch)
+        throw kg::Error("input '" + in.name + "' of '" + a.onnx + "' has the static batch " + std::to_string(d.size()) +
+                        " (shape " + in.shape.to_string() + "), but --batch is " + std::to_string(a.batch));
+      shape.push_back(d.size());
+    } else if (d.symbol() == "batch" || (k == 0 && d.symbol().empty())) {
+      shape.push_back(a.batch);
+    } else {
+      throw kg::Error("input '" + in.name + "' of '" + a.onnx + "' has the dynamic dim " + d.to_string() + " (dim " +
+                      std::to_string(k) + " of " + in.shape.to_string() +
+                      "); only the batch dim can be bound, by --batch");
+    }
+  }
+  return {std::move(model), shape, in.dtype};
+}
+
 // The input file's one tensor (or the one named "input"), checked against the model's shape.
-kg::Tensor read_input(const std::string& path, const std::vector<std::int64_t>& want) {
+kg::Tensor read_input(const std::string& path, const std::vector<std::int64_t>& want, kg::DType dtype) {
   auto tensors = kg::read_safetensors(path);
   kg::Tensor x;
   if (tensors.count("input"))
@@ -83,7 +139,7 @@ kg::Tensor read_input(const std::string& path, const std::vector<std::int64_t>& 
   if (x.shape() != want)
     throw kg::Error("input file '" + path + "' holds " + kg::sizes_to_string(x.shape()) +
                     " but the model takes " + kg::sizes_to_string(want));
-  return x.to(kg::DType::F32).clone();
+  return x.to(dtype).clone();
 }
 
 // Time per op kind, then the ten slowest nodes, of the last forward.
@@ -114,14 +170,14 @@ void print_profile(const std::vector<kg::NodeTime>& nodes) {
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   try {
-    const kg::Model model = kg::models::build(a.model);
-    const auto shape = kg::models::input_shape(a.model, a.batch);
+    const Subject s = a.onnx.empty() ? zoo_subject(a) : onnx_subject(a);
+    const std::string name = a.onnx.empty() ? a.model : a.onnx;
     kg::LoadOptions opt;
     opt.threads = a.threads;
     opt.profile = a.profile;
-    kg::LoadedModel m = model.load(kg::Device::cpu(), {shape}, opt);
-    m.load_weights(a.weights);
-    const kg::Tensor x = read_input(a.input, shape);
+    kg::LoadedModel m = s.model.load(kg::Device::cpu(), {s.input_shape}, opt);
+    if (!a.weights.empty()) m.load_weights(a.weights);
+    const kg::Tensor x = read_input(a.input, s.input_shape, s.input_dtype);
 
     for (int i = 0; i < a.warmup; ++i) m.forward({x});
     std::vector<double> ms;
@@ -136,11 +192,11 @@ int main(int argc, char** argv) {
     std::sort(sorted.begin(), sorted.end());
     const std::size_t n = sorted.size();
     const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-    std::printf("model=%s batch=%lld runs=%d median_ms=%.4f min_ms=%.4f\n", a.model.c_str(),
+    std::printf("model=%s batch=%lld runs=%d median_ms=%.4f min_ms=%.4f\n", name.c_str(),
                 static_cast<long long>(a.batch), a.runs, median, sorted.front());
     if (a.profile) print_profile(m.profile());
     kg::write_safetensors(a.output, {{"logits", out.at(0).clone()}},
-                          {{"model", a.model}, {"median_ms", std::to_string(median)}});
+                          {{"model", name}, {"median_ms", std::to_string(median)}});
   } catch (const kg::Error& e) {
     std::cerr << "cpu_inference: " << e.what() << "\n";
     return 1;
