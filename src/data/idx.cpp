@@ -1,10 +1,13 @@
 // The IDX file format (MNIST's), read and written through zlib's gz* functions, which also read
 // uncompressed files as they are.
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -45,11 +48,12 @@ struct GzCloser {
 };
 using GzPtr = std::unique_ptr<gzFile_s, GzCloser>;
 
-bool is_gzip(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+bool is_gzip(int fd) {
   unsigned char m[2] = {0, 0};
-  f.read(reinterpret_cast<char*>(m), 2);
-  return f.gcount() == 2 && m[0] == 0x1F && m[1] == 0x8B;
+  ssize_t r;
+  do r = ::pread(fd, m, 2, 0);
+  while (r < 0 && errno == EINTR);
+  return r == 2 && m[0] == 0x1F && m[1] == 0x8B;
 }
 
 // zlib's message without the file name it starts with.
@@ -90,13 +94,33 @@ void swap_bytes(unsigned char* p, std::uint64_t count, std::size_t width) {
 }  // namespace
 
 Tensor read_idx(const std::string& path) {
+  // One descriptor for the checks and the reads. O_NONBLOCK: opening a FIFO must not wait for a
+  // writer before the regular-file check rejects it; the flag is cleared before reading.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    if (errno == ENOENT) fail(path, "cannot open it (no such file)");
+    fail(path, util::cat("cannot open it for reading: ", std::strerror(errno)));
+  }
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) fail(path, "cannot open it (no such file)");
-  if (S_ISDIR(st.st_mode)) fail(path, "is a folder, not a file");
+  const bool stat_ok = ::fstat(fd, &st) == 0;
+  if (!stat_ok || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    if (!stat_ok) fail(path, "cannot stat it");
+    if (S_ISDIR(st.st_mode)) fail(path, "is a folder, not a file");
+    fail(path, "not a regular file (a FIFO, socket or device cannot be read as IDX)");
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    ::close(fd);
+    fail(path, "cannot open it for reading");
+  }
   const auto file_bytes = static_cast<std::uint64_t>(st.st_size);
-  const bool gzip = is_gzip(path);
-  GzPtr f(gzopen(path.c_str(), "rb"));
-  if (!f) fail(path, "cannot open it for reading");
+  const bool gzip = is_gzip(fd);
+  GzPtr f(gzdopen(fd, "rb"));  // owns fd from here on
+  if (!f) {
+    ::close(fd);
+    fail(path, "cannot open it for reading");
+  }
   gzbuffer(f.get(), 1 << 17);
 
   unsigned char head[4];
@@ -125,23 +149,33 @@ Tensor read_idx(const std::string& path) {
                          " bytes after the magic, the file has ", got_dims));
   std::vector<std::int64_t> shape(ndims);
   const std::size_t width = dtype_size(type->dtype);
-  std::uint64_t numel = 1;
-  bool overflow = false;
+  // Checked products: the element count and the byte count must fit an int64 (the tensor's
+  // numel), and so must the product of the non-zero dims, so that a zero dim does not hide a
+  // product that overflows in the strides or in any partial product.
+  std::uint64_t numel = 1, nonzero = 1;
+  bool overflow = false, has_zero = false;
   for (unsigned d = 0; d < ndims; ++d) {
     const unsigned char* b = &dim_bytes[4u * d];
     const std::uint64_t v =
         (std::uint64_t{b[0]} << 24) | (std::uint64_t{b[1]} << 16) | (std::uint64_t{b[2]} << 8) | b[3];
     shape[d] = static_cast<std::int64_t>(v);
-    if (v != 0 && numel > std::numeric_limits<std::uint64_t>::max() / v / width) overflow = true;
-    numel *= v;
+    if (v == 0)
+      has_zero = true;
+    else if (__builtin_mul_overflow(nonzero, v, &nonzero) ||
+             nonzero > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      overflow = true;
   }
+  std::uint64_t nonzero_bytes = 0;
+  if (!overflow && __builtin_mul_overflow(nonzero, std::uint64_t{width}, &nonzero_bytes)) overflow = true;
+  numel = has_zero ? 0 : nonzero;
   const std::uint64_t header = 4 + 4ull * ndims;
   const std::uint64_t need = overflow ? std::numeric_limits<std::uint64_t>::max() : numel * width;
   const std::string dims_text = util::cat(sizes_to_string(shape), " of ", dtype_name(type->dtype));
   if (overflow || need > kMaxPayload)
     fail(path, util::cat("absurd dims ", dims_text, ": ",
-                         overflow ? std::string("more than 2^64") : util::cat(need),
-                         " bytes of payload (the limit is ", kMaxPayload, ")"));
+                         overflow ? std::string("the sizes overflow, more than 2^64 bytes or 2^63 - 1 elements")
+                                  : util::cat(need, " bytes"),
+                         " of payload (the limit is ", kMaxPayload, " bytes)"));
   if (!gzip && need > file_bytes - header)
     fail(path,
          util::cat("payload shorter than the dims say: dims ", dims_text, " need ", need,

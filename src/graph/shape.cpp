@@ -51,10 +51,11 @@ std::vector<std::int64_t> Shape::sizes() const {
 }
 
 std::int64_t Shape::static_numel() const {
-  std::int64_t n = 1;
+  std::vector<std::int64_t> sizes;
+  sizes.reserve(dims_.size());
   for (const auto& d : dims_)
-    if (d.is_static()) n *= d.size();
-  return n;
+    if (d.is_static()) sizes.push_back(d.size());
+  return numel_of(sizes);
 }
 
 std::string Shape::to_string() const {
@@ -70,10 +71,21 @@ std::string sizes_to_string(const std::vector<std::int64_t>& sizes) {
   return "[" + util::join(sizes, ", ") + "]";
 }
 
+// Checked: the product of the non-zero sizes must fit an int64. A zero size makes the count 0, but
+// does not excuse the others — [2^32-1, 2^32-1, 0] would overflow in a partial product or a stride.
 std::int64_t numel_of(const std::vector<std::int64_t>& sizes) {
   std::int64_t n = 1;
-  for (auto s : sizes) n *= s;
-  return n;
+  bool zero = false;
+  for (auto s : sizes) {
+    if (s == 0) {
+      zero = true;
+      continue;
+    }
+    if (__builtin_mul_overflow(n, s, &n))
+      throw Error(util::cat("the sizes ", sizes_to_string(sizes),
+                            " have more elements than an int64 holds (2^63 - 1)"));
+  }
+  return zero ? 0 : n;
 }
 
 }  // namespace kg

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -22,8 +23,48 @@ namespace {
 constexpr std::uint64_t kMaxHeader = 100u << 20;  // 100 MiB of JSON is not a real header
 constexpr auto kMaxSize = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
 
+// The deepest nesting a header may have. The format needs 3 (header object, tensor object, shape
+// array); anything deeper is rejected while parsing, so that no recursive walk of the parsed JSON
+// (dump, comparison, destruction) can run out of stack on a forged header.
+constexpr int kMaxDepth = 16;
+// Longest piece of the file's own text (a name, a dtype, a dumped value) quoted in a message.
+constexpr std::size_t kMaxQuote = 80;
+
 [[noreturn]] void bad(const std::string& path, const std::string& why) {
   throw Error("safetensors file '" + path + "': " + why);
+}
+
+// Text from the file, clipped to kMaxQuote characters for a message.
+std::string clip(const std::string& s, std::size_t max = kMaxQuote) {
+  if (s.size() <= max) return s;
+  return s.substr(0, max) + util::cat("... (", s.size(), " characters)");
+}
+
+// A JSON value from the header for a message: compact, clipped. (Depth is bounded by the parse.)
+std::string clip(const nlohmann::json& j) {
+  return clip(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+// Thrown by the parser callback when the header nests deeper than kMaxDepth.
+struct TooDeep {};
+
+// Writes all of `n` bytes to fd, retrying short writes; false (errno set) on an error.
+bool write_all(int fd, const void* data, std::size_t n) {
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    if (w == 0) {
+      errno = EIO;
+      return false;
+    }
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return true;
 }
 
 }  // namespace
@@ -34,7 +75,9 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path) {
 
 std::map<std::string, Tensor> read_safetensors(const std::string& path,
                                                std::map<std::string, std::string>* metadata) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer before the check below
+  // rejects it. Nothing is read from the descriptor, so the flag needs no clearing for mmap.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) bad(path, std::string("cannot open: ") + std::strerror(errno));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -61,9 +104,19 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
     bad(path, util::cat("header length ", n, " does not fit in a file of ", size, " bytes (truncated or not safetensors)"));
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + n);
+    header = nlohmann::json::parse(bytes + 8, bytes + 8 + n,
+                                   [](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
+                                     if ((event == nlohmann::json::parse_event_t::object_start ||
+                                          event == nlohmann::json::parse_event_t::array_start) &&
+                                         depth >= kMaxDepth)
+                                       throw TooDeep{};
+                                     return true;
+                                   });
+  } catch (const TooDeep&) {
+    bad(path, util::cat("header nests arrays or objects more than ", kMaxDepth,
+                        " deep (a safetensors header needs 3)"));
   } catch (const std::exception& e) {
-    bad(path, std::string("header is not valid JSON: ") + e.what());
+    bad(path, std::string("header is not valid JSON: ") + clip(std::string(e.what()), 4 * kMaxQuote));
   }
   if (!header.is_object()) bad(path, "header is not a JSON object");
   const std::uint64_t data_start = 8 + n, data_size = size - data_start;
@@ -76,44 +129,45 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
   std::vector<Range> ranges;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
+    const std::string qname = clip(name);  // the name as messages quote it
     const auto& e = it.value();
     if (name == "__metadata__") {
       if (!e.is_object()) bad(path, "__metadata__ is not an object");
       if (metadata)
         for (auto m = e.begin(); m != e.end(); ++m) {
-          if (!m.value().is_string()) bad(path, "__metadata__ value '" + m.key() + "' is not a string");
+          if (!m.value().is_string()) bad(path, "__metadata__ value '" + clip(m.key()) + "' is not a string");
           (*metadata)[m.key()] = m.value().get<std::string>();
         }
       continue;
     }
     if (!e.is_object() || !e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
-      bad(path, "tensor '" + name + "' needs dtype, shape and data_offsets");
-    if (!e["dtype"].is_string()) bad(path, "tensor '" + name + "': dtype is not a string");
+      bad(path, "tensor '" + qname + "' needs dtype, shape and data_offsets");
+    if (!e["dtype"].is_string()) bad(path, "tensor '" + qname + "': dtype is not a string");
     auto dt = parse_dtype(e["dtype"].get<std::string>());
     if (!dt || e["dtype"].get<std::string>() != dtype_safetensors_code(*dt))
-      bad(path, "tensor '" + name + "': unsupported dtype '" + e["dtype"].get<std::string>() + "'");
+      bad(path, "tensor '" + qname + "': unsupported dtype '" + clip(e["dtype"].get<std::string>()) + "'");
     std::vector<std::int64_t> shape;
-    if (!e["shape"].is_array()) bad(path, "tensor '" + name + "': shape is not an array");
+    if (!e["shape"].is_array()) bad(path, "tensor '" + qname + "': shape is not an array");
     std::uint64_t numel = 1;  // checked: a forged shape must not overflow into a small size
     for (const auto& d : e["shape"]) {
-      if (!d.is_number_unsigned()) bad(path, "tensor '" + name + "': shape has a non-integer or negative entry");
+      if (!d.is_number_unsigned()) bad(path, "tensor '" + qname + "': shape has a non-integer or negative entry");
       const auto v = d.get<std::uint64_t>();
       if (v > kMaxSize || __builtin_mul_overflow(numel, v, &numel) || numel > kMaxSize)
-        bad(path, "tensor '" + name + "': shape " + e["shape"].dump() + " has too many elements");
+        bad(path, "tensor '" + qname + "': shape " + clip(e["shape"]) + " has too many elements");
       shape.push_back(static_cast<std::int64_t>(v));
     }
     const auto& off = e["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      bad(path, "tensor '" + name + "': data_offsets must be two non-negative integers");
+      bad(path, "tensor '" + qname + "': data_offsets must be two non-negative integers");
     auto b = off[0].get<std::uint64_t>(), end = off[1].get<std::uint64_t>();
     if (b > end || end > data_size)
-      bad(path, util::cat("tensor '", name, "': data_offsets [", b, ", ", end, "] exceed the ", data_size,
+      bad(path, util::cat("tensor '", qname, "': data_offsets [", b, ", ", end, "] exceed the ", data_size,
                           " data bytes (truncated file?)"));
     std::uint64_t want = 0;
     if (__builtin_mul_overflow(numel, std::uint64_t{dtype_size(*dt)}, &want))
-      bad(path, "tensor '" + name + "': shape " + e["shape"].dump() + " has too many elements");
+      bad(path, "tensor '" + qname + "': shape " + clip(e["shape"]) + " has too many elements");
     if (end - b != want)
-      bad(path, util::cat("tensor '", name, "': ", end - b, " bytes for ", sizes_to_string(shape), " ",
+      bad(path, util::cat("tensor '", qname, "': ", end - b, " bytes for ", sizes_to_string(shape), " ",
                           dtype_name(*dt), ", which needs ", want));
     ranges.push_back({b, end, name});
     void* p = const_cast<unsigned char*>(bytes + data_start + b);
@@ -127,8 +181,8 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
   for (const auto& r : ranges) {
     if (r.begin == r.end) continue;
     if (last && r.begin < last->end)
-      bad(path, util::cat("tensor data ranges overlap: '", last->name, "' [", last->begin, ", ", last->end,
-                          "] and '", r.name, "' [", r.begin, ", ", r.end, "]"));
+      bad(path, util::cat("tensor data ranges overlap: '", clip(last->name), "' [", last->begin, ", ",
+                          last->end, "] and '", clip(r.name), "' [", r.begin, ", ", r.end, "]"));
     last = &r;
   }
   return out;
@@ -151,25 +205,37 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
   }
   std::string h = header.dump();
   while ((h.size() + 8) % 8 != 0) h.push_back(' ');  // keep the data 8-byte aligned
+  // Written to a temporary file, flushed to disk and renamed over `path`: every write, the fsync
+  // and the close are checked first, so a full disk (or a file size limit) leaves the previous file
+  // as it was instead of renaming a truncated one over it.
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error("cannot write '" + tmp + "'");
-    std::uint64_t n = h.size();
-    unsigned char len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-    f.write(reinterpret_cast<const char*>(len), 8);
-    f.write(h.data(), static_cast<std::streamsize>(h.size()));
-    for (const auto& [name, t] : tensors)
-      f.write(static_cast<const char*>(t.raw()), static_cast<std::streamsize>(t.nbytes()));
-    if (!f.good()) {
-      std::remove(tmp.c_str());
-      throw Error("error writing '" + tmp + "'");
-    }
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) throw Error("write_safetensors: cannot write '" + tmp + "': " + std::strerror(errno));
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw Error("write_safetensors: " + std::string(what) + " '" + tmp + "' failed (" + std::strerror(err) +
+                "); '" + path + "' is left as it was");
+  };
+  std::uint64_t n = h.size();
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+  if (!write_all(fd, len, 8) || !write_all(fd, h.data(), h.size())) fail("writing");
+  for (const auto& [name, t] : tensors)
+    if (!write_all(fd, t.raw(), t.nbytes())) fail("writing");
+  if (::fsync(fd) != 0) fail("flushing");
+  const int closed = ::close(fd);
+  if (closed != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw Error("write_safetensors: closing '" + tmp + "' failed (" + std::strerror(err) + "); '" + path +
+                "' is left as it was");
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw Error("cannot rename '" + tmp + "' to '" + path + "'");
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    throw Error("write_safetensors: cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(err));
   }
 }
 
