@@ -1,9 +1,14 @@
 #include "util/thread_pool.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
+#include <string>
+#include <system_error>
 
 #include "kg/custom_op.hpp"
+#include "kg/error.hpp"
+#include "util/str.hpp"
 
 namespace kg::util {
 namespace {
@@ -16,22 +21,58 @@ std::int64_t chunk_begin(std::int64_t k, std::int64_t n, std::int64_t chunks) {
 }
 }  // namespace
 
-ThreadPool::ThreadPool(int threads) {
-  if (threads <= 0) {
-    threads = static_cast<int>(std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("KG_NUM_THREADS")) threads = std::atoi(env);
+int ThreadPool::default_threads() {
+  const int hardware =
+      std::clamp(static_cast<int>(std::thread::hardware_concurrency()), 1, kMaxThreads);
+  const char* env = std::getenv("KG_NUM_THREADS");
+  if (env == nullptr || *env == '\0') return hardware;
+  // Strictly a whole number: atoi would read "8x" as 8, "x" as 0 and 10^12 as garbage.
+  const std::string text = env;
+  long long v = -1;
+  std::size_t used = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
   }
-  threads = std::max(threads, 1);
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  if (used != text.size() || !std::isdigit(static_cast<unsigned char>(text[0])) || v < 0 ||
+      v > kMaxThreads)
+    throw Error(cat("KG_NUM_THREADS is '", text, "'; expected a whole number of threads from 0 to ",
+                    kMaxThreads, " (0: one per core)"));
+  return v == 0 ? hardware : static_cast<int>(v);
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::ThreadPool(int threads) {
+  if (threads < 0 || threads > kMaxThreads)
+    throw Error(cat("a thread pool of ", threads, " threads was asked for (LoadOptions::threads); expected 0 "
+                    "(one per core) to ", kMaxThreads));
+  if (threads == 0) threads = default_threads();
+  workers_.reserve(static_cast<std::size_t>(threads - 1));
+  for (int i = 1; i < threads; ++i) {
+    try {
+      workers_.emplace_back([this, i] { worker_loop(i); });
+    } catch (const std::system_error& e) {
+      // The pool is not constructed, so its destructor will not run: the workers started so far
+      // are stopped and joined here (a joinable std::thread destroyed would terminate).
+      stop_and_join();
+      throw Error(cat("cannot start worker thread ", i + 1, " of ", threads, " (", e.what(),
+                      "); the process or user thread limit may be reached — use fewer threads "
+                      "(LoadOptions::threads, --threads or KG_NUM_THREADS)"));
+    }
+  }
+}
+
+ThreadPool::~ThreadPool() { stop_and_join(); }
+
+void ThreadPool::stop_and_join() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  for (auto& t : workers_) t.join();
+  for (auto& t : workers_)
+    if (t.joinable()) t.join();
+  workers_.clear();
 }
 
 ThreadPool& ThreadPool::global() {

@@ -12,7 +12,12 @@ namespace kg::util {
 
 class ThreadPool {
  public:
-  // `threads` workers including the caller (0: one per core).
+  // The most threads a pool may have (LoadOptions::threads, kgraph --threads, KG_NUM_THREADS).
+  static constexpr int kMaxThreads = 256;
+
+  // `threads` workers including the caller (0: KG_NUM_THREADS, else one per core). A count below
+  // 0 or above kMaxThreads is a kg::Error; so is a thread that cannot be started (the workers
+  // already started are stopped and joined first).
   explicit ThreadPool(int threads = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -24,11 +29,17 @@ class ThreadPool {
   void parallel_for(std::int64_t n, std::int64_t grain,
                     const std::function<void(std::int64_t, std::int64_t)>& fn);
 
-  // The process-wide pool.
+  // The process-wide pool (its size from KG_NUM_THREADS, else one per core).
   static ThreadPool& global();
+
+  // The threads of a pool of size 0: KG_NUM_THREADS when set and not empty (a whole number from
+  // 0 to kMaxThreads, 0 meaning one per core; anything else is a kg::Error naming the variable),
+  // else the hardware threads, at most kMaxThreads.
+  static int default_threads();
 
  private:
   void worker_loop(int index);
+  void stop_and_join();
   std::vector<std::thread> workers_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;

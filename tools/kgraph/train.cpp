@@ -4,18 +4,24 @@
 #include "train.hpp"
 #include "validators.hpp"
 
+#include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <vector>
@@ -87,14 +93,39 @@ std::string meta_value(const std::map<std::string, std::string>& meta, const std
   return it->second;
 }
 
+// The largest epoch a checkpoint may claim (an epoch of 2^63-1 would overflow the epoch loop).
+constexpr std::int64_t kMaxCheckpointEpoch = 1'000'000;
+// The largest step count: far beyond a real run, far below overflow.
+constexpr std::int64_t kMaxCheckpointStep = 1'000'000'000'000'000;
+constexpr std::int64_t kMaxCheckpointBatch = 2'147'483'647;
+
+[[noreturn]] void bad_meta(const std::string& path, const std::string& key, const std::string& text,
+                           const std::string& expected) {
+  throw kg::Error(kg::util::cat("checkpoint '", path, "': metadata '", key, "' is '", text, "'; expected ",
+                                expected));
+}
+
+// A whole number in [lo, hi], the whole text (no sign on an unsigned, no trailing characters).
 template <class T>
-T parse_meta(const std::string& text, const std::string& key, const std::string& path) {
-  std::istringstream is(text);
+T parse_meta_int(const std::string& text, const std::string& key, const std::string& path, T lo, T hi) {
   T v{};
-  is >> v;
-  if (!is || !is.eof())
-    throw kg::Error(
-        kg::util::cat("checkpoint '", path, "': metadata '", key, "' is '", text, "', not a number"));
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec != std::errc() || ptr != end || v < lo || v > hi)
+    bad_meta(path, key, text, kg::util::cat("a whole number from ", lo, " to ", hi));
+  return v;
+}
+
+// A finite number in [lo, hi], the whole text.
+double parse_meta_real(const std::string& text, const std::string& key, const std::string& path, double lo,
+                       double hi) {
+  double v = NAN;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec != std::errc() || ptr != end || !std::isfinite(v) || v < lo || v > hi)
+    bad_meta(path, key, text,
+             std::isinf(hi) ? kg::util::cat("a finite number >= ", lo)
+                            : kg::util::cat("a number from ", lo, " to ", hi));
   return v;
 }
 
@@ -117,12 +148,16 @@ Settings resolve(const TrainArgs& a, const std::map<std::string, std::string>* m
           kg::util::cat("checkpoint '", path, "' is of model '", s.model, "', not '", *a.model, "'"));
     s.optimizer = meta_value(*meta, "optimizer", path);
     agree<std::string>("--optimizer", a.optimizer, s.optimizer, path);
-    s.batch = parse_meta<std::int64_t>(meta_value(*meta, "batch_size", path), "batch_size", path);
+    s.batch = parse_meta_int<std::int64_t>(meta_value(*meta, "batch_size", path), "batch_size", path, 1,
+                                             kMaxCheckpointBatch);
     agree("--batch-size", a.batch_size, s.batch, path);
-    s.seed = parse_meta<std::uint64_t>(meta_value(*meta, "seed", path), "seed", path);
+    s.seed = parse_meta_int<std::uint64_t>(meta_value(*meta, "seed", path), "seed", path, 0,
+                                           std::numeric_limits<std::uint64_t>::max());
     agree("--seed", a.seed, s.seed, path);
     const std::string lt = meta_value(*meta, "limit_train", path);
-    if (lt != "all") s.limit_train = parse_meta<std::int64_t>(lt, "limit_train", path);
+    if (lt != "all")
+      s.limit_train = parse_meta_int<std::int64_t>(lt, "limit_train", path, 1,
+                                                   std::numeric_limits<std::int64_t>::max());
     if (a.limit_train && a.limit_train != s.limit_train)
       throw kg::Error(
           kg::util::cat("--limit-train ", *a.limit_train, " disagrees with checkpoint '", path,
@@ -130,11 +165,14 @@ Settings resolve(const TrainArgs& a, const std::map<std::string, std::string>* m
                         s.limit_train ? kg::util::cat("--limit-train ", *s.limit_train) : "all images",
                         "; a resumed run keeps the settings it started with"));
     // The step sizes may change on resume; by default they are the checkpoint's.
-    s.lr = a.lr.value_or(parse_meta<double>(meta_value(*meta, "lr", path), "lr", path));
-    s.weight_decay = a.weight_decay.value_or(
-        parse_meta<double>(meta_value(*meta, "weight_decay", path), "weight_decay", path));
-    s.momentum =
-        a.momentum.value_or(parse_meta<double>(meta_value(*meta, "momentum", path), "momentum", path));
+    // Each is read (and checked) even when a flag overrides it: a damaged checkpoint is named.
+    constexpr double inf = std::numeric_limits<double>::infinity();
+    const double lr = parse_meta_real(meta_value(*meta, "lr", path), "lr", path, 0, inf);
+    const double wd = parse_meta_real(meta_value(*meta, "weight_decay", path), "weight_decay", path, 0, inf);
+    const double mom = parse_meta_real(meta_value(*meta, "momentum", path), "momentum", path, 0, 1);
+    s.lr = a.lr.value_or(lr);
+    s.weight_decay = a.weight_decay.value_or(wd);
+    s.momentum = a.momentum.value_or(mom);
   } else {
     s.model = a.model.value_or(kDefaultModel);
     s.optimizer = a.optimizer.value_or(kDefaultOptimizer);
@@ -213,10 +251,71 @@ class CsvLog {
   std::ofstream f_;
 };
 
-bool have_gnuplot() { return std::system("command -v gnuplot >/dev/null 2>&1") == 0; }
+// The gnuplot program on $PATH ("" when there is none), found without a shell. An empty entry
+// of $PATH is the current folder, as for the shell.
+std::string find_gnuplot() {
+  const char* env = std::getenv("PATH");
+  const std::string path = env ? env : "/usr/local/bin:/usr/bin:/bin";
+  std::size_t begin = 0;
+  for (;;) {
+    const std::size_t end = std::min(path.find(':', begin), path.size());
+    const std::string folder = path.substr(begin, end - begin);
+    const fs::path candidate = fs::path(folder.empty() ? "." : folder) / "gnuplot";
+    std::error_code ec;
+    if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0)
+      return fs::absolute(candidate, ec).string();  // absolute: the child changes folder
+    if (end == path.size()) return {};
+    begin = end + 1;
+  }
+}
+
+// Runs `program script` with `dir` as its working folder, stdin from /dev/null and stdout and
+// stderr to dir/gnuplot.log; no shell is involved, so no character of the folder's name is
+// special. True when it ran and exited 0.
+bool run_in_folder(const std::string& program, const std::string& script, const fs::path& dir,
+                   std::string* problem) {
+  // Everything the child needs is made before fork: the child only makes async-signal-safe calls.
+  const std::string dir_text = dir.string(), log_text = (dir / "gnuplot.log").string();
+  std::string arg0 = "gnuplot", arg1 = script;
+  char* const argv[] = {arg0.data(), arg1.data(), nullptr};
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    *problem = kg::util::cat("cannot start gnuplot: ", std::strerror(errno));
+    return false;
+  }
+  if (pid == 0) {
+    const int in = ::open("/dev/null", O_RDONLY);
+    const int log = ::open(log_text.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (in < 0 || log < 0 || ::dup2(in, STDIN_FILENO) < 0 || ::dup2(log, STDOUT_FILENO) < 0 ||
+        ::dup2(log, STDERR_FILENO) < 0 || ::chdir(dir_text.c_str()) != 0)
+      ::_exit(127);
+    ::execv(program.c_str(), argv);
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) {
+      *problem = kg::util::cat("cannot wait for gnuplot: ", std::strerror(errno));
+      return false;
+    }
+  }
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    *problem = kg::util::cat("gnuplot failed (see ", log_text, ")");
+    return false;
+  }
+  return true;
+}
+
+// A gnuplot single-quoted string: a quote inside is doubled.
+std::string gnuplot_quote(const std::string& text) {
+  std::string q = "'";
+  for (char c : text) q += c == '\'' ? std::string("''") : std::string(1, c);
+  return q + "'";
+}
 
 // Training and test loss (top) and test accuracy (bottom) per epoch, from epochs.csv.
-bool write_plot(const fs::path& dir, std::int64_t epochs, const std::string& title, std::string* problem) {
+bool write_plot(const std::string& gnuplot, const fs::path& dir, std::int64_t epochs, const std::string& title,
+                std::string* problem) {
   const fs::path script = dir / "plot.gp";
   {
     std::ofstream g(script, std::ios::trunc);
@@ -230,7 +329,7 @@ bool write_plot(const fs::path& dir, std::int64_t epochs, const std::string& tit
       << "set xtics 1\n"
       << "set grid\n"
       << "set lmargin 10\n"
-      << "set multiplot layout 2,1 title '" << title << "'\n"
+      << "set multiplot layout 2,1 title " << gnuplot_quote(title) << "\n"
       << "set ylabel 'loss'\n"
       << "plot 'epochs.csv' using 1:3 with linespoints lw 2 title 'training loss', \\\n"
       << "     'epochs.csv' using 1:4 with linespoints lw 2 title 'test loss'\n"
@@ -244,12 +343,7 @@ bool write_plot(const fs::path& dir, std::int64_t epochs, const std::string& tit
       return false;
     }
   }
-  const std::string cmd = kg::util::cat("cd '", dir.string(), "' && gnuplot plot.gp > gnuplot.log 2>&1");
-  if (std::system(cmd.c_str()) != 0) {
-    *problem = kg::util::cat("gnuplot failed (see ", (dir / "gnuplot.log").string(), ")");
-    return false;
-  }
-  return true;
+  return run_in_folder(gnuplot, "plot.gp", dir, problem);
 }
 
 struct EvalResult {
@@ -376,8 +470,10 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
        "--seed", [&a](const std::uint64_t& v) { a.seed = v; },
        "Seed of the shuffling and the parameter initialisation (default 0)")
       ->option_text("S");
-  t->add_option("--threads", a.threads, "CPU worker threads (default 0: one per core)")
-      ->check(CLI::NonNegativeNumber)
+  t->add_option("--threads", a.threads,
+                "CPU worker threads, at most " + std::to_string(kg::util::ThreadPool::kMaxThreads) +
+                    " (default 0: $KG_NUM_THREADS, else one per core)")
+      ->check(kgraph_cli::thread_count)
       ->option_text("N");
   t->add_flag("--checked", a.checked,
               "Checked mode: every kernel's writes verified, forward and backward (slow; finds a broken op)");
@@ -410,8 +506,10 @@ void train(const TrainArgs& args, std::ostream& out) {
     if (!fs::is_regular_file(args.resume))
       throw kg::Error(kg::util::cat("checkpoint '", args.resume, "' does not exist"));
     kg::read_safetensors(args.resume, &meta);
-    done_epochs = parse_meta<std::int64_t>(meta_value(meta, "epoch", args.resume), "epoch", args.resume);
-    global_step = parse_meta<std::int64_t>(meta_value(meta, "step", args.resume), "step", args.resume);
+    done_epochs = parse_meta_int<std::int64_t>(meta_value(meta, "epoch", args.resume), "epoch", args.resume,
+                                               0, kMaxCheckpointEpoch);
+    global_step = parse_meta_int<std::int64_t>(meta_value(meta, "step", args.resume), "step", args.resume,
+                                               0, kMaxCheckpointStep);
   }
   const Settings s = resolve(args, args.resume.empty() ? nullptr : &meta);
   const kg::Device device = kg::Device::parse(args.device);
@@ -481,7 +579,8 @@ void train(const TrainArgs& args, std::ostream& out) {
     throw kg::Error(kg::util::cat("cannot create the output folder '", dir.string(), "'"));
   CsvLog log(dir / "log.csv", kLogHeader, done_epochs);
   CsvLog epochs_log(dir / "epochs.csv", kEpochsHeader, done_epochs);
-  const bool gnuplot = have_gnuplot();
+  const std::string gnuplot_program = find_gnuplot();
+  const bool gnuplot = !gnuplot_program.empty();
 
   const std::string opt_text =
       s.optimizer == "sgd"
@@ -556,7 +655,8 @@ void train(const TrainArgs& args, std::ostream& out) {
                                       {"test_accuracy", fixed(last.accuracy, 4)}});
     if (gnuplot) {
       std::string problem;
-      if (!write_plot(dir, args.epochs, kg::util::cat(s.model, " on Fashion-MNIST"), &problem))
+      if (!write_plot(gnuplot_program, dir, args.epochs, kg::util::cat(s.model, " on Fashion-MNIST"),
+                      &problem))
         out << "note: no plot: " << problem << "\n";
     }
   }
