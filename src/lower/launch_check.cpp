@@ -115,13 +115,29 @@ void check_block(const compile::PtxEntry& entry, Dim3 block, const std::string& 
   }
 }
 
-void check_grid(Dim3 grid, const std::vector<std::int64_t>& output_shape, const std::string& label,
-                int launch) {
+void check_grid(Dim3 grid, const std::vector<std::int64_t>& output_shape, const std::string& label, int launch,
+                const std::string& kernel) {
+  const std::string output = output_shape.empty() ? "" : " for output " + sizes_to_string(output_shape);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0)
-    throw Error(util::cat(label, " grid", launch ? util::cat(" (launch ", launch, ")") : "", " ",
-                          dim3_str(grid), " has a zero dimension",
-                          output_shape.empty() ? "" : " for output " + sizes_to_string(output_shape),
-                          "; nothing would run"));
+    throw Error(util::cat(label, " grid", launch ? util::cat(" (launch ", launch, ")") : "", " ", dim3_str(grid),
+                          " has a zero dimension", output, "; nothing would run"));
+  auto over = [&](const char* axis, unsigned v, unsigned long long limit) {
+    if (v > limit)
+      throw Error(util::cat(label, " launch ", launch, kernel.empty() ? "" : " of kernel '" + kernel + "'",
+                            ": grid ", dim3_str(grid), output, " has gridDim.", axis, " = ", v,
+                            ", over CUDA's limit of ", limit,
+                            "; cover the work with a grid-stride loop or split it into several launches"));
+  };
+  over("x", grid.x, kMaxGridX);
+  over("y", grid.y, kMaxGridYZ);
+  over("z", grid.z, kMaxGridYZ);
+}
+
+void check_shared(std::size_t shared_bytes, const std::string& label, int launch, const std::string& kernel) {
+  if (shared_bytes > kMaxDynamicSharedBytes)
+    throw Error(util::cat(label, " launch ", launch, kernel.empty() ? "" : " of kernel '" + kernel + "'",
+                          ": dynamic shared memory of ", shared_bytes, " bytes is over the limit of ",
+                          kMaxDynamicSharedBytes, " bytes (227 KiB) per block"));
 }
 
 const std::vector<compile::KernelSignature>& source_kernels(const std::string& source) {
@@ -201,11 +217,15 @@ void check_launch(const compile::KernelSignature& kernel, const Launch& launch, 
                   int index, const std::string& what) {
   const std::string where =
       util::cat(what.empty() ? "" : " " + what, " launch ", index, " of kernel '", kernel.name, "'");
-  check_grid(launch.grid, {}, label + (what.empty() ? "" : " " + what), index);
+  check_grid(launch.grid, {}, label + (what.empty() ? "" : " " + what), index, kernel.name);
+  check_shared(launch.shared_bytes, label + (what.empty() ? "" : " " + what), index, kernel.name);
   const unsigned long long threads = 1ull * launch.block.x * launch.block.y * launch.block.z;
   if (threads == 0 || threads > 1024)
     throw Error(util::cat(label, where, ": block ", dim3_str(launch.block), " has ", threads,
                           " threads; a block has 1 to 1024"));
+  if (launch.block.x > 1024 || launch.block.y > 1024 || launch.block.z > 64)
+    throw Error(util::cat(label, where, ": block ", dim3_str(launch.block),
+                          " is over CUDA's limits of 1024 (x), 1024 (y) and 64 (z) threads"));
   if (!kernel.launch_bounds.empty()) {
     char* end = nullptr;
     const unsigned long long bound = std::strtoull(kernel.launch_bounds.c_str(), &end, 0);

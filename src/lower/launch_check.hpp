@@ -39,8 +39,8 @@ const compile::KernelSignature& resolve_source_entry(const std::vector<compile::
                                                      const std::string& entry, const std::string& label,
                                                      const std::string& what);
 
-// One launch against the kernel's CUDA signature, on any device: grid (no zero dimension), block
-// (1 to 1024 threads, within __launch_bounds__ where that is a number), and every argument's
+// One launch against the kernel's CUDA signature, on any device: grid (no zero dimension, within
+// CUDA's limits), dynamic shared memory, block (1 to 1024 threads, x and y up to 1024, z up to 64, within __launch_bounds__ where that is a number), and every argument's
 // count, width and kind (pointer, integer, float), naming the parameter and its C++ type.
 // `index` numbers the launch in messages; `what` is "" for the forward, "backward" for the
 // backward.
@@ -50,8 +50,20 @@ void check_launch(const compile::KernelSignature& kernel, const Launch& launch, 
 // `err` with "[op @ node]" in front, unless its message already starts with it.
 Error labelled(const std::string& label, const Error& err);
 
-// A grid with a zero dimension launches nothing: an error.
+// CUDA's launch limits: grid x up to 2^31 - 1 blocks, y and z up to 65535; a block of 1 to
+// 1024 threads (x, y up to 1024, z up to 64); dynamic shared memory up to 227 KiB per block (the
+// most any supported GPU allows once the runtime raises the 48 KiB default, sm_90's opt-in limit).
+inline constexpr unsigned long long kMaxGridX = 2147483647ull;
+inline constexpr unsigned long long kMaxGridYZ = 65535ull;
+inline constexpr std::size_t kMaxDynamicSharedBytes = 227 * 1024;
+
+// A grid with a zero dimension launches nothing, and one over CUDA's limits (kMaxGridX,
+// kMaxGridYZ) cannot be launched: an error naming `kernel` when given.
 void check_grid(Dim3 grid, const std::vector<std::int64_t>& output_shape, const std::string& label,
-                int launch = 0);
+                int launch = 0, const std::string& kernel = "");
+
+// The dynamic shared memory of one launch against kMaxDynamicSharedBytes.
+void check_shared(std::size_t shared_bytes, const std::string& label, int launch = 0,
+                  const std::string& kernel = "");
 
 }  // namespace kg::lower

@@ -62,7 +62,8 @@ std::vector<CheckedLaunch> check_launches(const KernelModule& m, std::vector<Lau
       c.entry = sig.name;
       names = sig.param_names;
     } else {
-      check_grid(c.launch.grid, {}, label + where, index);
+      check_grid(c.launch.grid, {}, label + where, index, entry);
+      check_shared(c.launch.shared_bytes, label + where, index, entry);
       c.entry = entry;
     }
     if (!m.ptx.empty()) {
@@ -120,6 +121,8 @@ LaunchPlan size_launches(const Graph& graph, const LoweredGraph& lowered, plan::
     }
     lp.steps.push_back(std::move(sl));
   }
+  // This arena is a GPU's or a dry run's, not the host's: no host memory check.
+  const plan::ArenaNotOnHost not_on_host;
   auto offsets = plan::place_in_arena(
       plan, graph, [&](int id) { return plan.values[static_cast<std::size_t>(id)].bytes(); }, scratch_reqs);
   for (std::size_t i = 0; i < offsets.size(); ++i) lp.steps[scratch_step[i]].scratch_offset = offsets[i];

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kg/error.hpp"
+#include "util/memory.hpp"
 #include "util/str.hpp"
 
 namespace kg::plan {
@@ -52,6 +53,8 @@ Plan build_plan(const Graph& graph, const std::vector<int>& live, const std::vec
     v.shape = bound.node_shapes[static_cast<std::size_t>(id)];
     v.dtype = n.dtype;
     v.root = id;
+    // Every size below (v.bytes()) is then known to fit in 63 bits.
+    (void)checked_bytes(v.shape, v.dtype, n.label() + " output");
     if (n.kind == Node::Kind::Input) {
       v.input_index =
           static_cast<int>(std::find(graph.inputs().begin(), graph.inputs().end(), id) - graph.inputs().begin());
@@ -94,6 +97,7 @@ Plan build_plan(const Graph& graph, const std::vector<int>& live, const std::vec
     s.node = id;
     s.specs = n.params;
     for (const auto& p : n.params) {
+      (void)checked_bytes(p.shape, p.dtype, util::cat(n.label(), " parameter '", p.name, "'"));
       Tensor t = Tensor::empty(p.dtype, p.shape);
       init_param(t, p, n, rng);
       plan.memory.param_bytes += t.nbytes();
@@ -104,9 +108,30 @@ Plan build_plan(const Graph& graph, const std::vector<int>& live, const std::vec
   return plan;
 }
 
+namespace {
+
+// The plan's peak against the memory this process can have, before the arena is allocated.
+void check_host_memory(const Plan& plan, const Graph& graph) {
+  if (util::memory_check_disabled()) return;
+  const auto avail = util::available_memory();
+  if (!avail || plan.memory.peak_bytes <= avail->bytes) return;
+  std::vector<std::string> inputs;
+  for (int id : graph.inputs()) {
+    const auto& v = plan.values[static_cast<std::size_t>(id)];
+    inputs.push_back(util::cat("'", graph.node(id).name, "' ", sizes_to_string(v.shape)));
+  }
+  throw Error(util::cat("the memory plan for input", inputs.size() == 1 ? " " : "s ", util::join(inputs, ", "),
+                        " needs ", plan.memory.peak_bytes, " bytes (", util::format_bytes(plan.memory.peak_bytes),
+                        ": activations ", plan.memory.arena_bytes, ", parameters ", plan.memory.param_bytes,
+                        ", outputs ", plan.memory.peak_bytes - plan.memory.arena_bytes - plan.memory.param_bytes,
+                        ") but ", avail->bytes, " bytes (", util::format_bytes(avail->bytes), ") are available (",
+                        avail->source, "); use a smaller batch, or set KG_NO_MEMORY_CHECK=1 to allocate anyway"));
+}
+
+}  // namespace
+
 std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const std::function<std::size_t(int)>& bytes_of,
                                         const std::vector<BufferRequest>& extra) {
-  (void)graph;
   std::vector<BufferRequest> reqs;
   std::vector<int> req_node;
   for (int id : plan.live) {
@@ -140,9 +165,15 @@ std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const st
   plan.memory.arena_bytes = placement.arena_bytes;
   plan.memory.unshared_bytes = placement.unshared_bytes;
   plan.memory.buffers = static_cast<int>(reqs.size());
+  auto sum = [&](std::size_t a, std::size_t b) {
+    const auto r = util::checked_add(a, b);
+    if (!r) throw Error(util::cat("memory plan: the peak (", a, " + ", b, " bytes) overflows 64 bits"));
+    return static_cast<std::size_t>(*r);
+  };
   std::size_t out_bytes = 0;
-  for (int o : plan.outputs) out_bytes += plan.values[static_cast<std::size_t>(o)].bytes();
-  plan.memory.peak_bytes = plan.memory.arena_bytes + plan.memory.param_bytes + out_bytes;
+  for (int o : plan.outputs) out_bytes = sum(out_bytes, plan.values[static_cast<std::size_t>(o)].bytes());
+  plan.memory.peak_bytes = sum(sum(plan.memory.arena_bytes, plan.memory.param_bytes), out_bytes);
+  if (!ArenaNotOnHost::active()) check_host_memory(plan, graph);
   return std::vector<std::size_t>(placement.offsets.begin() + static_cast<std::ptrdiff_t>(n_values),
                                   placement.offsets.begin() + static_cast<std::ptrdiff_t>(n_before_training));
 }
