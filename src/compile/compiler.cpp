@@ -1,9 +1,16 @@
 #include "compile/compiler.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <iostream>
 #include <mutex>
 #include <sstream>
 
@@ -30,38 +37,136 @@ std::string content_hash(const std::string& text) {
 
 namespace {
 
-fs::path default_cache_dir() {
+std::uint64_t fnv1a64(const char* p, std::size_t n) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(p[i])) * 0x100000001b3ull;
+  return h;
+}
+
+// "\n// kg-cache-seal v1 size=<20 digits> fnv1a64=<16 hex digits>\n": a fixed length, at the end.
+constexpr const char* kSealHead = "\n// kg-cache-seal v1 size=";
+constexpr const char* kSealMid = " fnv1a64=";
+constexpr std::size_t kSealHeadLen = std::char_traits<char>::length(kSealHead),
+                      kSealMidLen = std::char_traits<char>::length(kSealMid),
+                      kSealLen = kSealHeadLen + 20 + kSealMidLen + 16 + 1;
+
+}  // namespace
+
+std::string seal_cache_file(const std::string& bytes) {
+  char tail[kSealLen + 1];
+  std::snprintf(tail, sizeof tail, "%s%020llu%s%016llx\n", kSealHead,
+                static_cast<unsigned long long>(bytes.size()), kSealMid, static_cast<unsigned long long>(fnv1a64(bytes.data(), bytes.size())));
+  return bytes + std::string(tail, kSealLen);
+}
+
+std::optional<std::string> unseal_cache_file(const std::string& file) {
+  if (file.size() < kSealLen) return std::nullopt;
+  const std::size_t n = file.size() - kSealLen;
+  const char* t = file.data() + n;
+  if (std::memcmp(t, kSealHead, kSealHeadLen) != 0 ||
+      std::memcmp(t + kSealHeadLen + 20, kSealMid, kSealMidLen) != 0 || t[kSealLen - 1] != '\n')
+    return std::nullopt;
+  unsigned long long size = 0, hash = 0;
+  for (std::size_t i = 0; i < 20; ++i) {
+    const char c = t[kSealHeadLen + i];
+    if (c < '0' || c > '9') return std::nullopt;
+    size = size * 10 + static_cast<unsigned long long>(c - '0');
+  }
+  for (std::size_t i = 0; i < 16; ++i) {
+    const char c = t[kSealHeadLen + 20 + kSealMidLen + i];
+    const int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (d < 0) return std::nullopt;
+    hash = hash << 4 | static_cast<unsigned long long>(d);
+  }
+  if (size != n || hash != fnv1a64(file.data(), n)) return std::nullopt;
+  return file.substr(0, n);
+}
+
+bool read_cache_file(const fs::path& p, std::string& out) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return false;
+  struct stat st {};
+  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  std::string text;
+  char buf[65536];
+  while (ok) {
+    const ssize_t got = ::read(fd, buf, sizeof buf);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) ok = false;
+    if (got <= 0) break;
+    text.append(buf, static_cast<std::size_t>(got));
+  }
+  ::close(fd);
+  if (ok) out = std::move(text);
+  return ok;
+}
+
+bool private_cache_dir(const fs::path& dir, std::string& why) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    why = util::cat("it cannot be created: ", std::strerror(errno));
+    return false;
+  }
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) {
+    why = util::cat("it cannot be read: ", std::strerror(errno));
+    return false;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    why = S_ISLNK(st.st_mode) ? "it is a symbolic link, not a folder" : "it is not a folder";
+    return false;
+  }
+  if (st.st_uid != ::geteuid()) {
+    why = util::cat("it is owned by uid ", st.st_uid, ", not by this user (uid ", ::geteuid(), ")");
+    return false;
+  }
+  if ((st.st_mode & 022) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    why = util::cat("it is writable by group or others (mode ", mode, ")");
+    return false;
+  }
+  return true;
+}
+
+fs::path Compiler::default_cache_dir() {
   if (const char* d = std::getenv("KG_CACHE_DIR"); d && *d) return d;
   if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return fs::path(x) / "kernelgraph";
   if (const char* h = std::getenv("HOME"); h && *h) return fs::path(h) / ".cache" / "kernelgraph";
-  return fs::temp_directory_path() / "kernelgraph-cache";
+  // A folder every local user can reach: one per user, and only when nobody else can write to it
+  // (the CUDA emulator loads shared objects from it).
+  std::error_code ec;
+  fs::path tmp = fs::temp_directory_path(ec);
+  if (ec) tmp = "/tmp";
+  const fs::path dir = tmp / util::cat("kernelgraph-cache-", ::geteuid());
+  std::string why;
+  if (private_cache_dir(dir, why)) return dir;
+  static std::atomic<bool> told{false};
+  if (!told.exchange(true))
+    std::cerr << "kernelgraph: not using the cache folder " << dir.string() << ": " << why
+              << "; compiled kernels are not cached on disk\n";
+  return {};
 }
 
-bool read_file(const fs::path& p, std::string& out) {
-  std::ifstream f(p, std::ios::binary);
-  if (!f) return false;
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  out = ss.str();
-  return true;
-}
+namespace {
 
 // Writes through a temporary file and rename, so a concurrent reader never sees a torn file.
 // (Unused in a build without NVRTC.)
 [[maybe_unused]] void write_atomic(const fs::path& p, const std::string& text) {
   fs::path tmp = p;
   tmp += util::cat(".tmp.", ::getpid(), ".", std::hash<std::string>{}(text) & 0xffff);
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) return;  // an unwritable cache only costs time
-    f << text;
-    if (!f.good()) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      return;
-    }
-  }
+  // Every write, the flush, the fsync and the close are checked before the rename: a full disk
+  // must not rename a truncated file over a good one (an unwritable cache only costs time).
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) return;
+  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  ok = std::fflush(f) == 0 && ok;
+  ok = ::fsync(::fileno(f)) == 0 && ok;
+  ok = std::fclose(f) == 0 && ok;
   std::error_code ec;
+  if (!ok) {
+    fs::remove(tmp, ec);
+    return;
+  }
   fs::rename(tmp, p, ec);
   if (ec) fs::remove(tmp, ec);
 }
@@ -69,7 +174,7 @@ bool read_file(const fs::path& p, std::string& out) {
 }  // namespace
 
 Compiler& Compiler::global() {
-  static Compiler c(default_cache_dir());
+  static Compiler c(Compiler::default_cache_dir());
   return c;
 }
 
@@ -132,10 +237,18 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
       return r;
     }
   }
-  const fs::path ptx_path = dir_ / (r.key + ".ptx");
-  if (read_file(ptx_path, r.ptx) && looks_like_ptx(r.ptx)) {
-    r.from_disk = true;
-  } else {
+  const fs::path ptx_path = dir_.empty() ? fs::path() : dir_ / (r.key + ".ptx");
+  std::string cached;
+  if (!dir_.empty() && read_cache_file(ptx_path, cached)) {
+    if (auto ptx = unseal_cache_file(cached); ptx && looks_like_ptx(*ptx)) {
+      r.ptx = std::move(*ptx);
+      r.from_disk = true;
+    } else {
+      std::error_code ec;
+      fs::remove(ptx_path, ec);  // cut short, damaged or from an older version: compiled again
+    }
+  }
+  if (!r.from_disk) {
 #ifdef KG_HAVE_NVRTC
     std::vector<const char*> hdr_src, hdr_names;
     for (const auto& [hname, htext] : helper_headers()) {
@@ -165,10 +278,12 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
     nv.nvrtcGetPTX(prog, r.ptx.data());
     nv.nvrtcDestroyProgram(&prog);
     while (!r.ptx.empty() && r.ptx.back() == '\0') r.ptx.pop_back();
-    std::error_code ec;
-    fs::create_directories(dir_, ec);
-    write_atomic(dir_ / (r.key + ".cu"), source);
-    write_atomic(ptx_path, r.ptx);
+    if (!dir_.empty()) {
+      std::error_code ec;
+      fs::create_directories(dir_, ec);
+      write_atomic(dir_ / (r.key + ".cu"), source);
+      write_atomic(ptx_path, seal_cache_file(r.ptx));
+    }
 #endif
   }
   std::lock_guard<std::mutex> lk(mu_);

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,10 +20,14 @@ struct CompileResult {
 
 class Compiler {
  public:
-  // The process-wide compiler (cache directory from KG_CACHE_DIR, else
-  // $XDG_CACHE_HOME/kernelgraph, else ~/.cache/kernelgraph).
+  // The process-wide compiler, caching in default_cache_dir().
   static Compiler& global();
+  // `cache_dir` empty: no disk cache (compiles are cached in memory only).
   explicit Compiler(std::filesystem::path cache_dir);
+  // KG_CACHE_DIR, else $XDG_CACHE_HOME/kernelgraph, else ~/.cache/kernelgraph, else the per-user
+  // $TMPDIR/kernelgraph-cache-<uid> (created 0700). That last one is refused, with a note on
+  // stderr once, when private_cache_dir() says no: the result is then empty (no disk cache).
+  static std::filesystem::path default_cache_dir();
 
   // True when this build has the CUDA path and libnvrtc could be opened (it is loaded at run
   // time, on the first call; see compile/nvrtc_loader.hpp for where it is looked for).
@@ -40,6 +45,7 @@ class Compiler {
   CompileResult compile(const std::string& name, const std::string& source, int arch,
                         const std::vector<std::string>& extra_options = {});
 
+  // The disk cache's folder; empty when there is none.
   const std::filesystem::path& cache_dir() const { return dir_; }
   // Drops the in-process cache (the disk cache stays).
   void clear_memory_cache();
@@ -52,5 +58,22 @@ class Compiler {
 
 // A stable 128-bit hex digest of `text` (two FNV-1a 64 lanes).
 std::string content_hash(const std::string& text);
+
+// Cache files (PTX here, shared objects of the CUDA emulator) end in a trailer line with the size
+// and the 64-bit FNV-1a hash of the bytes before it, so that a file cut short or damaged is
+// dropped and rebuilt rather than served. A trailer at the end (rather than a header) keeps a PTX
+// file valid PTX (it is a `//` comment) and a shared object loadable (the loader ignores bytes past
+// the ELF's last section). The hash guards against accidents, not against someone who can write
+// the folder: that is what private_cache_dir() is for.
+std::string seal_cache_file(const std::string& bytes);
+// The bytes of a sealed file, or nullopt when the trailer is missing or does not match them.
+std::optional<std::string> unseal_cache_file(const std::string& file);
+// Reads a cache file, opened with O_NOFOLLOW: false when it is missing, a symbolic link or not a
+// regular file.
+bool read_cache_file(const std::filesystem::path& p, std::string& out);
+// Creates `dir` (mode 0700) when it is missing, and says whether it is safe to keep files in that
+// are later loaded as code: a folder (not a symbolic link) owned by this user and not writable by
+// group or others. `why` gets the reason when it is not.
+bool private_cache_dir(const std::filesystem::path& dir, std::string& why);
 
 }  // namespace kg::compile

@@ -1,13 +1,63 @@
 #include "compile/ptx.hpp"
 
+#include <algorithm>
 #include <cctype>
-#include <regex>
+#include <cstdint>
+#include <limits>
 
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
 namespace kg::compile {
 namespace {
+
+// PTX and CUDA text is read with small scanners rather than std::regex: libstdc++'s regex
+// recurses once per character matched by `\s+` or `.*`, so a long whitespace run in a file from
+// the cache or the user overflowed the stack. Each scanner below moves forward only.
+
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r'; }
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+bool is_word(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+bool is_ptx_ident_start(char c) {
+  return std::isalpha(static_cast<unsigned char>(c)) || c == '_' || c == '$';
+}
+bool is_ptx_ident(char c) { return is_word(c) || c == '$'; }
+
+std::size_t skip_spaces(const std::string& s, std::size_t i) {
+  while (i < s.size() && is_space(s[i])) ++i;
+  return i;
+}
+
+// Past one or more spaces at `i`, or npos when there is none.
+std::size_t skip_some_spaces(const std::string& s, std::size_t i) {
+  const std::size_t j = skip_spaces(s, i);
+  return j == i ? std::string::npos : j;
+}
+
+bool starts_with_at(const std::string& s, std::size_t i, const char* word) {
+  return s.compare(i, std::char_traits<char>::length(word), word) == 0;
+}
+
+// The run of characters satisfying `pred` at `i` (empty when none).
+template <class Pred> std::string run_at(const std::string& s, std::size_t i, Pred pred) {
+  std::size_t j = i;
+  while (j < s.size() && pred(s[j])) ++j;
+  return s.substr(i, j - i);
+}
+
+// A decimal number of a PTX directive, checked against `max`: `what` names it in the error.
+std::uint64_t checked_number(const std::string& digits, std::uint64_t max, const std::string& entry,
+                             const std::string& what) {
+  std::uint64_t v = 0;
+  for (char c : digits) {
+    const auto d = static_cast<std::uint64_t>(c - '0');
+    if (v > (max - d) / 10)
+      throw Error(util::cat("PTX entry '", entry, "': ", what, " ", digits, " is out of range (at most ", max,
+                            ")"));
+    v = v * 10 + d;
+  }
+  return v;
+}
 
 std::size_t type_bytes(const std::string& t) {
   if (t == ".u8" || t == ".s8" || t == ".b8") return 1;
@@ -17,15 +67,85 @@ std::size_t type_bytes(const std::string& t) {
   return 0;
 }
 
-std::optional<Dim3> parse_ntid(const std::string& header, const std::string& directive) {
-  std::regex re("\\" + directive + "\\s+(\\d+)(?:\\s*,\\s*(\\d+))?(?:\\s*,\\s*(\\d+))?");
-  std::smatch m;
-  if (!std::regex_search(header, m, re)) return std::nullopt;
-  Dim3 d;
-  d.x = static_cast<unsigned>(std::stoul(m[1].str()));
-  if (m[2].matched) d.y = static_cast<unsigned>(std::stoul(m[2].str()));
-  if (m[3].matched) d.z = static_cast<unsigned>(std::stoul(m[3].str()));
-  return d;
+// `directive N[, N[, N]]` (the first such in `header`), each count at most 2^32 - 1.
+std::optional<Dim3> parse_ntid(const std::string& header, const std::string& directive,
+                               const std::string& entry) {
+  constexpr std::uint64_t kMax = std::numeric_limits<unsigned>::max();
+  for (std::size_t at = header.find(directive); at != std::string::npos;
+       at = header.find(directive, at + 1)) {
+    std::size_t i = skip_some_spaces(header, at + directive.size());
+    if (i == std::string::npos || i >= header.size() || !is_digit(header[i])) continue;
+    std::vector<std::string> nums{run_at(header, i, is_digit)};
+    i += nums.back().size();
+    while (nums.size() < 3) {
+      const std::size_t comma = skip_spaces(header, i);
+      if (comma >= header.size() || header[comma] != ',') break;
+      const std::size_t n = skip_spaces(header, comma + 1);
+      if (n >= header.size() || !is_digit(header[n])) break;
+      nums.push_back(run_at(header, n, is_digit));
+      i = n + nums.back().size();
+    }
+    Dim3 d;
+    d.x = static_cast<unsigned>(checked_number(nums[0], kMax, entry, directive));
+    if (nums.size() > 1) d.y = static_cast<unsigned>(checked_number(nums[1], kMax, entry, directive));
+    if (nums.size() > 2) d.z = static_cast<unsigned>(checked_number(nums[2], kMax, entry, directive));
+    return d;
+  }
+  return std::nullopt;
+}
+
+// One `.param [.align N] .type [.ptr [.space] [.align N]] name[[count]]` starting at plist[at]
+// (which holds ".param"); false when the text there is not one. `end` gets the position after it.
+bool parse_param(const std::string& plist, std::size_t at, const std::string& entry, PtxParam& prm,
+                 std::size_t& end) {
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint32_t>::max();
+  std::size_t i = skip_some_spaces(plist, at + 6);
+  if (i == std::string::npos) return false;
+  std::string align;
+  if (starts_with_at(plist, i, ".align")) {
+    i = skip_some_spaces(plist, i + 6);
+    if (i == std::string::npos || i >= plist.size() || !is_digit(plist[i])) return false;
+    align = run_at(plist, i, is_digit);
+    i = skip_some_spaces(plist, i + align.size());
+    if (i == std::string::npos) return false;
+  }
+  if (i >= plist.size() || plist[i] != '.') return false;
+  const auto lower_or_digit = [](char c) { return std::islower(static_cast<unsigned char>(c)) || is_digit(c); };
+  const std::string type = "." + run_at(plist, i + 1, lower_or_digit);
+  if (type.size() == 1) return false;
+  i = skip_some_spaces(plist, i + type.size());
+  if (i == std::string::npos) return false;
+  if (starts_with_at(plist, i, ".ptr")) {  // a pointer's state space and alignment: not the param's
+    i = skip_some_spaces(plist, i + 4);
+    if (i == std::string::npos) return false;
+    if (i < plist.size() && plist[i] == '.' && !starts_with_at(plist, i, ".align")) {
+      i += 1 + run_at(plist, i + 1, is_word).size();
+      if ((i = skip_some_spaces(plist, i)) == std::string::npos) return false;
+    }
+    if (starts_with_at(plist, i, ".align")) {
+      i = skip_some_spaces(plist, i + 6);
+      if (i == std::string::npos) return false;
+      i += run_at(plist, i, is_digit).size();
+      if ((i = skip_some_spaces(plist, i)) == std::string::npos) return false;
+    }
+  }
+  if (i >= plist.size() || !is_ptx_ident_start(plist[i])) return false;
+  prm.type = type;
+  prm.ptx_name = run_at(plist, i, is_ptx_ident);
+  i += prm.ptx_name.size();
+  std::uint64_t count = 1;
+  if (i < plist.size() && plist[i] == '[') {
+    const std::string digits = run_at(plist, i + 1, is_digit);
+    if (!digits.empty() && i + 1 + digits.size() < plist.size() && plist[i + 1 + digits.size()] == ']') {
+      count = checked_number(digits, kMax, entry, util::cat("the element count of parameter ", prm.ptx_name));
+      i += digits.size() + 2;
+    }
+  }
+  prm.bytes = type_bytes(prm.type) * static_cast<std::size_t>(count);
+  prm.align = align.empty() ? type_bytes(prm.type)
+                            : static_cast<std::size_t>(checked_number(align, kMax, entry, ".align"));
+  end = i;
+  return true;
 }
 
 }  // namespace
@@ -36,41 +156,58 @@ bool looks_like_ptx(const std::string& text) {
 }
 
 std::string ptx_target(const std::string& ptx) {
-  std::smatch m;
-  if (std::regex_search(ptx, m, std::regex("\\.target\\s+([A-Za-z0-9_]+)"))) return m[1].str();
+  for (std::size_t at = ptx.find(".target"); at != std::string::npos; at = ptx.find(".target", at + 1)) {
+    const std::size_t i = skip_some_spaces(ptx, at + 7);
+    if (i == std::string::npos) continue;
+    std::string t = run_at(ptx, i, is_word);
+    if (!t.empty()) return t;
+  }
   return {};
 }
 
 std::vector<PtxEntry> parse_ptx_entries(const std::string& ptx) {
   if (!looks_like_ptx(ptx)) throw Error("not PTX text (no .version/.target directives)");
   std::vector<PtxEntry> out;
-  static const std::regex entry_re("(\\.visible\\s+|\\.weak\\s+)?\\.entry\\s+([A-Za-z_$][A-Za-z0-9_$]*)\\s*\\(");
-  static const std::regex param_re(
-      "\\.param\\s+(?:\\.align\\s+(\\d+)\\s+)?(\\.[a-z0-9]+)\\s+(?:\\.ptr\\s+[^ ]+\\s+)*([A-Za-z_$][A-Za-z0-9_$]*)"
-      "(?:\\[(\\d+)\\])?");
-  auto begin = std::sregex_iterator(ptx.begin(), ptx.end(), entry_re);
-  for (auto it = begin; it != std::sregex_iterator(); ++it) {
+  // `[.visible|.weak] .entry name (`; the parameter list runs to the next ')', the header (with
+  // the thread-count directives) from there to the body's '{'.
+  for (std::size_t at = ptx.find(".entry"); at != std::string::npos; at = ptx.find(".entry", at + 1)) {
+    std::size_t i = skip_some_spaces(ptx, at + 6);
+    if (i == std::string::npos || i >= ptx.size() || !is_ptx_ident_start(ptx[i])) continue;
     PtxEntry e;
-    e.visible = (*it)[1].matched && (*it)[1].str().find("visible") != std::string::npos;
-    e.name = (*it)[2].str();
-    std::size_t open = static_cast<std::size_t>(it->position(0) + it->length(0));
-    std::size_t close = ptx.find(')', open);
+    e.name = run_at(ptx, i, is_ptx_ident);
+    i = skip_spaces(ptx, i + e.name.size());
+    if (i >= ptx.size() || ptx[i] != '(') continue;
+    std::size_t before = at;
+    while (before > 0 && is_space(ptx[before - 1])) --before;
+    e.visible = before < at && before >= 8 && ptx.compare(before - 8, 8, ".visible") == 0;
+    // Searched only up to the next entry, so that each part of the text is read once.
+    const std::size_t open = i + 1;
+    const std::size_t next = std::min(ptx.find(".entry", open), ptx.size());
+    const auto find_before_next = [&](char c, std::size_t from) {
+      const auto it = std::find(ptx.begin() + static_cast<std::ptrdiff_t>(from),
+                                ptx.begin() + static_cast<std::ptrdiff_t>(next), c);
+      const auto at_it = static_cast<std::size_t>(it - ptx.begin());
+      return at_it == next ? std::string::npos : at_it;
+    };
+    const std::size_t close = find_before_next(')', open);
     if (close == std::string::npos) throw Error("PTX entry '" + e.name + "' has no closing ')'");
-    std::string plist = ptx.substr(open, close - open);
-    for (auto p = std::sregex_iterator(plist.begin(), plist.end(), param_re); p != std::sregex_iterator(); ++p) {
+    const std::string plist = ptx.substr(open, close - open);
+    for (std::size_t p = plist.find(".param"); p != std::string::npos;) {
       PtxParam prm;
-      prm.type = (*p)[2].str();
-      prm.ptx_name = (*p)[3].str();
-      std::size_t count = (*p)[4].matched ? std::stoul((*p)[4].str()) : 1;
-      prm.bytes = type_bytes(prm.type) * count;
-      prm.align = (*p)[1].matched ? std::stoul((*p)[1].str()) : type_bytes(prm.type);
-      e.params.push_back(prm);
+      std::size_t end = 0;
+      if (parse_param(plist, p, e.name, prm, end)) {
+        e.params.push_back(prm);
+        p = plist.find(".param", end);
+      } else {
+        p = plist.find(".param", p + 1);
+      }
     }
-    std::size_t body = ptx.find('{', close);
-    std::string header = ptx.substr(close, body == std::string::npos ? std::string::npos : body - close);
-    e.reqntid = parse_ntid(header, ".reqntid");
-    e.maxntid = parse_ntid(header, ".maxntid");
+    const std::size_t body = find_before_next('{', close);
+    const std::string header = ptx.substr(close, (body == std::string::npos ? next : body) - close);
+    e.reqntid = parse_ntid(header, ".reqntid", e.name);
+    e.maxntid = parse_ntid(header, ".maxntid", e.name);
     out.push_back(std::move(e));
+    at = close;
   }
   return out;
 }
@@ -82,16 +219,19 @@ bool entry_matches(const std::string& ptx_name, const std::string& entry) {
 }
 
 std::vector<std::string> kernel_param_names(const std::string& source, const std::string& entry) {
-  // The entry's name followed by '(' whose declaration (back to the previous ';', '{' or '}')
-  // says __global__; then its balanced parameter list.
-  const std::regex name_re("\\b" + entry + "\\s*\\(");
-  for (auto it = std::sregex_iterator(source.begin(), source.end(), name_re); it != std::sregex_iterator(); ++it) {
-    const auto at = static_cast<std::size_t>(it->position(0));
+  // The entry's name (a C++ identifier, found as a whole word) followed by '(' whose declaration
+  // (back to the previous ';', '{' or '}') says __global__; then its balanced parameter list. The
+  // name is compared as text: a name that is not an identifier is not found.
+  if (entry.empty() || is_digit(entry[0]) || !std::all_of(entry.begin(), entry.end(), is_word)) return {};
+  for (std::size_t at = source.find(entry); at != std::string::npos; at = source.find(entry, at + 1)) {
+    if (at > 0 && is_word(source[at - 1])) continue;
+    const std::size_t paren = skip_spaces(source, at + entry.size());
+    if (paren >= source.size() || source[paren] != '(') continue;
     const std::size_t decl_start = source.find_last_of(";{}", at == 0 ? 0 : at - 1);
     const std::string decl = source.substr(decl_start == std::string::npos ? 0 : decl_start + 1,
                                            at - (decl_start == std::string::npos ? 0 : decl_start + 1));
     if (decl.find("__global__") == std::string::npos) continue;
-    std::size_t i = at + static_cast<std::size_t>(it->length(0)) - 1;  // the '('
+    std::size_t i = paren;
     int depth = 0;
     std::vector<std::string> params;
     std::string cur;

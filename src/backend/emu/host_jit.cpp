@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
-#include <regex>
 #include <sstream>
 
 #include "backend/emu/emu_runtime.hpp"
@@ -73,17 +76,19 @@ std::string temp_suffix() {
 bool write_atomic(const fs::path& p, const std::string& text) {
   fs::path tmp = p;
   tmp += temp_suffix();
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) return false;
-    f << text;
-    if (!f.good()) {
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      return false;
-    }
-  }
+  // Every write, the flush, the fsync and the close are checked before the rename: a full disk
+  // must not rename a truncated file over a good one.
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) return false;
+  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  ok = std::fflush(f) == 0 && ok;
+  ok = ::fsync(::fileno(f)) == 0 && ok;
+  ok = std::fclose(f) == 0 && ok;
   std::error_code ec;
+  if (!ok) {
+    fs::remove(tmp, ec);
+    return false;
+  }
   fs::rename(tmp, p, ec);
   if (ec) fs::remove(tmp, ec);
   return !ec;
@@ -155,22 +160,99 @@ const std::string& emulation_header() {
 }
 
 
+namespace {
+
+// The declarations are read with small forward scanners, not std::regex: libstdc++'s regex
+// recurses once per character of a `\s+` or `[\s\S]*?` match, so a long declaration overflowed
+// the stack.
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r'; }
+
+std::size_t skip_spaces(const std::string& s, std::size_t i) {
+  while (i < s.size() && is_space(s[i])) ++i;
+  return i;
+}
+
+bool word_at(const std::string& s, std::size_t i, const std::string& w) {
+  return s.compare(i, w.size(), w) == 0;
+}
+
+// The end of `extern __shared__` (as whole words, spaces between) at s[at], or npos.
+std::size_t extern_shared_at(const std::string& s, std::size_t at) {
+  if ((at > 0 && is_ident(s[at - 1])) || !word_at(s, at, "extern")) return std::string::npos;
+  const std::size_t i = skip_spaces(s, at + 6);
+  if (i == at + 6 || !word_at(s, i, "__shared__")) return std::string::npos;
+  const std::size_t end = i + 10;
+  return end < s.size() && is_ident(s[end]) ? std::string::npos : end;
+}
+
+// `decl` with each `__align__(...)`, `alignas(...)` and `__attribute__((...))` replaced by a space
+// (the parentheses balanced, so that `__attribute__((aligned(16)))` goes whole).
+std::string drop_attributes(const std::string& decl) {
+  std::vector<std::size_t> match(decl.size(), std::string::npos), open;  // '(' → its ')'
+  for (std::size_t i = 0; i < decl.size(); ++i) {
+    if (decl[i] == '(') open.push_back(i);
+    if (decl[i] == ')' && !open.empty()) {
+      match[open.back()] = i;
+      open.pop_back();
+    }
+  }
+  std::string out;
+  for (std::size_t i = 0; i < decl.size();) {
+    std::size_t end = std::string::npos;
+    for (const std::string word : {"__align__", "alignas"}) {
+      if (!word_at(decl, i, word)) continue;
+      const std::size_t o = skip_spaces(decl, i + word.size());
+      if (o < decl.size() && decl[o] == '(' && match[o] != std::string::npos) end = match[o] + 1;
+    }
+    if (end == std::string::npos && word_at(decl, i, "__attribute__")) {
+      const std::size_t o = skip_spaces(decl, i + 13);
+      if (o + 1 < decl.size() && decl[o] == '(' && decl[o + 1] == '(' && match[o] != std::string::npos &&
+          match[o + 1] == match[o] - 1)
+        end = match[o] + 1;
+    }
+    if (end == std::string::npos) {
+      out += decl[i++];
+    } else {
+      out += ' ';
+      i = end;
+    }
+  }
+  return out;
+}
+
+// `T... name [ ]` → {T..., name}; false when the declaration does not end that way.
+bool split_unsized_array(const std::string& decl, std::string& type, std::string& name) {
+  std::size_t e = decl.size();
+  while (e > 0 && is_space(decl[e - 1])) --e;
+  if (e == 0 || decl[e - 1] != ']') return false;
+  --e;
+  while (e > 0 && is_space(decl[e - 1])) --e;
+  if (e == 0 || decl[e - 1] != '[') return false;
+  --e;
+  while (e > 0 && is_space(decl[e - 1])) --e;
+  std::size_t b = e;
+  while (b > 0 && is_ident(decl[b - 1])) --b;
+  if (b == e || std::isdigit(static_cast<unsigned char>(decl[b]))) return false;
+  type = decl.substr(0, b);
+  name = decl.substr(b, e - b);
+  return true;
+}
+
+}  // namespace
+
 std::string rewrite_dynamic_shared(const std::string& source) {
   const std::string s = blank_comments(source);
-  static const std::regex decl_re("\\bextern\\s+__shared__\\b");
-  static const std::regex attr_re("(__align__|alignas)\\s*\\([^)]*\\)|__attribute__\\s*\\(\\([^)]*\\)\\)");
-  static const std::regex tail_re("^([\\s\\S]*?)\\b([A-Za-z_]\\w*)\\s*\\[\\s*\\]\\s*$");
   std::string out;
   std::size_t copied = 0;
-  for (auto it = std::sregex_iterator(s.begin(), s.end(), decl_re); it != std::sregex_iterator(); ++it) {
-    const auto at = static_cast<std::size_t>(it->position(0));
+  for (std::size_t at = s.find("extern"); at != std::string::npos; at = s.find("extern", at + 1)) {
+    const std::size_t body = extern_shared_at(s, at);
+    if (body == std::string::npos) continue;
     const std::size_t semi = s.find(';', at);
     if (semi == std::string::npos || at < copied) continue;
-    const std::size_t body = at + static_cast<std::size_t>(it->length(0));
-    const std::string decl = std::regex_replace(s.substr(body, semi - body), attr_re, " ");
-    std::smatch m;
-    if (!std::regex_match(decl, m, tail_re)) continue;  // left for the compiler to report
-    const std::string type = squeeze_spaces(m[1].str()), name = m[2].str();
+    std::string type, name;
+    if (!split_unsized_array(drop_attributes(s.substr(body, semi - body)), type, name))
+      continue;  // left for the compiler to report
+    type = squeeze_spaces(type);
     out += source.substr(copied, at - copied);
     const int lines = static_cast<int>(std::count(s.begin() + static_cast<std::ptrdiff_t>(at),
                                                   s.begin() + static_cast<std::ptrdiff_t>(semi), '\n'));
@@ -207,7 +289,19 @@ const KernelEntry& JitModule::find(const std::string& entry, const std::string& 
 }
 
 HostJit& HostJit::global() {
-  static HostJit jit(compile::Compiler::global().cache_dir() / "emu");
+  static HostJit jit([] {
+    const fs::path dir = compile::Compiler::global().cache_dir();
+    if (!dir.empty()) return dir / "emu";
+    // No disk cache: a folder of this process's own, where nobody else can plant an object.
+    std::error_code ec;
+    fs::path tmp = fs::temp_directory_path(ec);
+    if (ec) tmp = "/tmp";
+    std::string templ = (tmp / "kernelgraph-emu-XXXXXX").string();
+    if (!::mkdtemp(templ.data()))
+      throw Error(
+          util::cat("CUDA emulation: cannot create a private folder ", templ, ": ", std::strerror(errno)));
+    return fs::path(templ);
+  }());
   return jit;
 }
 
@@ -273,9 +367,14 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
   mod->path = dir_ / (key + ".so");
   void* handle = nullptr;
   std::error_code ec;
-  if (fs::exists(mod->path, ec)) {
-    handle = ::dlopen(mod->path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    mod->from_disk = handle != nullptr;
+  if (std::string cached; compile::read_cache_file(mod->path, cached)) {
+    // Only a whole file is opened: dlopen of one cut short dies of SIGBUS.
+    if (compile::unseal_cache_file(cached)) {
+      handle = ::dlopen(mod->path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      mod->from_disk = handle != nullptr;
+    } else {
+      fs::remove(mod->path, ec);  // cut short, damaged or from an older version: built again
+    }
   }
   if (!handle) {
     const std::string suffix = temp_suffix();
@@ -296,9 +395,11 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
                             "):\n", log));
     }
     fs::rename(cpp, dir_ / (key + ".cpp"), ec);
-    fs::rename(so, mod->path, ec);
-    if (ec)
-      throw Error(util::cat("[", name, "] CUDA emulation: cannot move ", so.string(), ": ", ec.message()));
+    std::string object;
+    const bool sealed =
+        compile::read_cache_file(so, object) && write_atomic(mod->path, compile::seal_cache_file(object));
+    fs::remove(so, ec);
+    if (!sealed) throw Error(util::cat("[", name, "] CUDA emulation: cannot write ", mod->path.string()));
     handle = ::dlopen(mod->path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!handle) throw Error(util::cat("[", name, "] CUDA emulation: dlopen failed: ", ::dlerror()));
     ++stats_.compiled;

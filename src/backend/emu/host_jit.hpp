@@ -1,8 +1,9 @@
 // CUDA C++ → a shared object for the CPU, with the host C++ compiler: the kernel source compiled
 // against the emulation header (cuda_emu.hpp) and our .cuh helpers, plus generated trampolines
 // that call each __global__ function with packed arguments. Disk-cached by content hash beside
-// the PTX cache (KG_CACHE_DIR/emu/<key>.so, written through a temporary file and a rename) and
-// cached per process; loaded with dlopen.
+// the PTX cache (KG_CACHE_DIR/emu/<key>.so, written through a temporary file and a rename, sealed
+// with compile::seal_cache_file() and checked before each dlopen) and cached per process; loaded
+// with dlopen.
 #pragma once
 
 #include <filesystem>
