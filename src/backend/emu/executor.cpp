@@ -222,7 +222,7 @@ class CheckedLaunch {
     run_once(grid, block, shared, Order::Forward);
     for (auto& g : groups_) {
       g->forward.assign(g->region->data(), g->region->data() + g->region->size());
-      std::memcpy(g->region->data(), g->before.data(), g->before.size());
+      if (!g->before.empty()) std::memcpy(g->region->data(), g->before.data(), g->before.size());
     }
     run_once(grid, block, shared, Order::Reverse);
     for (auto& g : groups_) {
