@@ -152,8 +152,11 @@ namespace {
 // Writes through a temporary file and rename, so a concurrent reader never sees a torn file.
 // (Unused in a build without NVRTC.)
 [[maybe_unused]] void write_atomic(const fs::path& p, const std::string& text) {
+  // The temporary name is unique per write (process id and a counter), so two threads writing the
+  // same file never share one.
+  static std::atomic<unsigned> counter{0};
   fs::path tmp = p;
-  tmp += util::cat(".tmp.", ::getpid(), ".", std::hash<std::string>{}(text) & 0xffff);
+  tmp += util::cat(".tmp.", ::getpid(), ".", counter++);
   // Every write, the flush, the fsync and the close are checked before the rename: a full disk
   // must not rename a truncated file over a good one (an unwritable cache only costs time).
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
