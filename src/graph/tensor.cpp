@@ -21,14 +21,36 @@ void check_shape(const std::vector<std::int64_t>& shape) {
   for (auto s : shape)
     if (s < 0) throw Error("Tensor: negative size in shape " + sizes_to_string(shape));
 }
+
+// The bytes of a `dtype` tensor of `shape` (sizes not negative), multiplied with overflow
+// checks: over 2^63 - 1, which both a size_t and an int64 byte count hold, an error naming the
+// shape and dtype rather than a count that wraps to a small allocation.
+std::size_t checked_nbytes(const char* who, DType dtype, const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  bool zero = false, over = false;
+  for (auto s : shape) {
+    if (s == 0) {
+      zero = true;
+    } else {
+      over = over || __builtin_mul_overflow(n, s, &n);
+    }
+  }
+  std::int64_t bytes = 0;  // a zero size makes no bytes, but the other sizes still must multiply (numel_of)
+  if (!zero) over = over || __builtin_mul_overflow(n, static_cast<std::int64_t>(dtype_size(dtype)), &bytes);
+  if (over)
+    throw Error(util::cat(who, ": a ", dtype_name(dtype), " tensor of shape ", sizes_to_string(shape),
+                          " takes more bytes than a 64-bit count holds (2^63 - 1)"));
+  return static_cast<std::size_t>(bytes);
+}
 }  // namespace
 
 Tensor Tensor::empty(DType dtype, std::vector<std::int64_t> shape) {
   check_shape(shape);
+  const std::size_t bytes = checked_nbytes("Tensor::empty", dtype, shape);
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = std::move(shape);
-  t.storage_ = allocate(t.nbytes());
+  t.storage_ = allocate(bytes);
   t.data_ = t.storage_.get();
   return t;
 }
@@ -46,6 +68,7 @@ Tensor Tensor::wrap(void* data, DType dtype, std::vector<std::int64_t> shape) {
 Tensor Tensor::wrap(std::shared_ptr<void> owner, void* data, DType dtype,
                     std::vector<std::int64_t> shape) {
   check_shape(shape);
+  checked_nbytes("Tensor::wrap", dtype, shape);
   Tensor t;
   t.storage_ = std::move(owner);
   t.data_ = data;
@@ -55,7 +78,7 @@ Tensor Tensor::wrap(std::shared_ptr<void> owner, void* data, DType dtype,
 }
 
 std::int64_t Tensor::numel() const { return numel_of(shape_); }
-std::size_t Tensor::nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
+std::size_t Tensor::nbytes() const { return checked_nbytes("Tensor::nbytes", dtype_, shape_); }
 
 void Tensor::check_dtype(DType want) const {
   if (want != dtype_)

@@ -167,13 +167,20 @@ class ConvRuntime final : public RuntimeOp {
     const std::int64_t n = images_of(launch, shape).second;
     const std::int64_t og = shape[1] / cfg_.options.groups;
     switch (algo_) {
-      case ConvGpuAlgo::Gemm:
-        return {
-            static_cast<unsigned>(std::max<std::int64_t>(ceil_div(n * shape[2] * shape[3], KG_CONV_BN), 1)),
-            static_cast<unsigned>(std::max<std::int64_t>(ceil_div(og, KG_CONV_BM), 1)),
-            static_cast<unsigned>(cfg_.options.groups)};
-      case ConvGpuAlgo::Tiled:
-        return {static_cast<unsigned>(std::max<std::int64_t>(n * items_per_image(shape), 1)), 1, 1};
+      case ConvGpuAlgo::Gemm: {  // a tile per block: pixel tiles (x), channel tiles (y), groups (z)
+        const std::int64_t pixels = n * shape[2] * shape[3], groups = cfg_.options.groups;
+        auto dim = [&](std::int64_t blocks, char axis, const auto&... work) {
+          return grid_dim(blocks, axis, util::cat("launch ", launch, " of the gemm kernel over ", work...));
+        };
+        return {dim(ceil_div(pixels, KG_CONV_BN), 'x', pixels, " output pixels in tiles of ", KG_CONV_BN),
+                dim(ceil_div(og, KG_CONV_BM), 'y', og, " output channels a group in tiles of ", KG_CONV_BM),
+                dim(groups, 'z', groups, " groups")};
+      }
+      case ConvGpuAlgo::Tiled:  // a block per tile
+        return {grid_dim(n * items_per_image(shape), 'x',
+                         util::cat("launch ", launch, " of the tiled kernel over ", n, " images of ",
+                                   items_per_image(shape), " tiles")),
+                1, 1};
       case ConvGpuAlgo::Direct:
         break;
     }
@@ -285,7 +292,9 @@ class ConvRuntime final : public RuntimeOp {
         return grid_1d(s.n * s.c * s.h * s.w, kConvBackwardThreads);
       case kGradWeight:  // a block per weight element and range of images
         return {static_cast<unsigned>(std::clamp<std::int64_t>(weights(t), 1, kConvBackwardMaxBlocks)),
-                static_cast<unsigned>(weight_chunks(t)), 1};
+                grid_dim(weight_chunks(t), 'y',
+                         util::cat("the weight-gradient launch over ", weight_chunks(t), " image ranges")),
+                1};
       case kGradWeightSum:  // a thread per weight element (one idle block with one range)
         return weight_chunks(t) > 1 ? grid_1d(weights(t), kConvBackwardThreads) : Dim3{1, 1, 1};
       default:  // a block per output channel

@@ -6,16 +6,36 @@
 #include <string>
 
 #include "compile/embedded_sources.hpp"
+#include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
+#include "util/str.hpp"
 
 namespace kg::ops {
 
 // The text of an embedded kernel source beside the op (e.g. "elementwise.cu").
 inline const std::string& kernel_file(const std::string& name) { return compile::kernel_source(name); }
 
+// CUDA's grid limits: 2^31 - 1 blocks along x, 65535 along y and z.
+inline constexpr std::int64_t kGridMaxX = 2147483647, kGridMaxYZ = 65535;
+
+// A block count as the grid dimension along `axis` ('x', 'y' or 'z'), for a kernel that takes
+// one tile per block (no grid-stride loop): at least 1 (an empty launch is one idle block), and
+// over the axis' limit an error naming `what` (the launch and the work it covers) rather than a
+// count cast to 32 bits, which wraps and would pass the launch check.
+inline unsigned grid_dim(std::int64_t blocks, char axis, const std::string& what) {
+  const std::int64_t limit = axis == 'x' ? kGridMaxX : kGridMaxYZ;
+  if (blocks > limit)
+    throw Error(
+        util::cat(what, " needs gridDim.", axis, " = ", blocks, ", over CUDA's limit of ", limit, " blocks"));
+  return static_cast<unsigned>(std::max<std::int64_t>(blocks, 1));
+}
+
+// Tiles of `tile` covering n items, without overflow near INT64_MAX.
+inline std::int64_t tiles_of(std::int64_t n, std::int64_t tile) { return n / tile + (n % tile != 0); }
+
 // A 1-D grid covering n items with `block` threads each, capped for grid-stride loops.
 inline Dim3 grid_1d(std::int64_t n, unsigned block, std::int64_t max_blocks = 65535LL * 32) {
-  std::int64_t b = (n + block - 1) / block;
+  std::int64_t b = tiles_of(n, block);
   b = std::clamp<std::int64_t>(b, 1, max_blocks);
   return {static_cast<unsigned>(b), 1, 1};
 }

@@ -40,8 +40,14 @@ class LinearRuntime final : public RuntimeOp {
   }
   Dim3 block() const override { return {KG_GEMM_THREADS, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
-    return {static_cast<unsigned>((out_ + KG_GEMM_BN - 1) / KG_GEMM_BN),
-            static_cast<unsigned>(std::max<std::int64_t>((rows(shape) + KG_GEMM_BM - 1) / KG_GEMM_BM, 1)), 1};
+    // A tile per block (kg_gemm_tile): the tile counts themselves, refused over the limits.
+    const std::string launch = util::cat("launch 0 of kernel '", entry_for("kg_linear", dtype_), "'");
+    const std::int64_t r = rows(shape);
+    return {grid_dim(tiles_of(out_, KG_GEMM_BN), 'x',
+                     util::cat(launch, " over ", out_, " output features in tiles of ", KG_GEMM_BN)),
+            grid_dim(tiles_of(r, KG_GEMM_BM), 'y',
+                     util::cat(launch, " over ", r, " rows in tiles of ", KG_GEMM_BM)),
+            1};
   }
 
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {

@@ -209,7 +209,10 @@ class MatmulRuntime final : public RuntimeOp {
       rows *= batches;
       batches = 1;
     }
-    return {static_cast<unsigned>(std::max<std::int64_t>((n + KG_GEMM_BN - 1) / KG_GEMM_BN, 1)),
+    // n: a tile per block (y and z are looped over in the kernel).
+    return {grid_dim(tiles_of(n, KG_GEMM_BN), 'x',
+                     util::cat("launch 0 of kernel '", entry_for("kg_matmul", dtype_), "' over ", n,
+                               " columns in tiles of ", KG_GEMM_BN)),
             tiles(rows, KG_GEMM_BM, kMaxGridYZ),
             static_cast<unsigned>(std::clamp<std::int64_t>(batches, 1, kMaxGridYZ))};
   }

@@ -465,8 +465,10 @@ class ConcatRuntime final : public RuntimeOp {
       const KgConcatArgs a = pack(first, inputs, out.shape);
       const std::size_t count = std::min(kConcatMax, inputs.size() - first);
       // The blocks of each input stride over its elements; 1024 blocks fill the GPU.
-      const Dim3 grid{grid_1d((numel_of(out.shape) + KG_UNROLL - 1) / KG_UNROLL, kCopyThreads, 1024).x,
-                      static_cast<unsigned>(count), 1};
+      // blockIdx.y picks the input: at most kConcatMax of them.
+      const auto inputs_here = static_cast<std::int64_t>(count);
+      const unsigned y = grid_dim(inputs_here, 'y', util::cat("a launch of ", inputs_here, " inputs"));
+      const Dim3 grid{grid_1d((numel_of(out.shape) + KG_UNROLL - 1) / KG_UNROLL, kCopyThreads, 1024).x, y, 1};
       l.push_back({entry, grid, {kCopyThreads, 1, 1}, 0, {out, raw_bytes(&a, sizeof a)}});
     }
     return l;

@@ -372,6 +372,10 @@ void Executor::run_backward(const Graph& graph, plan::Plan& plan, const std::vec
 
 Executor::Executor(int threads, lower::LoweredGraph lowered, bool checked)
     : lowered_(std::move(lowered)), checked_(checked) {
+  // 0 takes the shared pool (a thread per core); a negative count is refused here, not taken as 0.
+  if (threads < 0)
+    throw Error(util::cat("LoadOptions::threads is ", threads, "; expected 0 (one per core) to ",
+                          ThreadPool::kMaxThreads));
   if (threads > 0) own_ = std::make_unique<ThreadPool>(threads);
   for (const auto& e : lowered_.executables) by_node_[e.node] = &e;
 }
