@@ -56,7 +56,15 @@ void RuntimeOp::pack_args(const LaunchTensors&, ArgVisitor&) const {
 Dim3 RuntimeOp::block() const { return {256, 1, 1}; }
 Dim3 RuntimeOp::grid(const std::vector<std::int64_t>& output_shape) const {
   const std::int64_t n = numel_of(output_shape), b = std::max<std::int64_t>(1, block().x);
-  return {static_cast<unsigned>((n + b - 1) / b), 1, 1};
+  // One thread per element: more blocks than gridDim.x can hold is an error, not a wrapped grid
+  // (override grid() with a grid-stride loop for larger outputs).
+  const std::int64_t blocks = n / b + (n % b != 0);
+  constexpr std::int64_t kMaxX = (std::int64_t{1} << 31) - 1;
+  if (blocks > kMaxX)
+    throw Error(util::cat("the default grid (one thread per output element) for ", sizes_to_string(output_shape),
+                          " needs gridDim.x = ", blocks, ", over CUDA's limit of ", kMaxX,
+                          "; override RuntimeOp::grid() (a grid-stride loop) for outputs this large"));
+  return {static_cast<unsigned>(blocks), 1, 1};
 }
 std::vector<Launch> RuntimeOp::launches(const LaunchTensors& t) const {
   Launch l;

@@ -115,3 +115,23 @@ TEST(LaunchLimits, CheckGridNamesTheOutputAndKernel) {
                         {"[op @ node] launch 2 of kernel 'k': grid (1, 70000, 1) for output [4, 5]",
                          "gridDim.y = 70000"});
 }
+
+namespace {
+
+// The seed's default grid (one thread per output element) refuses an output whose block count
+// does not fit gridDim.x instead of wrapping it to 32 bits.
+class DefaultGridRuntime final : public kg::RuntimeOp {
+ public:
+  void pack_args(const kg::LaunchTensors&, kg::ArgVisitor&) const override {}
+};
+
+TEST(LaunchLimits, DefaultGridRefusesOutputsWhoseBlockCountWraps) {
+  DefaultGridRuntime r;
+  EXPECT_EQ(r.grid({1000}).x, 4u);
+  EXPECT_EQ(r.grid({std::int64_t{1} << 38}).x, 1u << 30);
+  kg_test::expect_error([&] { r.grid({std::int64_t{1} << 40}); },
+                        {"default grid", "gridDim.x = 4294967296", "over CUDA's limit of 2147483647",
+                         "override RuntimeOp::grid()"});
+}
+
+}  // namespace
