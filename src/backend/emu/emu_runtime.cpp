@@ -90,6 +90,40 @@ const char* warp_op_name(int op) {
 
 // ---- fibers ----
 
+// AddressSanitizer is told of every switch between the scheduler's stack and a fiber's, so that it
+// does not take the other stack's frames for overflows (a no-op in builds without ASan).
+#if defined(__SANITIZE_ADDRESS__)
+#define KG_EMU_ASAN_FIBERS 1
+extern "C" {
+void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, std::size_t size);
+void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old, std::size_t* size_old);
+void __asan_unpoison_memory_region(const volatile void* addr, std::size_t size);
+}
+#endif
+struct AsanStack {
+  const void* bottom = nullptr;
+  std::size_t size = 0;
+};
+// The scheduler's stack of this OS thread, learnt when a fiber first starts on it.
+thread_local AsanStack tl_scheduler_stack;
+inline void asan_start_switch([[maybe_unused]] void** fake, [[maybe_unused]] const AsanStack& to) {
+#ifdef KG_EMU_ASAN_FIBERS
+  __sanitizer_start_switch_fiber(fake, to.bottom, to.size);
+#endif
+}
+// A pooled stack is reused by the next block: frames a failed or unwound fiber left behind must not
+// stay poisoned for the next one.
+inline void asan_unpoison([[maybe_unused]] const AsanStack& s) {
+#ifdef KG_EMU_ASAN_FIBERS
+  __asan_unpoison_memory_region(s.bottom, s.size);
+#endif
+}
+inline void asan_finish_switch([[maybe_unused]] void* fake, [[maybe_unused]] AsanStack* from) {
+#ifdef KG_EMU_ASAN_FIBERS
+  __sanitizer_finish_switch_fiber(fake, from ? &from->bottom : nullptr, from ? &from->size : nullptr);
+#endif
+}
+
 // A fiber stack: a no-access page below kStackBytes of stack.
 struct Stack {
   unsigned char* base = nullptr;
@@ -124,6 +158,7 @@ struct EThread {
   unsigned long long result = 0;
   sigjmp_buf jmp;
   BlockRunner* runner = nullptr;
+  AsanStack stack;  // this fiber's stack, for the sanitizer's switch annotations
 };
 
 struct Collective {
@@ -245,7 +280,12 @@ struct BlockRunner {
     if (!failed) failed = true, error = msg;
   }
   EThread& thread(int warp, int lane) { return threads[static_cast<std::size_t>(warp * 32 + lane)]; }
-  void yield(EThread& t) { t.caller = std::move(t.caller).resume(); }
+  void yield(EThread& t) {
+    void* fake = nullptr;
+    asan_start_switch(&fake, tl_scheduler_stack);
+    t.caller = std::move(t.caller).resume();
+    asan_finish_switch(fake, &tl_scheduler_stack);
+  }
 
   unsigned char* prepare_shared() {
     const std::size_t bytes = launch->shared;
@@ -424,10 +464,15 @@ struct BlockRunner {
       t.warp = i / 32;
       t.result = 0;
       EThread* tp = &t;
+      const Stack& st = stacks[static_cast<std::size_t>(i)];
+      t.stack = {st.base + page_size(), st.bytes - page_size()};
+      asan_unpoison(t.stack);
       t.fiber = bctx::fiber(std::allocator_arg, PooledStack{&stacks[static_cast<std::size_t>(i)]},
                             [tp](bctx::fiber&& c) {
+                              asan_finish_switch(nullptr, &tl_scheduler_stack);
                               tp->caller = std::move(c);
                               thread_main(*tp);
+                              asan_start_switch(nullptr, tl_scheduler_stack);  // this fiber ends
                               return std::move(tp->caller);
                             });
     }
@@ -440,7 +485,10 @@ struct BlockRunner {
         EThread& t = threads[static_cast<std::size_t>(forward ? k : n - 1 - k)];
         if (t.state != State::Runnable) continue;
         tl_running = &t;
+        void* fake = nullptr;
+        asan_start_switch(&fake, t.stack);
         t.fiber = std::move(t.fiber).resume();
+        asan_finish_switch(fake, nullptr);
         tl_running = nullptr;
       }
       if (failed || live == 0) break;
