@@ -455,6 +455,19 @@ Values flatten_op(NodeContext& c) {
   return {tensor_value(view(x, refs, {}, c.node_name()))};
 }
 
+// Input i as a shape (a 1-D integer tensor known at import, or a symbolic shape value). Anything
+// else is an error naming what it is; a value computed at run time is the "known at import" error.
+std::vector<SymDim> shape_arg(NodeContext& c, std::size_t i, const char* what) {
+  if (auto d = c.dims(i)) {
+    if (c.in(i).is_constant() && c.in(i).constant->rank() > 1)
+      c.fail(util::cat(what, " must be a 1-D integer tensor, got ", sizes_to_string(c.in(i).constant->shape())));
+    return *d;
+  }
+  const Tensor& t = c.constant(i, what);  // throws for values computed at run time
+  c.fail(util::cat(what, " must be a 1-D integer tensor, got ", dtype_name(t.dtype()), " ",
+                   sizes_to_string(t.shape())));
+}
+
 // Turns a target shape into DimRefs over x (input 0) and extra sources.
 std::vector<DimRef> target_refs(NodeContext& c, const SymTensor& x, const std::vector<SymDim>& d, bool zero_copies,
                                 std::vector<SymTensor>& sources) {
@@ -503,8 +516,7 @@ std::vector<DimRef> target_refs(NodeContext& c, const SymTensor& x, const std::v
 }
 
 Values reshape_op(NodeContext& c) {
-  auto d = c.dims(1);
-  if (!d) c.constant(1, "the target shape");  // throws the right error
+  const auto d = std::optional<std::vector<SymDim>>(shape_arg(c, 1, "the target shape"));
   // A shape value reshaped to 1-D ([-1] or [n]) stays a shape value.
   if (c.in(0).dims && d->size() == 1 && d->at(0).is_known() &&
       (d->at(0).value == -1 || d->at(0).value == static_cast<std::int64_t>(c.in(0).dims->size())))
@@ -517,8 +529,7 @@ Values reshape_op(NodeContext& c) {
 }
 
 Values expand_op(NodeContext& c) {
-  auto d = c.dims(1);
-  if (!d) c.constant(1, "the target shape");
+  const auto d = std::optional<std::vector<SymDim>>(shape_arg(c, 1, "the target shape"));
   SymTensor x = c.tensor(0);
   std::vector<SymTensor> sources;
   auto refs = c.dim_refs(*d, sources, 1);
@@ -535,8 +546,7 @@ Values constant_of_shape_op(NodeContext& c) {
     dt = v.dtype();
     value = v.item(0);
   }
-  auto d = c.dims(0);
-  if (!d) c.constant(0, "the shape");
+  const auto d = std::optional<std::vector<SymDim>>(shape_arg(c, 0, "the shape"));
   std::vector<SymTensor> sources;
   auto refs = c.dim_refs(*d, sources, 0);
   if (!refs) c.fail("has a size known only at run time");
@@ -1243,8 +1253,7 @@ Values resize_op(NodeContext& c) {
     const Tensor& s = c.constant(scales_at, "the scales");
     for (std::int64_t i = 0; i < s.numel(); ++i) spec.scales.push_back(s.item(i));
   } else if (c.has_input(sizes_at)) {
-    auto d = c.dims(sizes_at);
-    if (!d) c.constant(sizes_at, "the sizes");
+    const auto d = std::optional<std::vector<SymDim>>(shape_arg(c, sizes_at, "the sizes"));
     for (std::size_t i = 0; i < d->size(); ++i) {
       const SymDim& s = (*d)[i];
       if (s.is_known()) spec.sizes.push_back(s.value);

@@ -346,6 +346,23 @@ TEST(OnnxImport, BadFilesGiveAnErrorNamingTheFileAndTheProblem) {
   }
 }
 
+TEST(OnnxImport, AShapeInputThatIsNotIntegersOfRankOneIsAnError) {
+  for (const auto& shape : {kg::Tensor::from_vector<float>({2}, {3.0f, 4.0f}),
+                            kg::Tensor::from_vector<std::int64_t>({1, 2}, {3, 4})}) {
+    for (const char* op : {"Reshape", "Expand"}) {
+      OnnxBuilder m;
+      m.input("x", kg::DType::F32, {std::int64_t{2}, std::int64_t{6}});
+      m.initializer("shape", shape);
+      m.node(op, {"x", "shape"}, {"y"}, "target");
+      m.output("y");
+      kg_test::expect_error([&] { kg::onnx::import_bytes(m.bytes(), "shape.onnx"); },
+                            {"shape.onnx", std::string("[onnx ") + op + " @ target]",
+                             "the target shape must be a 1-D integer tensor, got",
+                             shape.dtype() == kg::DType::F32 ? "f32 [2]" : "[1, 2]"});
+    }
+  }
+}
+
 TEST(OnnxImport, ExternalDataIsReadFromTheModelsFolderAndChecked) {
   const auto seed = kg_test::fresh_seed();
   std::mt19937_64 rng(seed);
