@@ -42,17 +42,22 @@ class ViewOp final : public CustomOp {
         out.push_back(d.resolve(in));
       }
     }
-    // Element counts: known parts and the dynamic dims on each side (equal symbols cancel).
+    // Element counts: known parts and the dynamic dims on each side (equal symbols cancel). A
+    // product past an int64 is an error, not a count that wraps round to the other side's.
+    const auto too_many = [](const std::string& sizes) {
+      return util::cat("the sizes ", sizes, " have more elements than an int64 holds (2^63 - 1)");
+    };
     std::int64_t in_known = 1, out_known = 1;
     std::vector<Dim> in_dyn, out_dyn;
     for (const Dim& d : x) {
-      if (d.is_static()) in_known *= d.size();
-      else in_dyn.push_back(d);
+      if (!d.is_static()) in_dyn.push_back(d);
+      else if (__builtin_mul_overflow(in_known, d.size(), &in_known)) throw Error(too_many(x.to_string()));
     }
     for (std::size_t i = 0; i < out.rank(); ++i) {
       if (static_cast<int>(i) == infer_at) continue;
-      if (out[i].is_static()) out_known *= out[i].size();
-      else out_dyn.push_back(out[i]);
+      if (!out[i].is_static()) out_dyn.push_back(out[i]);
+      else if (__builtin_mul_overflow(out_known, out[i].size(), &out_known))
+        throw Error(too_many(dims_to_string(dims_)));
     }
     for (auto it = out_dyn.begin(); it != out_dyn.end();) {
       auto m = std::find_if(in_dyn.begin(), in_dyn.end(),
