@@ -3,7 +3,7 @@
 BUILD := build
 JOBS ?= 2
 
-.PHONY: demo test build deps configure bench fixtures clean format
+.PHONY: demo test build deps configure bench fixtures clean format fuzz
 
 deps:
 	@scripts/install-deps
@@ -30,6 +30,20 @@ demo: deps configure
 bench: build
 	@scripts/install-deps --python
 	scripts/bench
+
+# The libFuzzer targets (docs/hardening.md): builds the fuzz preset (clang 16 or newer, ASan
+# and UBSan) into build-fuzz, then runs each target for FUZZ_SECONDS on a copy of its seed corpus;
+# fails when one finds a crash. make fuzz FUZZ_SECONDS=300 FUZZ_JOBS=2 FUZZ_TARGETS="idx ptx".
+FUZZ_SECONDS ?= 60
+FUZZ_JOBS ?= 1
+FUZZ_TARGETS ?=
+FUZZ_CXX ?=
+fuzz:
+	@scripts/install-deps --fuzz
+	@cxx="$(FUZZ_CXX)"; [ -n "$$cxx" ] || cxx=$$(for v in 21 20 19 18 17 16; do command -v clang++-$$v && break; done); \
+	  test -f build-fuzz/build.ninja || cmake --preset fuzz -DCMAKE_CXX_COMPILER=$${cxx:-clang++}
+	cmake --build --preset fuzz -j $(JOBS)
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz --build-dir build-fuzz --jobs $(FUZZ_JOBS) $(FUZZ_TARGETS)
 
 fixtures:
 	@scripts/install-deps --torch

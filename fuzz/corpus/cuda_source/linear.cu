@@ -1,0 +1,34 @@
+// nn.linear on the GPU: y[r, j] = sum_k x[r, k] w[j, k] + b[j], through the tiled GEMM.
+#include "gemm.cuh"
+
+template <class T>
+__device__ void kg_linear(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
+                          T* __restrict__ y, long long rows, long long in, long long out) {
+  KgGemmArgs<T> p;
+  p.a = x;
+  p.b = w;
+  p.c = y;
+  p.bias = bias;
+  p.m = rows;
+  p.n = out;
+  p.k = in;
+  p.sam = in;
+  p.sak = 1;
+  p.sbk = 1;   // B(k, n) = w[n, k]
+  p.sbn = in;
+  p.scm = out;
+  p.batch_a = p.batch_b = p.batch_c = 0;
+  kg_gemm_tile<T>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_linear_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+                  float* __restrict__ y, long long rows, long long in, long long out) {
+  kg_linear<float>(x, w, bias, y, rows, in, out);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_linear_f64(const double* __restrict__ x, const double* __restrict__ w, const double* __restrict__ bias,
+                  double* __restrict__ y, long long rows, long long in, long long out) {
+  kg_linear<double>(x, w, bias, y, rows, in, out);
+}
