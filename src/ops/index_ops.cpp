@@ -31,42 +31,7 @@ constexpr std::int64_t kInt64Min = std::numeric_limits<std::int64_t>::min();
 
 const std::string& source() { return kernel_file("index_ops.cu"); }
 
-// The copy kernel for a dtype, by element width: "<stem>_u8" ... "<stem>_u64".
-std::string width_entry(const std::string& stem, DType t) {
-  switch (dtype_size(t)) {
-    case 1:
-      return stem + "_u8";
-    case 2:
-      return stem + "_u16";
-    case 4:
-      return stem + "_u32";
-    case 8:
-      return stem + "_u64";
-    default:
-      throw Error(util::cat(stem, ": no copy kernel for ", dtype_name(t), " (", dtype_size(t), " bytes)"));
-  }
-}
 
-// Calls fn(E{}) with E the unsigned integer of the element width.
-template <class F>
-void dispatch_width(std::size_t width, F&& fn) {
-  switch (width) {
-    case 1:
-      fn(std::uint8_t{});
-      return;
-    case 2:
-      fn(std::uint16_t{});
-      return;
-    case 4:
-      fn(std::uint32_t{});
-      return;
-    case 8:
-      fn(std::uint64_t{});
-      return;
-    default:
-      throw Error(util::cat("unsupported element width ", width));
-  }
-}
 
 // Row-major strides (elements) of a concrete shape.
 std::vector<std::int64_t> strides_of(const std::vector<std::int64_t>& shape) {

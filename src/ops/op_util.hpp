@@ -55,6 +55,30 @@ template <class F> void dispatch_float(DType t, F&& fn) {
     throw Error(util::cat("CPU implementation supports f32 and f64, got ", dtype_name(t)));
 }
 
+// The copy kernel of an op family for a dtype, by element width: "<stem>_u8" ... "<stem>_u64".
+inline std::string width_entry(const std::string& stem, DType t) {
+  switch (dtype_size(t)) {
+    case 1: return stem + "_u8";
+    case 2: return stem + "_u16";
+    case 4: return stem + "_u32";
+    case 8: return stem + "_u64";
+    default:
+      throw Error(util::cat(stem, ": no copy kernel for ", dtype_name(t), " (", dtype_size(t), " bytes)"));
+  }
+}
+
+// Calls fn(E{}) with E the unsigned integer of the element width, so that copies handle any dtype.
+template <class F>
+void dispatch_width(std::size_t width, F&& fn) {
+  switch (width) {
+    case 1: fn(std::uint8_t{}); return;
+    case 2: fn(std::uint16_t{}); return;
+    case 4: fn(std::uint32_t{}); return;
+    case 8: fn(std::uint64_t{}); return;
+    default: throw Error(util::cat("unsupported element width ", width));
+  }
+}
+
 // numpy broadcasting of two symbolic shapes. A dynamic dim against 1 stays dynamic; two
 // dynamic dims give the first (they must agree at load, where shapes are concrete).
 Shape broadcast_shapes(const Shape& a, const Shape& b);

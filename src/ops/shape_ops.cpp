@@ -18,22 +18,6 @@ namespace {
 
 constexpr unsigned kCopyThreads = KG_COPY_THREADS;
 
-// The copy kernel for a dtype, by element width: "<stem>_u8" ... "<stem>_u64".
-std::string width_entry(const std::string& stem, DType t) {
-  switch (dtype_size(t)) {
-    case 1:
-      return stem + "_u8";
-    case 2:
-      return stem + "_u16";
-    case 4:
-      return stem + "_u32";
-    case 8:
-      return stem + "_u64";
-    default:
-      throw Error(util::cat(stem, ": no copy kernel for ", dtype_name(t), " (", dtype_size(t), " bytes)"));
-  }
-}
-
 // Copies the input's bytes when the runtime did not alias the output to it.
 void copy_view(CpuContext& ctx) {
   const Tensor& x = ctx.inputs[0];
@@ -170,26 +154,6 @@ class ReshapeOp final : public CustomOp {
   std::vector<std::int64_t> sizes_;
 };
 
-// Copies with a fixed-size element type so that any dtype is handled by its width.
-template <class F>
-void dispatch_width(std::size_t width, F&& fn) {
-  switch (width) {
-    case 1:
-      fn(std::uint8_t{});
-      return;
-    case 2:
-      fn(std::uint16_t{});
-      return;
-    case 4:
-      fn(std::uint32_t{});
-      return;
-    case 8:
-      fn(std::uint64_t{});
-      return;
-    default:
-      throw Error(util::cat("unsupported element width ", width));
-  }
-}
 
 // ---- nn.permute (transpose too) ----
 
