@@ -178,6 +178,22 @@ std::optional<Value> dims_arith(NodeContext& c, const char* op) {
 
 // ---- elementwise ----
 
+// a ⊙ b for Add, Sub, Mul, Div on float tensors (the elementwise family, with its backward).
+SymTensor float_arith(const std::string& o, const SymTensor& a, const SymTensor& b, const std::string& name) {
+  if (o == "Add") return add(a, b, name);
+  if (o == "Sub") return sub(a, b, name);
+  if (o == "Mul") return mul(a, b, name);
+  return div(a, b, name);
+}
+// x ⊙ s, or s ⊙ x when `scalar_first`, for a one-element constant s.
+SymTensor scalar_arith(const std::string& o, const SymTensor& x, double s, bool scalar_first,
+                       const std::string& name) {
+  if (o == "Add") return add(x, s, name);
+  if (o == "Mul") return mul(x, s, name);
+  if (o == "Sub") return scalar_first ? rsub(x, s, name) : sub(x, s, name);
+  return scalar_first ? rdiv(x, s, name) : div(x, s, name);
+}
+
 Converter binary(PointwiseFn pf, const char* onnx) {
   return [pf, onnx](NodeContext& c) -> Values {
     const std::string o = onnx;
@@ -191,12 +207,8 @@ Converter binary(PointwiseFn pf, const char* onnx) {
       for (std::int64_t i = axis + rb; i < ra; ++i) refs.push_back(DimRef::constant(1));
       y = view(y, refs, {}, c.node_name("aligned"));
       const std::string name = c.node_name();
-      if (x.dtype() == y.dtype() && is_float_type(x.dtype())) {
-        if (o == "Add") return {tensor_value(add(x, y, name))};
-        if (o == "Sub") return {tensor_value(sub(x, y, name))};
-        if (o == "Mul") return {tensor_value(mul(x, y, name))};
-        if (o == "Div") return {tensor_value(div(x, y, name))};
-      }
+      const bool arith = o == "Add" || o == "Sub" || o == "Mul" || o == "Div";
+      if (arith && x.dtype() == y.dtype() && is_float_type(x.dtype())) return {tensor_value(float_arith(o, x, y, name))};
       return {tensor_value(ops::pointwise(pf, {x, y}, {}, name))};
     }
     if (auto d = dims_arith(c, onnx)) return {*d};
@@ -215,26 +227,13 @@ Converter binary(PointwiseFn pf, const char* onnx) {
       const std::string name = c.node_name();
       // A one-element constant that does not raise the rank: the scalar form.
       auto sb = scalar_constant(b);
-      if (sb && !b.initializer && b.shape().rank() <= a.shape().rank()) {
-        SymTensor x = c.tensor(0);
-        if (o == "Add") return {tensor_value(add(x, *sb, name))};
-        if (o == "Sub") return {tensor_value(sub(x, *sb, name))};
-        if (o == "Mul") return {tensor_value(mul(x, *sb, name))};
-        return {tensor_value(div(x, *sb, name))};
-      }
+      if (sb && !b.initializer && b.shape().rank() <= a.shape().rank())
+        return {tensor_value(scalar_arith(o, c.tensor(0), *sb, false, name))};
       auto sa = scalar_constant(a);
-      if (sa && !a.initializer && a.shape().rank() <= b.shape().rank()) {
-        SymTensor y = c.tensor(1);
-        if (o == "Add") return {tensor_value(add(y, *sa, name))};
-        if (o == "Sub") return {tensor_value(rsub(y, *sa, name))};
-        if (o == "Mul") return {tensor_value(mul(y, *sa, name))};
-        return {tensor_value(rdiv(y, *sa, name))};
-      }
+      if (sa && !a.initializer && a.shape().rank() <= b.shape().rank())
+        return {tensor_value(scalar_arith(o, c.tensor(1), *sa, true, name))};
       SymTensor x = c.tensor(0), y = c.tensor(1);
-      if (o == "Add") return {tensor_value(add(x, y, name))};
-      if (o == "Sub") return {tensor_value(sub(x, y, name))};
-      if (o == "Mul") return {tensor_value(mul(x, y, name))};
-      return {tensor_value(div(x, y, name))};
+      return {tensor_value(float_arith(o, x, y, name))};
     }
     SymTensor x = c.tensor(0), y = c.tensor(1);
     return {tensor_value(pw(c, pf, {x, y}))};
