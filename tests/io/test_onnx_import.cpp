@@ -82,6 +82,19 @@ TEST(OnnxImport, LinearReluKeepsTheBatchDynamicAndNamesParametersAsTheFile) {
   }
 }
 
+TEST(OnnxImport, ImportedGraphNamesItsOutputsAndSupportedOpsAreListed) {
+  const auto seed = kg_test::fresh_seed();
+  std::mt19937_64 rng(seed);
+  kg::onnx::ImportedGraph g =
+      kg::onnx::import_graph_bytes(linear_relu(random_f32(rng, {3, 5}), random_f32(rng, {3})).bytes(), "g.onnx");
+  EXPECT_EQ(g.output("y").shape().to_string(), "[batch, 3]");
+  kg_test::expect_error([&] { g.output("logits"); }, {"no output 'logits'", "outputs: y"});
+  const auto ops = kg::onnx::supported_ops();
+  for (const char* op : {"Conv", "Gemm", "Reshape", "LayerNormalization", "Resize"})
+    EXPECT_NE(std::find(ops.begin(), ops.end(), op), ops.end()) << op;
+  EXPECT_EQ(std::find(ops.begin(), ops.end(), "Loop"), ops.end());
+}
+
 TEST(OnnxImport, ShapeGatherConcatReshapeChainKeepsTheDynamicBatch) {
   const auto seed = kg_test::fresh_seed();
   SCOPED_TRACE(seed);
