@@ -10,6 +10,7 @@
 #include <ostream>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kg/dtype.hpp"
@@ -132,6 +133,47 @@ class CpuBackwardContext : public CpuContext {
   }
 };
 
+// A block of elements given to an elementwise op's CPU form (ElementwiseForm::cpu and
+// cpu_derivative): every array holds `n` values of the compute type (float for f32 tensors,
+// double for f64), element j of each input belonging to element j of the result (the fusion pass
+// has already applied broadcasting).
+struct ElementwiseSpan {
+  DType dtype = DType::F32;             // F32 or F64
+  std::span<const void* const> inputs;  // one array per input, in recorded order
+  const void* output = nullptr;         // cpu_derivative only: the op's values y
+  void* result = nullptr;               // cpu: y; cpu_derivative: dy/dx_wrt
+  std::int64_t n = 0;
+  int wrt = 0;                          // cpu_derivative only: the input differentiated by
+};
+
+// The per-element form of an elementwise op: what lets the fusion pass put the op into one
+// generated kernel with its elementwise neighbours (docs/fusion.md). The op must compute
+// y[i] = f(x0[i], ..., xk[i]) with numpy broadcasting: its output shape is the broadcast of its
+// inputs' shapes and its dtype theirs (f32 or f64).
+struct ElementwiseForm {
+  // CUDA C++ defining the device functions named below, for the compute type (float for f32
+  // groups, double for f64: write overloads or templates). It is placed in a namespace of its
+  // own inside the generated kernel, so names do not clash with other ops' (do not #define).
+  std::string device_source;
+  // y = function(x0, ..., xk): one argument per input, in recorded order.
+  std::string function;
+  // dy/dx_i = derivative(i, x0, ..., xk, y), the derivative alone (the kernel multiplies by the
+  // incoming gradient). Empty: the op has no fused derivative and is not fused in training.
+  std::string derivative;
+  // The same two on the CPU, over contiguous spans (see ElementwiseSpan). Required with
+  // `function` / `derivative`; cpu_map() builds one from a scalar function.
+  std::function<void(const ElementwiseSpan&)> cpu;
+  std::function<void(const ElementwiseSpan&)> cpu_derivative;
+
+  // A CPU form from `f`, a generic callable of the compute type called as f(x0, ..., xk) (or, for
+  // a derivative, f(wrt, x0, ..., xk, y)) with K inputs: a plain loop the compiler can
+  // vectorise when f is inlineable.
+  template <int K, class F>
+  static std::function<void(const ElementwiseSpan&)> cpu_map(F f);
+  template <int K, class F>
+  static std::function<void(const ElementwiseSpan&)> cpu_map_derivative(F f);
+};
+
 // The graph-level description of an operation. Hold configuration here, never per-run state.
 class CustomOp {
  public:
@@ -169,6 +211,9 @@ class CustomOp {
   virtual BackwardSaves backward_saves() const { return {}; }
   // Attributes for dumps, e.g. "k=5 s=1 p=2" (default: none).
   virtual std::string attributes() const { return {}; }
+  // The op's per-element form for the given input dtypes, when it has one (default: none, so
+  // the op is never fused). Built-in activations and arithmetic declare theirs the same way.
+  virtual std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& input_dtypes) const;
   // True when the output is the first input's bytes reinterpreted (Reshape, Flatten): the
   // runtime then gives it no buffer of its own and cpu_forward is not called.
   virtual bool is_view() const { return false; }
@@ -197,5 +242,43 @@ class CustomData {
 };
 
 std::ostream& operator<<(std::ostream& os, const CustomData& d);
+
+// ---- ElementwiseForm::cpu_map ----
+namespace detail {
+template <class T, int K, class F, std::size_t... I>
+void elementwise_loop(const ElementwiseSpan& s, F& f, std::index_sequence<I...>) {
+  const T* in[K > 0 ? K : 1] = {static_cast<const T*>(s.inputs[I])...};
+  T* r = static_cast<T*>(s.result);
+  for (std::int64_t j = 0; j < s.n; ++j) r[j] = static_cast<T>(f(in[I][j]...));
+}
+template <class T, int K, class F, std::size_t... I>
+void elementwise_derivative_loop(const ElementwiseSpan& s, F& f, std::index_sequence<I...>) {
+  const T* in[K > 0 ? K : 1] = {static_cast<const T*>(s.inputs[I])...};
+  const T* y = static_cast<const T*>(s.output);
+  T* r = static_cast<T*>(s.result);
+  const int w = s.wrt;
+  for (std::int64_t j = 0; j < s.n; ++j) r[j] = static_cast<T>(f(w, in[I][j]..., y[j]));
+}
+}  // namespace detail
+
+template <int K, class F>
+std::function<void(const ElementwiseSpan&)> ElementwiseForm::cpu_map(F f) {
+  return [f](const ElementwiseSpan& s) mutable {
+    if (s.dtype == DType::F64)
+      detail::elementwise_loop<double, K>(s, f, std::make_index_sequence<K>{});
+    else
+      detail::elementwise_loop<float, K>(s, f, std::make_index_sequence<K>{});
+  };
+}
+
+template <int K, class F>
+std::function<void(const ElementwiseSpan&)> ElementwiseForm::cpu_map_derivative(F f) {
+  return [f](const ElementwiseSpan& s) mutable {
+    if (s.dtype == DType::F64)
+      detail::elementwise_derivative_loop<double, K>(s, f, std::make_index_sequence<K>{});
+    else
+      detail::elementwise_derivative_loop<float, K>(s, f, std::make_index_sequence<K>{});
+  };
+}
 
 }  // namespace kg

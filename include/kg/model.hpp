@@ -98,6 +98,14 @@ struct NodeTime {
 
 class LoadedModel;
 
+// How a recorded graph is optimised when a Model is made from it.
+struct ModelOptions {
+  // The fusion passes: a convolution's epilogue (inference) and groups of elementwise ops, the
+  // user's included, each generated as one kernel (docs/fusion.md). False keeps every node its own
+  // kernel, for comparison; so does the environment variable KG_NO_FUSION=1.
+  bool fusion = true;
+};
+
 // What the graph is lowered for. Inference fuses patterns that are only valid without
 // gradients (BatchNorm folded into the convolution before it); Training keeps every node.
 // A recorded graph with its outputs named, after the optimisation passes.
@@ -105,9 +113,9 @@ class Model {
  public:
   // `outputs` name the values the model returns, in this order.
   Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, SymTensor>> outputs,
-        LoweringMode mode = LoweringMode::Inference);
+        LoweringMode mode = LoweringMode::Inference, const ModelOptions& options = {});
   Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs,
-        LoweringMode mode = LoweringMode::Inference);
+        LoweringMode mode = LoweringMode::Inference, const ModelOptions& options = {});
 
   // Binds every dynamic dim from `input_shapes` (one per graph input, in order), re-runs shape
   // inference with concrete sizes (an op whose shape disagrees is named), plans and allocates

@@ -34,8 +34,9 @@ std::vector<std::string> names();
 // returns its logits; for graphs with more than the model in them (a loss, a second input).
 SymTensor record(const std::string& name, const SymTensor& x);
 // Records the named model with a dynamic batch dim ("batch") and returns it with its output
-// named "logits". Throws kg::Error for an unknown name, listing the known ones.
-Model build(const std::string& name, LoweringMode mode = LoweringMode::Inference);
+// named "logits", optimised as `options` say. Throws kg::Error for an unknown name, listing the
+// known ones.
+Model build(const std::string& name, LoweringMode mode = LoweringMode::Inference, const ModelOptions& options = {});
 // The input shape of a named model for a given batch size.
 std::vector<std::int64_t> input_shape(const std::string& name, std::int64_t batch);
 

@@ -96,8 +96,9 @@ class OpRegistry {
 struct ImportOptions {
   // Custom ops by domain and op type (may also replace standard ones).
   const OpRegistry* registry = nullptr;
-  // Inference or training lowering of the Model.
+  // Inference or training lowering of the Model, and its optimisation (ModelOptions::fusion).
   LoweringMode mode = LoweringMode::Inference;
+  ModelOptions model;
   // Values of graph inputs known at import (they become constants): for models that compute a
   // shape from an input (a Reshape whose target shape is a graph input).
   std::map<std::string, kg::Tensor> input_values;

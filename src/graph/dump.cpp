@@ -189,6 +189,32 @@ std::string to_dot(const GraphView& view) {
       os << ", style=\"rounded,dashed,filled\"";
     if (is_output[static_cast<std::size_t>(id)]) os << ", penwidth=2";
     os << "];\n";
+    // A fused node (its attributes list the nodes it stands for, "nodes=a,b,c") is drawn inside a
+    // cluster with one small box per member, in order.
+    if (n.kind == Node::Kind::Op) {
+      const std::string attrs = n.op->op().attributes();
+      const auto at = attrs.find("nodes=");
+      if (at != std::string::npos) {
+        const auto end = attrs.find(' ', at);
+        const std::string list = attrs.substr(at + 6, end == std::string::npos ? std::string::npos : end - at - 6);
+        std::vector<std::string> members;
+        for (std::size_t b = 0; b <= list.size();) {
+          const auto c = std::min(list.find(',', b), list.size());
+          members.push_back(list.substr(b, c - b));
+          b = c + 1;
+        }
+        os << "  subgraph cluster_n" << id << " {\n    label=\"" << escape_dot("fused: " + n.name)
+           << "\";\n    style=\"rounded,dashed\";\n    color=\"#c06000\";\n    n" << id << ";\n";
+        for (std::size_t k = 0; k < members.size(); ++k)
+          os << "    n" << id << "_m" << k << " [label=\"" << escape_dot(members[k])
+             << "\", shape=box, style=\"rounded\", fontsize=8, color=\"#c06000\"];\n";
+        for (std::size_t k = 0; k < members.size(); ++k) {
+          const std::string next = k + 1 < members.size() ? util::cat("n", id, "_m", k + 1) : util::cat("n", id);
+          os << "    n" << id << "_m" << k << " -> " << next << " [style=dotted, arrowhead=none];\n";
+        }
+        os << "  }\n";
+      }
+    }
   }
   for (int id : view.nodes) {
     const Node& n = g.node(id);
@@ -226,7 +252,7 @@ dump::GraphView model_view(const Graph& g, const Graph& recorded, LoweringMode m
   v.title = mode == LoweringMode::Inference
                 ? util::cat("inference graph after fusion: ", live.size(), " live nodes (",
                             recorded.nodes().size(), " recorded)")
-                : util::cat("training graph, as recorded (no fusion): ", live.size(), " live nodes (",
+                : util::cat("training graph after elementwise fusion: ", live.size(), " live nodes (",
                             recorded.nodes().size(), " recorded)");
   return v;
 }

@@ -199,6 +199,9 @@ void CustomOp::cpu_forward(CpuContext&) const { throw NoCpuImplementation(); }
 std::vector<ParamSpec> CustomOp::parameters(const std::vector<Shape>&) const { return {}; }
 std::optional<Lowered> CustomOp::lower(const LowerContext&) const { return std::nullopt; }
 std::string CustomOp::lower_backward_source(const LowerContext&) const { return {}; }
+std::optional<ElementwiseForm> CustomOp::elementwise_form(const std::vector<DType>&) const {
+  return std::nullopt;
+}
 
 void CustomOp::cpu_backward(CpuBackwardContext&) const {
   throw Error("has no CPU backward (override CustomOp::cpu_backward and has_cpu_backward)");

@@ -724,13 +724,13 @@ ImportedGraph import_graph_bytes(const std::string& bytes, const std::string& na
 
 Model import(const std::string& path, const ImportOptions& options) {
   ImportedGraph g = import_graph(path, options);
-  return Model(g.graph, g.outputs, options.mode);
+  return Model(g.graph, g.outputs, options.mode, options.model);
 }
 
 Model import_bytes(const std::string& bytes, const std::string& name, const ImportOptions& options,
                    const std::string& base_dir) {
   ImportedGraph g = import_graph_bytes(bytes, name, options, base_dir);
-  return Model(g.graph, g.outputs, options.mode);
+  return Model(g.graph, g.outputs, options.mode, options.model);
 }
 
 SymTensor ImportedGraph::output(const std::string& name) const {

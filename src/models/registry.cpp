@@ -38,14 +38,14 @@ std::vector<std::string> names() {
 
 SymTensor record(const std::string& name, const SymTensor& x) { return find(name).build(x); }
 
-Model build(const std::string& name, LoweringMode mode) {
+Model build(const std::string& name, LoweringMode mode, const ModelOptions& options) {
   const Entry& e = find(name);
   std::vector<Dim> dims{Dim::named("batch")};
   for (std::int64_t d : e.sample) dims.emplace_back(d);
   auto [x, graph] = SymTensor::input(DType::F32, Shape(std::move(dims)), "input");
   SymTensor logits = e.build(x);
   std::vector<std::pair<std::string, SymTensor>> outputs{{"logits", logits}};
-  return Model(graph, std::move(outputs), mode);
+  return Model(graph, std::move(outputs), mode, options);
 }
 
 std::vector<std::int64_t> input_shape(const std::string& name, std::int64_t batch) {

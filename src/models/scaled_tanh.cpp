@@ -160,6 +160,36 @@ std::string ScaledTanh::lower_backward_source(const LowerContext&) const {
   return with_scalar(dtype_, kBackwardSource);
 }
 
+std::optional<ElementwiseForm> ScaledTanh::elementwise_form(const std::vector<DType>& in) const {
+  if (in.size() != 1 || in[0] != dtype_) return std::nullopt;
+  char consts[96];
+  std::snprintf(consts, sizeof consts, "const double A = %.17g, S = %.17g;\n", a_, s_);
+  ElementwiseForm f;
+  f.function = "scaled_tanh";
+  f.derivative = "scaled_tanh_grad";
+  // The derivative from the output, as the backward kernel: A·S·(1 - (y/A)²).
+  f.device_source = std::string(consts) + R"(
+__device__ __forceinline__ float scaled_tanh(float x) { return (float)A * tanhf((float)S * x); }
+__device__ __forceinline__ double scaled_tanh(double x) { return A * tanh(S * x); }
+template <class T>
+__device__ __forceinline__ T scaled_tanh_grad(int, T, T y) {
+  const T t = y / (T)A;
+  return (T)A * (T)S * ((T)1 - t * t);
+}
+)";
+  const double a = a_, s = s_;
+  f.cpu = ElementwiseForm::cpu_map<1>([a, s](auto x) {
+    using T = decltype(x);
+    return static_cast<T>(a) * std::tanh(static_cast<T>(s) * x);
+  });
+  f.cpu_derivative = ElementwiseForm::cpu_map_derivative<1>([a, s](int, auto, auto y) {
+    using T = decltype(y);
+    const T t = y / static_cast<T>(a);
+    return static_cast<T>(a) * static_cast<T>(s) * (T(1) - t * t);
+  });
+  return f;
+}
+
 void ScaledTanh::cpu_forward(CpuContext& ctx) const {
   if (dtype_ == DType::F64)
     forward_cpu<double>(ctx, a_, s_);

@@ -24,6 +24,9 @@ class ScaledTanh final : public CustomOp {
   std::optional<Lowered> lower(const LowerContext& ctx) const override;
   std::string lower_backward_source(const LowerContext& ctx) const override;
 
+  // y = A·tanh(S·x) per element, so that the fusion pass can merge it with its neighbours.
+  std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& in) const override;
+
   void cpu_forward(CpuContext& ctx) const override;
   bool has_cpu_backward() const override { return true; }
   void cpu_backward(CpuBackwardContext& ctx) const override;

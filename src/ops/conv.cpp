@@ -70,6 +70,7 @@ struct Epilogue {
   const T* shift = nullptr;     // [O]; null: 0
   const T* residual = nullptr;  // laid out like the output; null: none
   std::optional<UnarySpec> act;
+  const ElementwiseForm* form = nullptr;  // an activation given by its CPU form, applied last
 };
 
 // dst[j] = epilogue(src[j]) for output channel `o` over n consecutive pixels; `res` is the
@@ -95,6 +96,10 @@ void epilogue_row(const Epilogue<T>& ep, std::int64_t o, std::int64_t n, const T
     for (std::int64_t j = 0; j < n; ++j) dst[j] = src[j] * s + t;
   }
   if (ep.act && !relu) apply_unary<T>(*ep.act, dst, dst, n);
+  if (ep.form) {
+    const void* in[1] = {dst};
+    ep.form->cpu(ElementwiseSpan{std::is_same_v<T, double> ? DType::F64 : DType::F32, in, nullptr, dst, n, 0});
+  }
 }
 
 using util::cpu_has_avx512f;
@@ -1408,6 +1413,7 @@ ConvGpuConfig gpu_config(const FusedConv2dOp& op) {
   c.bn_eps = op.spec().bn_eps;
   c.residual = op.spec().residual;
   c.activation = op.spec().activation;
+  c.activation_form = op.spec().activation_form;
   return c;
 }
 
@@ -1517,6 +1523,7 @@ std::string FusedConv2dOp::attributes() const {
   if (spec_.residual) what += " add";
   if (spec_.activation)
     what += util::cat(" ", kUnaryOps[static_cast<std::size_t>(spec_.activation->fn)].op_name);
+  if (spec_.activation_form) what += " " + spec_.activation_op;
   return util::cat(conv_.attributes(), " epilogue=[", what.empty() ? "" : what.substr(1), "] fused=[",
                    util::join(parts, ", "), "]");
 }
@@ -1548,6 +1555,7 @@ void FusedConv2dOp::cpu_forward(CpuContext& ctx) const {
     Epilogue<T> ep;
     ep.residual = spec_.residual ? ctx.inputs[1].data<T>() : nullptr;
     ep.act = spec_.activation;
+    ep.form = spec_.activation_form ? &*spec_.activation_form : nullptr;
     std::vector<T> scale, shift;
     if (!spec_.batch_norm) {
       ep.shift = bias;

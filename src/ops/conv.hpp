@@ -79,6 +79,10 @@ struct ConvEpilogueSpec {
   double bn_eps = 1e-5;
   bool residual = false;                 // y += the node's second input (same shape as the output)
   std::optional<UnarySpec> activation;   // y = f(y)
+  // Or any other single-input op with an ElementwiseForm (a user's activation): y = f(y) by its
+  // device function on the GPU and its CPU form on the CPU. `activation_op` is its op name.
+  std::optional<ElementwiseForm> activation_form;
+  std::string activation_op;
   std::vector<std::string> fused_nodes;  // names of the absorbed nodes, for attributes()
   std::vector<std::string> fused_ops;    // their op names ("nn.batch_norm2d", "nn.relu", ...)
 };

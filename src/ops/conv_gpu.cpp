@@ -1,6 +1,8 @@
 // nn.conv2d and nn.fused_conv2d on the GPU: choosing the kernel of conv.cu and launching it.
 #include "ops/conv_gpu.hpp"
 
+#include <cstdio>
+
 #include <algorithm>
 #include <limits>
 #include <memory>
@@ -357,18 +359,19 @@ ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg) {
 Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   const ConvGpuAlgo algo = conv_gpu_algo(cfg);
   // The backward kernels compute a plain convolution's gradients: no fused epilogue.
-  const bool backward = !cfg.batch_norm && !cfg.residual && !cfg.activation;
+  const bool activated = cfg.activation || cfg.activation_form;
+  const bool backward = !cfg.batch_norm && !cfg.residual && !activated;
   auto rt = std::make_shared<ConvRuntime>(cfg, algo, "[" + op_name + "]", backward);
   const char* algo_name = algo == ConvGpuAlgo::Gemm    ? "gemm"
                           : algo == ConvGpuAlgo::Tiled ? "tiled"
                                                        : "direct";
-  if (!cfg.activation && algo != ConvGpuAlgo::Tiled)
+  if (!activated && algo != ConvGpuAlgo::Tiled)
     return Lowered{op_name, kernel_file("conv.cu"), entry_for(util::cat("kg_conv2d_", algo_name), cfg.dtype),
                    rt};
   // One entry of its own, calling conv.cu's body with the tiled kernel's template arguments and
   // the activation, whose formula comes from elementwise.cu (without that file's entries).
   const char* t = cfg.dtype == DType::F64 ? "double" : "float";
-  std::string stem = cfg.activation ? "kg_fused_conv2d_" : "kg_conv2d_";
+  std::string stem = activated ? "kg_fused_conv2d_" : "kg_conv2d_";
   std::string body = util::cat("kg_conv2d_", algo_name, "<", t);
   if (algo == ConvGpuAlgo::Tiled) {
     const std::int64_t ocb = channels_per_thread(cfg.out_channels / cfg.options.groups);
@@ -381,6 +384,16 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   if (cfg.activation) {
     const UnaryEntry& act = kUnaryOps[static_cast<std::size_t>(cfg.activation->fn)];
     stem += util::cat("_", std::string(act.kernel).substr(3));  // "kg_relu" -> "relu"
+  } else if (cfg.activation_form) {
+    // Named by a hash of the form, so that two activations never share an entry.
+    std::uint64_t h = 1469598103934665603ull;
+    for (unsigned char c : cfg.activation_form->device_source + "/" + cfg.activation_form->function)
+      h = (h ^ c) * 1099511628211ull;
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+    stem += util::cat("_act", hex);
+  }
+  if (activated) {
     source = util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"), "\n");
     functor = util::cat("KgConvActivation<", t, ">{(", t, ")act_param}");
   }
@@ -391,6 +404,11 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
         util::cat("\ntemplate <class T>\nstruct KgConvActivation {\n  T param;\n",
                   "  __device__ __forceinline__ T operator()(T v) const { return kg_unary_fn<",
                   kUnaryOps[static_cast<std::size_t>(cfg.activation->fn)].device_fn, ">(v, param); }\n};\n");
+  else if (cfg.activation_form)
+    source += util::cat("\nnamespace kg_act {\n", cfg.activation_form->device_source,
+                        "\n}  // namespace kg_act\ntemplate <class T>\nstruct KgConvActivation {\n  T param;\n",
+                        "  __device__ __forceinline__ T operator()(T v) const { return (T)kg_act::",
+                        cfg.activation_form->function, "(v); }\n};\n");
   source += util::cat(
       "\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", entry, "(", entry_params(t),
       ") {\n  ", body,

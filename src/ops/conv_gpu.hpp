@@ -24,6 +24,8 @@ struct ConvGpuConfig {
   double bn_eps = 1e-5;
   bool residual = false;                // a second input added before the activation
   std::optional<UnarySpec> activation;  // applied last
+  // Or a single-input elementwise form (its device function), applied last.
+  std::optional<ElementwiseForm> activation_form;
 };
 
 // The GPU algorithms (see conv.cu): an implicit GEMM for many output channels per group and

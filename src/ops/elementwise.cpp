@@ -278,6 +278,42 @@ class UnaryOp final : public CustomOp {
     });
   }
 
+  // f(x) = kg_unary_fn<F>(x, param); f'(x) from kg_unary_grad with dy = 1 (every derivative there
+  // is linear in dy), through the output where the op's backward reads it.
+  std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& in) const override {
+    if (in.size() != 1 || (in[0] != DType::F32 && in[0] != DType::F64)) return std::nullopt;
+    const UnaryEntry& e = unary_entry(spec_.fn);
+    const std::string param = device_literal(spec_.param);
+    ElementwiseForm f;
+    f.function = "f";
+    f.derivative = "d";
+    f.device_source = util::cat(
+        "template <class T> __device__ __forceinline__ T f(T x) { return kg_unary_fn<", e.device_fn, ">(x, (T)", param,
+        "); }\ntemplate <class T> __device__ __forceinline__ T d(int, T x, T y) { return kg_unary_grad<", e.device_fn,
+        ">(", uses_output() ? "y" : "x", ", (T)1, (T)", param, "); }\n");
+    const UnarySpec spec = spec_;
+    f.cpu = [spec](const ElementwiseSpan& s) {
+      dispatch_float(s.dtype, [&](auto zero) {
+        using T = decltype(zero);
+        apply_unary<T>(spec, static_cast<const T*>(s.inputs[0]), static_cast<T*>(s.result), s.n);
+      });
+    };
+    const bool through_output = uses_output();
+    f.cpu_derivative = [spec, through_output](const ElementwiseSpan& s) {
+      dispatch_float(s.dtype, [&](auto zero) {
+        using T = decltype(zero);
+        const T* src = static_cast<const T*>(through_output ? s.output : s.inputs[0]);
+        T* r = static_cast<T*>(s.result);
+        const T param = static_cast<T>(spec.param);
+        visit_unary(spec.fn, [&](auto fn) {
+          constexpr UnaryFn F = decltype(fn)::value;
+          for (std::int64_t i = 0; i < s.n; ++i) r[i] = unary_grad<F, T>(src[i], T(1), param);
+        });
+      });
+    };
+    return f;
+  }
+
   const UnarySpec& spec() const { return spec_; }
 
  private:
@@ -786,6 +822,33 @@ class BinaryOp final : public CustomOp {
     });
   }
 
+  // f(a, b) = a ⊙ b; df/da and df/db as the backward computes them.
+  std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& in) const override {
+    if (in.size() != 2 || in[0] != in[1] || (in[0] != DType::F32 && in[0] != DType::F64)) return std::nullopt;
+    static constexpr const char* kDerivative[] = {
+        "(T)1", "i == 0 ? (T)1 : (T)-1", "i == 0 ? b : a", "i == 0 ? (T)1 / b : -((a / b) / b)"};
+    ElementwiseForm f;
+    f.function = "f";
+    f.derivative = "d";
+    f.device_source = util::cat("template <class T> __device__ __forceinline__ T f(T a, T b) { return kg_binary_fn<",
+                                binary_entry(fn_).device_fn,
+                                ">(a, b); }\ntemplate <class T> __device__ __forceinline__ T d(int i, T a, T b, T) { "
+                                "return ",
+                                kDerivative[static_cast<int>(fn_)], "; }\n");
+    visit_binary(fn_, [&](auto fn) {
+      constexpr BinaryFn F = decltype(fn)::value;
+      f.cpu = ElementwiseForm::cpu_map<2>([](auto a, auto b) { return binary_fn<F>(a, b); });
+      f.cpu_derivative = ElementwiseForm::cpu_map_derivative<2>([](int i, auto a, auto b, auto) {
+        using T = decltype(a);
+        if constexpr (F == BinaryFn::Add) return T(1);
+        else if constexpr (F == BinaryFn::Sub) return i == 0 ? T(1) : T(-1);
+        else if constexpr (F == BinaryFn::Mul) return i == 0 ? b : a;
+        else return i == 0 ? T(1) / b : -((a / b) / b);
+      });
+    });
+    return f;
+  }
+
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& a = ctx.inputs[0];
     const Tensor& b = ctx.inputs[1];
@@ -875,6 +938,48 @@ class ScalarOp final : public CustomOp {
         }
       });
     });
+  }
+
+  // f(x) = x ⊙ s (or s ⊙ x); f'(x) as the backward computes it.
+  std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& in) const override {
+    if (in.size() != 1 || (in[0] != DType::F32 && in[0] != DType::F64)) return std::nullopt;
+    const bool rev = reversed();
+    const std::string s = util::cat("(T)", device_literal(scalar_));
+    const char* op = binary_entry(fn_).device_fn;
+    std::string derivative;
+    switch (fn_) {
+      case BinaryFn::Add: derivative = "(T)1"; break;
+      case BinaryFn::Sub: derivative = rev ? "(T)-1" : "(T)1"; break;
+      case BinaryFn::Mul: derivative = s; break;
+      case BinaryFn::Div: derivative = rev ? util::cat("-((", s, " / x) / x)") : util::cat("(T)1 / ", s); break;
+    }
+    ElementwiseForm f;
+    f.function = "f";
+    f.derivative = "d";
+    f.device_source = util::cat("template <class T> __device__ __forceinline__ T f(T x) { return kg_binary_fn<", op,
+                                ">(", rev ? s + ", x" : "x, " + s, "); }\ntemplate <class T> __device__ __forceinline__ "
+                                "T d(int, T x, T) { return ", derivative, "; }\n");
+    const double sv = scalar_;
+    const BinaryFn bf = fn_;
+    visit_binary(fn_, [&](auto fn) {
+      using Fn = decltype(fn);
+      f.cpu = ElementwiseForm::cpu_map<1>([sv, rev](auto x) {
+        using T = decltype(x);
+        return rev ? binary_fn<Fn::value>(static_cast<T>(sv), x) : binary_fn<Fn::value>(x, static_cast<T>(sv));
+      });
+    });
+    f.cpu_derivative = ElementwiseForm::cpu_map_derivative<1>([sv, rev, bf](int, auto x, auto) {
+      using T = decltype(x);
+      const T c = static_cast<T>(sv);
+      switch (bf) {
+        case BinaryFn::Add: return T(1);
+        case BinaryFn::Sub: return rev ? T(-1) : T(1);
+        case BinaryFn::Mul: return c;
+        case BinaryFn::Div: break;
+      }
+      return rev ? -((c / x) / x) : T(1) / c;
+    });
+    return f;
   }
 
   void cpu_forward(CpuContext& ctx) const override {

@@ -1,8 +1,27 @@
 #include "ops/op_util.hpp"
 
 #include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
 
 namespace kg::ops {
+
+std::string device_literal(double v) {
+  if (!std::isfinite(v)) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "__longlong_as_double(0x%016llxLL)",
+                  static_cast<unsigned long long>(std::bit_cast<std::uint64_t>(v)));
+    return buf;
+  }
+  char buf[40];
+  auto res = std::to_chars(buf, buf + sizeof buf, v);
+  std::string s(buf, res.ptr);
+  // A whole number such as "2" would be an int literal: make it a double.
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return "(" + s + ")";
+}
 
 Shape broadcast_shapes(const Shape& a, const Shape& b) {
   const std::size_t r = std::max(a.rank(), b.rank());

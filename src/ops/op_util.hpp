@@ -79,6 +79,10 @@ void dispatch_width(std::size_t width, F&& fn) {
   }
 }
 
+// `v` as a C++ double expression for generated kernel source: the shortest literal that reads back
+// exactly, or the bit pattern for infinities and NaN.
+std::string device_literal(double v);
+
 // numpy broadcasting of two symbolic shapes. A dynamic dim against 1 stays dynamic; two
 // dynamic dims give the first (they must agree at load, where shapes are concrete).
 Shape broadcast_shapes(const Shape& a, const Shape& b);

@@ -1,6 +1,7 @@
 // Inference fusion of a convolution's epilogue: conv2d → [batch_norm2d] → [add(residual)] →
 // [activation] (at least one of them) becomes one nn.fused_conv2d node that applies the folded
-// BatchNorm, the residual add and the activation while each output tile is in cache.
+// BatchNorm, the residual add and the activation while each output tile is in cache. The
+// activation is a built-in one or any single-input op with an ElementwiseForm (a user's).
 //
 // A node joins the chain only when the node before it has exactly one consumer (it) and is
 // not a model output. The fused node takes the convolution's name and all the absorbed
@@ -81,13 +82,22 @@ GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& o
         }
       }
     }
-    // An elementwise activation.
+    // An elementwise activation: a built-in one, or any single-input op that declares its
+    // per-element form (a user's activation), with no parameters and the same shape and dtype.
     if (next >= 0) {
       const Node& m = graph.node(next);
       if (auto act = ops::unary_spec(m.op->op()); act && m.inputs.size() == 1 && m.dtype == n.dtype) {
         c.spec.activation = act;
         c.absorbed.push_back(next);
         cur = next;
+      } else if (m.inputs.size() == 1 && m.params.empty() && m.dtype == n.dtype && m.shape == shape) {
+        std::optional<ElementwiseForm> form = m.op->op().elementwise_form({n.dtype});
+        if (form && !form->function.empty() && form->cpu) {
+          c.spec.activation_form = std::move(form);
+          c.spec.activation_op = m.op_name();
+          c.absorbed.push_back(next);
+          cur = next;
+        }
       }
     }
     if (c.absorbed.empty()) continue;

@@ -41,11 +41,15 @@ class Rewriter {
 // For each node, how many nodes (and model outputs) consume it.
 std::vector<int> use_counts(const Graph& graph, const std::vector<int>& outputs);
 
-// Runs the passes for `mode` in order.
-GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode);
+// Runs the passes for `mode` in order; with options.fusion false (or KG_NO_FUSION set to anything
+// but "" or "0") none of the fusion passes runs.
+GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode,
+                         const ModelOptions& options = {});
 
 // The passes themselves (each in its own file).
 // Inference only: conv2d → batch_norm2d → (relu) and conv2d → relu become one fused conv.
 GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& outputs);
+// Groups of elementwise nodes (ops with an ElementwiseForm) become kg.fused_elementwise nodes.
+GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode);
 
 }  // namespace kg::passes

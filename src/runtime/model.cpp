@@ -53,7 +53,7 @@ std::string MemoryPlan::to_string() const {
 // ---- Model ----
 
 Model::Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, SymTensor>> outputs,
-             LoweringMode mode)
+             LoweringMode mode, const ModelOptions& options)
     : recorded_(std::move(graph)), mode_(mode) {
   if (!recorded_) throw Error("Model: null graph");
   if (outputs.empty()) throw Error("Model: name at least one output");
@@ -66,7 +66,7 @@ Model::Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, Sy
   }
   std::vector<int> ids;
   for (auto& o : outputs_) ids.push_back(o.second);
-  passes::GraphAndOutputs opt = passes::optimize(recorded_, ids, mode_);
+  passes::GraphAndOutputs opt = passes::optimize(recorded_, ids, mode_, options);
   graph_ = opt.graph;
   for (std::size_t i = 0; i < outputs_.size(); ++i) outputs_[i].second = opt.outputs[i];
   live_ = passes::live_nodes(*graph_, opt.outputs);
@@ -81,8 +81,9 @@ std::vector<std::pair<std::string, SymTensor>> name_outputs(const std::vector<Sy
 }
 }  // namespace
 
-Model::Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs, LoweringMode mode)
-    : Model(std::move(graph), name_outputs(outputs), mode) {}
+Model::Model(std::shared_ptr<Graph> graph, const std::vector<SymTensor>& outputs, LoweringMode mode,
+             const ModelOptions& options)
+    : Model(std::move(graph), name_outputs(outputs), mode, options) {}
 
 std::vector<ParamInfo> Model::parameters() const {
   std::vector<ParamInfo> out;

@@ -187,8 +187,8 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
   std::ostream& out = dot_to_stdout ? discarded : stdout_stream;
 
   if (!args.render_path.empty()) kg::dump::render_format(args.render_path);  // fail before any work
-  const auto mode = args.recorded ? kg::LoweringMode::Training : kg::LoweringMode::Inference;
-  const ModelSource source = ModelSource::open(args.model, mode);
+  const ModelSource source =
+      ModelSource::open(args.model, kg::LoweringMode::Inference, {.fusion = !args.recorded});
   const kg::Model& model = source.model();
   std::optional<DimBinding> binding;  // checked before anything is printed
   if (!args.dims.empty()) binding = source.bind(args.dims);

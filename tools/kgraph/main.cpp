@@ -1,6 +1,7 @@
 // kgraph: inspect and run kernelgraph models (the zoo, or ONNX files) from the command line.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -151,6 +152,13 @@ int main(int argc, char** argv) {
   kgraph::TrainArgs ta;
   CLI::App* train = kgraph::add_train_command(app, ta);
 
+  // --no-fusion on every command that builds a model: the fusion passes are skipped (through
+  // KG_NO_FUSION, which every Model made in this process reads), for comparison.
+  bool no_fusion = false;
+  for (CLI::App* c : {inspect, run, compile, train})
+    c->add_flag("--no-fusion", no_fusion,
+                "Skip the fusion passes (elementwise groups, convolution epilogues): every node is its own kernel");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -169,6 +177,7 @@ int main(int argc, char** argv) {
     return fail(one_line(e.what()) + " (see '" + where + " --help')", 2);
   }
 
+  if (no_fusion) ::setenv("KG_NO_FUSION", "1", 1);
   try {
     ia.dims = dim_options(inspect_batch_opt, inspect_batch, inspect_dims);
     ra.dims = dim_options(run_batch_opt, run_batch, run_dims);

@@ -79,12 +79,12 @@ std::string DimBinding::to_string() const {
 ModelSource::ModelSource(std::string name, bool is_file, kg::Model model)
     : name_(std::move(name)), is_file_(is_file), model_(std::move(model)), inputs_(kg::onnx::model_inputs(model_)) {}
 
-ModelSource ModelSource::open(const std::string& spec, kg::LoweringMode mode) {
+ModelSource ModelSource::open(const std::string& spec, kg::LoweringMode mode, const kg::ModelOptions& model_options) {
   namespace fs = std::filesystem;
   const auto zoo = kg::models::names();
   const bool onnx_path = ends_with(spec, ".onnx");
   if (!onnx_path && std::find(zoo.begin(), zoo.end(), spec) != zoo.end())
-    return ModelSource(spec, false, kg::models::build(spec, mode));
+    return ModelSource(spec, false, kg::models::build(spec, mode, model_options));
   std::error_code ec;
   const bool exists = fs::exists(spec, ec);
   if (onnx_path || exists) {
@@ -96,6 +96,7 @@ ModelSource ModelSource::open(const std::string& spec, kg::LoweringMode mode) {
                                     zoo_list(), "; or a path to an .onnx file)"));
     kg::onnx::ImportOptions options;
     options.mode = mode;
+    options.model = model_options;
     return ModelSource(spec, true, kg::onnx::import(spec, options));
   }
   throw kg::Error(kg::util::cat("unknown model '", spec, "'; known models: ", zoo_list(),

@@ -39,7 +39,8 @@ class ModelSource {
   // `spec` is a zoo name (kg::models::names()) or a path: one ending in ".onnx", or any existing
   // file, is imported with kg::onnx::import. A missing file or an unknown name is a kg::Error
   // listing the zoo and saying that an .onnx path is accepted too.
-  static ModelSource open(const std::string& spec, kg::LoweringMode mode = kg::LoweringMode::Inference);
+  static ModelSource open(const std::string& spec, kg::LoweringMode mode = kg::LoweringMode::Inference,
+                          const kg::ModelOptions& options = {});
 
   // MODEL as given ("lenet5", "models/bert.onnx").
   const std::string& name() const { return name_; }

@@ -1,0 +1,477 @@
+// kg.fused_elementwise: the members' per-element forms run in one pass, generated as CUDA C++ for
+// the GPU (and the emulator) and chunked on the CPU.
+#include "ops/fused_elementwise.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+#include "kg/error.hpp"
+#include "kg/runtime_op.hpp"
+#include "ops/divider.hpp"
+#include "ops/gpu_util.hpp"
+#include "ops/op_util.hpp"
+#include "util/str.hpp"
+
+namespace kg::ops {
+namespace {
+
+constexpr unsigned kThreads = KG_EW_THREADS;
+// CPU chunk: every member's values for this many output elements stay in L1/L2 together.
+constexpr std::int64_t kChunk = 1024;
+
+// How a group input is read at output index i.
+enum class Read { Same, Scalar, Walk };
+
+std::uint64_t fnv1a(const std::string& s, std::uint64_t h = 1469598103934665603ull) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// A value of the group in generated code: "v<k>" for member k, "e<j>" for input j.
+std::string value_name(int arg) { return arg >= 0 ? util::cat("v", arg) : util::cat("e", -1 - arg); }
+
+// The output's dims merged for the walk of the broadcast inputs, and how each input is read.
+struct WalkPlan {
+  std::vector<Read> reads;
+  std::vector<std::int64_t> size;                 // merged output dims, innermost first
+  std::vector<std::vector<std::int64_t>> stride;  // [input][dim]
+};
+
+// `reads`, when given, says how each input is read (the kernel was written for it); otherwise the
+// sizes decide.
+WalkPlan plan_walk(const std::vector<std::vector<std::int64_t>>& inputs, const std::vector<std::int64_t>& out,
+                   const std::string& label, const std::vector<Read>* reads = nullptr) {
+  WalkPlan p;
+  const std::int64_t n = numel_of(out);
+  const std::size_t r = out.size();
+  std::vector<std::size_t> walked;
+  for (std::size_t j = 0; j < inputs.size(); ++j) {
+    const std::int64_t m = numel_of(inputs[j]);
+    Read read = m == n ? Read::Same : m == 1 ? Read::Scalar : Read::Walk;  // Same: only size-1 dims differ
+    if (reads) read = reads->at(j);
+    p.reads.push_back(read);
+    if (read == Read::Walk) walked.push_back(j);
+  }
+  p.stride.assign(inputs.size(), {});
+  if (walked.empty()) return p;
+  // Innermost first: the output's dims, each input's strides along them (0 where broadcast).
+  std::vector<std::int64_t> size;
+  std::vector<std::vector<std::int64_t>> stride(inputs.size());
+  for (std::size_t d = 0; d < r; ++d) {
+    const std::size_t od = r - 1 - d;
+    if (out[od] == 1) continue;
+    size.push_back(out[od]);
+    for (std::size_t j : walked) {
+      const auto& in = inputs[j];
+      std::int64_t s = 0;
+      if (d < in.size() && in[in.size() - 1 - d] != 1) {
+        s = 1;
+        for (std::size_t k = 0; k < d; ++k) s *= in[in.size() - 1 - k];
+      }
+      stride[j].push_back(s);
+    }
+  }
+  // Merge dim d+1 into d where every walked input is contiguous across them.
+  for (std::size_t d = 0; d < size.size();) {
+    if (d + 1 < size.size() && std::all_of(walked.begin(), walked.end(), [&](std::size_t j) {
+          return stride[j][d + 1] == stride[j][d] * size[d];
+        })) {
+      size[d] *= size[d + 1];
+      size.erase(size.begin() + static_cast<std::ptrdiff_t>(d) + 1);
+      for (std::size_t j : walked) stride[j].erase(stride[j].begin() + static_cast<std::ptrdiff_t>(d) + 1);
+      continue;
+    }
+    ++d;
+  }
+  if (size.size() > KG_EW_MAX_DIMS)
+    throw Error(util::cat(label, " broadcasts over ", size.size(), " dims after merging; the fused kernel walks at most ",
+                          KG_EW_MAX_DIMS));
+  p.size = std::move(size);
+  p.stride = std::move(stride);
+  return p;
+}
+
+KgFusedWalk gpu_walk(const WalkPlan& p) {
+  KgFusedWalk w{};
+  w.rank = static_cast<int>(p.size.size());
+  for (std::size_t d = 0; d < p.size.size(); ++d) {
+    w.size[d] = kg_divider(p.size[d]);
+    for (std::size_t j = 0; j < p.stride.size(); ++j)
+      if (!p.stride[j].empty()) w.stride[j][d] = p.stride[j][d];
+  }
+  return w;
+}
+
+const char* c_type(DType t) { return t == DType::F64 ? "double" : "float"; }
+
+class FusedRuntime final : public RuntimeOp {
+ public:
+  FusedRuntime(std::string entry, std::string label, DType dtype, std::vector<Read> reads)
+      : entry_(std::move(entry)), label_(std::move(label)), dtype_(dtype), reads_(std::move(reads)) {}
+
+  std::vector<Launch> launches(const LaunchTensors& t) const override {
+    Launch l;
+    l.entry = entry_;
+    l.block = {kThreads, 1, 1};
+    const std::int64_t n = t.output.numel();
+    bool walks = false;
+    for (const auto& x : t.inputs) l.args.add(x);
+    l.args.add(t.output);
+    l.args.add(n);
+    for (Read r : reads_) walks = walks || r == Read::Walk;
+    if (walks) {
+      std::vector<std::vector<std::int64_t>> shapes;
+      for (const auto& x : t.inputs) shapes.push_back(x.shape);
+      const KgFusedWalk w = gpu_walk(plan_walk(shapes, t.output.shape, label_, &reads_));
+      l.args.add(raw_bytes(&w, sizeof w));
+      l.grid = grid_1d(tiles_of(n, KG_UNROLL), kThreads);
+    } else {
+      const auto per_thread = static_cast<std::int64_t>(KG_EW_PACK_BYTES / dtype_size(dtype_)) * KG_UNROLL;
+      l.grid = grid_1d(tiles_of(n, per_thread), kThreads);
+    }
+    return {l};
+  }
+
+  // (x0.., dy, g0.., n): a null gradient is one nobody needs.
+  std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    Launch l;
+    l.entry = entry_ + "_backward";
+    l.block = {kThreads, 1, 1};
+    const std::int64_t n = t.grad_output.numel();
+    for (const auto& x : t.inputs) l.args.add(x);
+    l.args.add(t.grad_output);
+    for (std::size_t j = 0; j < t.inputs.size(); ++j)
+      l.args.add(ptr(j < t.grad_inputs.size() ? t.grad_inputs[j].ptr : DevicePtr{0}));
+    l.args.add(n);
+    l.grid = grid_1d(tiles_of(n, KG_UNROLL), kThreads);
+    return {l};
+  }
+
+ private:
+  std::string entry_, label_;
+  DType dtype_;
+  std::vector<Read> reads_;
+};
+
+// ---- CPU ----
+
+// The chunk [o0, o0 + len) of input j as a contiguous array: the input itself where it is read at
+// the same index, else gathered into `buf`.
+template <class T>
+const T* chunk_of(const Tensor& x, Read read, const WalkPlan& p, std::size_t j, std::int64_t o0, std::int64_t len,
+                  T* buf) {
+  const T* data = x.data<T>();
+  if (read == Read::Same) return data + o0;
+  if (read == Read::Scalar) {
+    std::fill(buf, buf + len, data[0]);
+    return buf;
+  }
+  const auto& size = p.size;
+  const auto& stride = p.stride[j];
+  const std::size_t r = size.size();
+  std::int64_t idx[KG_EW_MAX_DIMS] = {};
+  std::int64_t off = 0, rest = o0;
+  for (std::size_t d = 0; d < r; ++d) {
+    idx[d] = rest % size[d];
+    rest /= size[d];
+    off += idx[d] * stride[d];
+  }
+  for (std::int64_t k = 0; k < len; ++k) {
+    buf[k] = data[off];
+    // Odometer step of the output index, innermost dim first.
+    for (std::size_t d = 0; d < r; ++d) {
+      off += stride[d];
+      if (++idx[d] < size[d]) break;
+      off -= stride[d] * size[d];
+      idx[d] = 0;
+    }
+  }
+  return buf;
+}
+
+}  // namespace
+
+FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inputs, DType dtype,
+                                       LoweringMode mode)
+    : members_(std::move(members)), inputs_(inputs), dtype_(dtype), mode_(mode) {
+  if (members_.empty()) throw Error("kg.fused_elementwise: a group needs at least one member");
+  if (inputs_ < 1 || inputs_ > KG_FUSE_MAX_INPUTS)
+    throw Error(util::cat("kg.fused_elementwise: a group reads 1 to ", KG_FUSE_MAX_INPUTS, " inputs, got ", inputs_));
+  if (dtype_ != DType::F32 && dtype_ != DType::F64)
+    throw Error(util::cat("kg.fused_elementwise: groups compute in f32 or f64, not ", dtype_name(dtype_)));
+  std::vector<char> used(static_cast<std::size_t>(inputs_), 0);
+  std::string key = util::cat(dtype_name(dtype_), inputs_, mode_ == LoweringMode::Training ? "T" : "I");
+  for (std::size_t m = 0; m < members_.size(); ++m) {
+    const FusedMember& f = members_[m];
+    const std::string who = util::cat("kg.fused_elementwise: member ", f.op.name(), " @ ", f.node);
+    if (f.form.function.empty() || !f.form.cpu) throw Error(who + " has no device function or no CPU form");
+    if (mode_ == LoweringMode::Training && (f.form.derivative.empty() || !f.form.cpu_derivative))
+      throw Error(who + " has no derivative, so it cannot be fused in training");
+    for (int a : f.args) {
+      if (a >= static_cast<int>(m) || -1 - a >= inputs_)
+        throw Error(util::cat(who, " reads value ", a, ", which is not an earlier member or a group input"));
+      if (a < 0) used[static_cast<std::size_t>(-1 - a)] = 1;
+    }
+    key += util::cat("|", f.op.name(), "(", f.op->attributes(), ")", f.form.function, "/", f.form.derivative, "[");
+    for (int a : f.args) key += util::cat(a, ",");
+    key += "]" + f.form.device_source;
+  }
+  for (int j = 0; j < inputs_; ++j)
+    if (!used[static_cast<std::size_t>(j)])
+      throw Error(util::cat("kg.fused_elementwise: group input ", j, " is read by no member"));
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
+  entry_ = std::string("kg_fused_") + hex;
+}
+
+std::string FusedElementwiseOp::attributes() const {
+  std::string nodes;
+  for (const auto& m : members_) nodes += (nodes.empty() ? "" : ",") + m.node;
+  return util::cat("nodes=", nodes, " kernel=", entry_);
+}
+
+Shape FusedElementwiseOp::infer_output_shape(const std::vector<Shape>& in) const {
+  if (static_cast<int>(in.size()) != inputs_)
+    throw Error(util::cat("expects ", inputs_, " input(s), got ", in.size()));
+  std::vector<Shape> values;
+  for (const auto& m : members_) {
+    std::vector<Shape> args;
+    for (int a : m.args) args.push_back(a >= 0 ? values[static_cast<std::size_t>(a)] : in[static_cast<std::size_t>(-1 - a)]);
+    try {
+      values.push_back(m.op->infer_output_shape(args));
+    } catch (const Error& e) {
+      throw Error(util::cat("member ", m.op.name(), " @ ", m.node, ": ", e.what()));
+    }
+  }
+  return values.back();
+}
+
+DType FusedElementwiseOp::infer_output_dtype(const std::vector<DType>& in) const {
+  for (DType t : in)
+    if (t != dtype_)
+      throw Error(util::cat("was fused for ", dtype_name(dtype_), " inputs, got ", dtype_name(t)));
+  return dtype_;
+}
+
+std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const {
+  const std::string label = util::cat("[kg.fused_elementwise @ ", ctx.node, "]");
+  WalkPlan plan;
+  if (!ctx.concrete_input_shapes.empty()) {
+    plan = plan_walk(ctx.concrete_input_shapes, ctx.concrete_output_shape, label);
+  } else {
+    // Symbolic shapes only (an op lowered outside a model): an input shaped like the output is
+    // read at the same index, one of a single static element once, any other by the walk.
+    for (const auto& s : ctx.input_shapes)
+      plan.reads.push_back(s == ctx.output_shape                        ? Read::Same
+                           : s.is_concrete() && numel_of(s.sizes()) == 1 ? Read::Scalar
+                                                                         : Read::Walk);
+  }
+  const std::vector<std::int64_t> out =
+      ctx.concrete_output_shape.empty() && ctx.output_shape.is_concrete() ? ctx.output_shape.sizes()
+                                                                           : ctx.concrete_output_shape;
+  const bool walks = std::find(plan.reads.begin(), plan.reads.end(), Read::Walk) != plan.reads.end();
+  // 32-bit index division where every index fits (unknown sizes: 64-bit).
+  const bool small = (!out.empty() || ctx.output_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
+
+  std::string src = util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
+                              c_type(dtype_), " kg_t;\n");
+  for (std::size_t m = 0; m < members_.size(); ++m)
+    src += util::cat("// ", members_[m].op.name(), " @ ", members_[m].node, "\nnamespace kg_m", m, " {\n",
+                     members_[m].form.device_source, "\n}  // namespace kg_m", m, "\n");
+  // The group's value from its inputs' values e0.. (one expression per member).
+  std::string eval_params, body;
+  for (int j = 0; j < inputs_; ++j) eval_params += util::cat(j ? ", " : "", "kg_t e", j);
+  for (std::size_t m = 0; m < members_.size(); ++m) {
+    body += util::cat("    const kg_t v", m, " = (kg_t)kg_m", m, "::", members_[m].form.function, "(");
+    for (std::size_t k = 0; k < members_[m].args.size(); ++k)
+      body += util::cat(k ? ", " : "", value_name(members_[m].args[k]));
+    body += ");\n";
+  }
+  std::string params;
+  for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_t* __restrict__ x", j, ", ");
+  params += "kg_t* __restrict__ y, long long n";
+  if (walks) params += ", KgFusedWalk w";
+  src += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_, "(", params,
+                   ") {\n  auto eval = [&](", eval_params, ") -> kg_t {\n", body, "    return v",
+                   members_.size() - 1, ";\n  };\n");
+  auto read = [&](int j, const char* i) -> std::string {
+    switch (plan.reads[static_cast<std::size_t>(j)]) {
+      case Read::Same: return util::cat("x", j, "[", i, "]");
+      case Read::Scalar: return util::cat("x", j, "[0]");
+      case Read::Walk: return util::cat("x", j, "[o", j, "]");
+    }
+    return {};
+  };
+  if (!walks) {
+    // 16-byte packs where every input read at the same index and the output are aligned.
+    std::string aligned = "kg_aligned16(y)", pack_loads, pack_args, scalars;
+    for (int j = 0; j < inputs_; ++j) {
+      if (plan.reads[static_cast<std::size_t>(j)] == Read::Same) {
+        aligned += util::cat(" && kg_aligned16(x", j, ")");
+        pack_loads += util::cat("        const KgPack<kg_t> p", j, " = reinterpret_cast<const KgPack<kg_t>*>(x", j,
+                                ")[i];\n");
+        pack_args += util::cat(j ? ", " : "", "p", j, ".v[k]");
+      } else {
+        scalars += util::cat("  const kg_t s", j, " = x", j, "[0];\n");
+        pack_args += util::cat(j ? ", " : "", "s", j);
+      }
+    }
+    std::string scalar_args;
+    for (int j = 0; j < inputs_; ++j) scalar_args += util::cat(j ? ", " : "", read(j, "i"));
+    src += util::cat(scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_t);\n  kg_index done = 0;\n  if (",
+                     aligned, ") {\n    kg_for_each_unrolled<KgPack<kg_t>>(\n      n / W,\n      [&](kg_index i) {\n",
+                     pack_loads, "        KgPack<kg_t> r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) r.v[k] = eval(",
+                     pack_args, ");\n        return r;\n      },\n",
+                     "      [&](kg_index i, const KgPack<kg_t>& r) { reinterpret_cast<KgPack<kg_t>*>(y)[i] = r; });\n",
+                     "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_t>(\n    n - done,\n",
+                     "    [&](kg_index t) { const kg_index i = done + t; return eval(", scalar_args, "); },\n",
+                     "    [&](kg_index t, kg_t v) { y[done + t] = v; });\n}\n");
+  } else {
+    std::string offsets, walk, args;
+    for (int j = 0; j < inputs_; ++j) {
+      if (plan.reads[static_cast<std::size_t>(j)] == Read::Walk) {
+        offsets += util::cat(" o", j, " = 0,");
+        walk += util::cat(" o", j, " += k * w.stride[", j, "][d];");
+      }
+      args += util::cat(j ? ", " : "", read(j, "i"));
+    }
+    offsets.back() = ';';
+    src += util::cat("  kg_for_each_unrolled<kg_t>(\n    n,\n    [&](kg_index i) {\n      kg_index", offsets,
+                     "\n      kg_index r = i;\n      for (int d = 0; d < w.rank; ++d) {\n",
+                     "        const kg_index q = kg_div<", small ? "true" : "false", ">(w.size[d], r);\n",
+                     "        const kg_index k = r - q * w.size[d].d;\n       ", walk, "\n        r = q;\n      }\n",
+                     "      return eval(", args, ");\n    },\n    [&](kg_index i, kg_t v) { y[i] = v; });\n}\n");
+  }
+  return Lowered{name(), std::move(src), entry_, std::make_shared<FusedRuntime>(entry_, label, dtype_, plan.reads)};
+}
+
+std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const {
+  if (mode_ != LoweringMode::Training) return {};
+  std::string src = util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
+                              c_type(dtype_), " kg_t;\n");
+  for (std::size_t m = 0; m < members_.size(); ++m)
+    src += util::cat("namespace kg_m", m, " {\n", members_[m].form.device_source, "\n}  // namespace kg_m", m, "\n");
+  std::string params;
+  for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_t* __restrict__ x", j, ", ");
+  params += "const kg_t* __restrict__ dy";
+  for (int j = 0; j < inputs_; ++j) params += util::cat(", kg_t* __restrict__ g", j);
+  params += ", long long n";
+  std::string body;
+  for (int j = 0; j < inputs_; ++j) body += util::cat("    const kg_t e", j, " = x", j, "[i];\n");
+  const std::size_t last = members_.size() - 1;
+  for (std::size_t m = 0; m <= last; ++m) {
+    body += util::cat("    const kg_t v", m, " = (kg_t)kg_m", m, "::", members_[m].form.function, "(");
+    for (std::size_t k = 0; k < members_[m].args.size(); ++k)
+      body += util::cat(k ? ", " : "", value_name(members_[m].args[k]));
+    body += ");\n";
+  }
+  // Reverse mode over the members: the gradient of each value, from its consumers' derivatives.
+  for (int j = 0; j < inputs_; ++j) body += util::cat("    kg_t de", j, " = 0;\n");
+  for (std::size_t m = 0; m < last; ++m) body += util::cat("    kg_t dv", m, " = 0;\n");
+  body += util::cat("    const kg_t dv", last, " = dy[i];\n");
+  for (std::size_t m = last + 1; m-- > 0;) {
+    const FusedMember& f = members_[m];
+    std::string args;
+    for (int a : f.args) args += value_name(a) + ", ";
+    for (std::size_t k = 0; k < f.args.size(); ++k)
+      body += util::cat("    d", value_name(f.args[k]), " += dv", m, " * (kg_t)kg_m", m, "::", f.form.derivative, "(",
+                        k, ", ", args, "v", m, ");\n");
+  }
+  for (int j = 0; j < inputs_; ++j) body += util::cat("    if (g", j, ") g", j, "[i] = de", j, ";\n");
+  src += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_, "_backward(", params,
+                   ") {\n  for (kg_index i = kg_thread_index(); i < n; i += kg_grid_stride()) {\n", body, "  }\n}\n");
+  return src;
+}
+
+void FusedElementwiseOp::cpu_forward(CpuContext& ctx) const {
+  const std::int64_t n = ctx.output.numel();
+  if (n == 0) return;
+  std::vector<std::vector<std::int64_t>> shapes;
+  for (const auto& x : ctx.inputs) shapes.push_back(x.shape());
+  const WalkPlan plan = plan_walk(shapes, ctx.output.shape(), "[kg.fused_elementwise]");
+  const std::size_t mcount = members_.size();
+  dispatch_float(dtype_, [&](auto zero) {
+    using T = decltype(zero);
+    T* y = ctx.output.data<T>();
+    ctx.parallel_for(tiles_of(n, kChunk), 16, [&](std::int64_t c0, std::int64_t c1) {
+      // Per range: a gather buffer per input, a value buffer per member.
+      std::vector<T> buf(static_cast<std::size_t>((inputs_ + static_cast<int>(mcount)) * kChunk));
+      std::vector<const T*> in(static_cast<std::size_t>(inputs_));
+      std::vector<const void*> args;
+      for (std::int64_t c = c0; c < c1; ++c) {
+        const std::int64_t o0 = c * kChunk, len = std::min(kChunk, n - o0);
+        for (int j = 0; j < inputs_; ++j) {
+          const auto uj = static_cast<std::size_t>(j);
+          in[uj] = chunk_of<T>(ctx.inputs[uj], plan.reads[uj], plan, uj, o0, len, buf.data() + uj * kChunk);
+        }
+        for (std::size_t m = 0; m < mcount; ++m) {
+          args.clear();
+          for (int a : members_[m].args)
+            args.push_back(a >= 0 ? static_cast<const void*>(buf.data() + (static_cast<std::size_t>(inputs_) +
+                                                                           static_cast<std::size_t>(a)) *
+                                                                              kChunk)
+                                  : in[static_cast<std::size_t>(-1 - a)]);
+          T* result = m + 1 == mcount ? y + o0 : buf.data() + (static_cast<std::size_t>(inputs_) + m) * kChunk;
+          members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, result, len, 0});
+        }
+      }
+    });
+  });
+}
+
+void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
+  if (mode_ != LoweringMode::Training) throw Error("was fused for inference and has no backward");
+  const std::int64_t n = ctx.grad_output.numel();
+  if (n == 0) return;
+  for (const auto& x : ctx.inputs)
+    if (x.numel() != n)
+      throw Error(util::cat("a training group's inputs have the output's shape, got ", sizes_to_string(x.shape()),
+                            " for ", sizes_to_string(ctx.grad_output.shape())));
+  const std::size_t mcount = members_.size(), nin = static_cast<std::size_t>(inputs_);
+  dispatch_float(dtype_, [&](auto zero) {
+    using T = decltype(zero);
+    const T* dy = ctx.grad_output.data<T>();
+    ctx.parallel_for(tiles_of(n, kChunk), 16, [&](std::int64_t c0, std::int64_t c1) {
+      // Values v (members), their gradients dv, the inputs' gradients de, one derivative.
+      std::vector<T> v(mcount * kChunk), dv(mcount * kChunk), de(nin * kChunk), d(kChunk);
+      std::vector<const void*> args;
+      auto value = [&](int a, std::int64_t o0) -> const void* {
+        return a >= 0 ? static_cast<const void*>(v.data() + static_cast<std::size_t>(a) * kChunk)
+                      : static_cast<const void*>(ctx.inputs[static_cast<std::size_t>(-1 - a)].data<T>() + o0);
+      };
+      for (std::int64_t c = c0; c < c1; ++c) {
+        const std::int64_t o0 = c * kChunk, len = std::min(kChunk, n - o0);
+        const auto ulen = static_cast<std::size_t>(len);
+        for (std::size_t m = 0; m < mcount; ++m) {
+          args.clear();
+          for (int a : members_[m].args) args.push_back(value(a, o0));
+          members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, v.data() + m * kChunk, len, 0});
+        }
+        std::fill(dv.begin(), dv.end(), T(0));
+        std::fill(de.begin(), de.end(), T(0));
+        std::copy(dy + o0, dy + o0 + len, dv.data() + (mcount - 1) * kChunk);
+        for (std::size_t m = mcount; m-- > 0;) {
+          const FusedMember& f = members_[m];
+          args.clear();
+          for (int a : f.args) args.push_back(value(a, o0));
+          const T* g = dv.data() + m * kChunk;
+          for (std::size_t k = 0; k < f.args.size(); ++k) {
+            f.form.cpu_derivative(
+                ElementwiseSpan{dtype_, args, v.data() + m * kChunk, d.data(), len, static_cast<int>(k)});
+            const int a = f.args[k];
+            T* target = a >= 0 ? dv.data() + static_cast<std::size_t>(a) * kChunk
+                               : de.data() + static_cast<std::size_t>(-1 - a) * kChunk;
+            for (std::size_t i = 0; i < ulen; ++i) target[i] += g[i] * d[i];
+          }
+        }
+        for (std::size_t j = 0; j < nin; ++j)
+          if (ctx.wants_input_grad(j))
+            std::copy(de.data() + j * kChunk, de.data() + j * kChunk + len, ctx.grad_inputs[j].data<T>() + o0);
+      }
+    });
+  });
+}
+
+}  // namespace kg::ops
