@@ -2,6 +2,7 @@
 // exported from PyTorch (or the ONNX exports in bench/) load by name.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,11 +25,20 @@ CustomData scaled_tanh_op(DType dtype = DType::F32, double amplitude = 1.7159, d
 // Records scaled_tanh_op(x.dtype()) after `x`.
 SymTensor scaled_tanh(const SymTensor& x, const std::string& name = "");
 
+// Swish y = x·sigmoid(x) as a user's custom op ("user.swish"): CPU and CUDA forward and backward,
+// and its per-element form, so that it fuses (f32 or f64).
+CustomData swish_op();
+SymTensor swish(const SymTensor& x, const std::string& name = "");
+
 // ResNet-18 for [N, 3, H, W] inputs with torchvision's names (conv1, bn1, layer1.0.conv1, ...,
 // fc).
 SymTensor resnet18(const SymTensor& x, std::int64_t num_classes = 1000);
+// The same with `activation` (e.g. swish) in place of every ReLU; the names do not change.
+SymTensor resnet18_with(const SymTensor& x,
+                        const std::function<SymTensor(const SymTensor&, const std::string&)>& activation,
+                        std::int64_t num_classes = 1000);
 
-// Names the CLI accepts: "lenet5", "resnet18", "lenet5-tanh".
+// Names the CLI accepts: "lenet5", "resnet18", "lenet5-tanh", "resnet18-swish".
 std::vector<std::string> names();
 // Records the named model's layers on `x` (which must have the model's input shape) and
 // returns its logits; for graphs with more than the model in them (a loss, a second input).

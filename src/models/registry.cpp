@@ -18,6 +18,10 @@ const std::vector<Entry>& zoo() {
       {"lenet5", {1, 28, 28}, [](const SymTensor& x) { return lenet5(x); }},
       {"resnet18", {3, 224, 224}, [](const SymTensor& x) { return resnet18(x); }},
       {"lenet5-tanh", {1, 28, 28}, [](const SymTensor& x) { return lenet5_tanh(x); }},
+      {"resnet18-swish", {3, 224, 224},
+       [](const SymTensor& x) {
+         return resnet18_with(x, [](const SymTensor& h, const std::string& n) { return swish(h, n); });
+       }},
   };
   return entries;
 }

@@ -559,3 +559,36 @@ TEST(FuseElementwiseGpu, AUserActivationEpilogueMatchesTheCpu) {
   }
   compare_on_gpu(b, random_inputs(rng, b, kg::DType::F32), 1e-4, params);
 }
+
+// The zoo's user.swish (a user-style custom op) passes the op checks on its own, forward and
+// backward, and ResNet-18 with it in place of every ReLU keeps torchvision's parameter names and
+// fuses every swish into a convolution's epilogue.
+TEST(FuseElementwise, ResNetWithAUserSwishFusesItIntoItsConvolutions) {
+  const auto fwd = kg::testing::check_op(kg::models::swish_op(), {kg::Shape{kg::Dim::named("batch"), 33}},
+                                         {kg::DType::F32}, {.gpu = false});
+  EXPECT_TRUE(fwd.ok) << fwd.to_string();
+  kg::testing::GradCheckOptions gopt;
+  gopt.gpu = false;
+  const auto bwd = kg::testing::check_gradients(kg::models::swish_op(), {{3, 7}}, {kg::DType::F64}, gopt);
+  EXPECT_TRUE(bwd.ok) << bwd.to_string();
+
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  kg::Model fused = kg::models::build("resnet18-swish");
+  kg::Model plain = kg::models::build("resnet18-swish", kg::LoweringMode::Inference, {.fusion = false});
+  kg::Model relu = kg::models::build("resnet18", kg::LoweringMode::Inference, {.fusion = false});
+  std::vector<std::string> a, b;
+  for (const auto& p : plain.parameters()) a.push_back(p.name);
+  for (const auto& p : relu.parameters()) b.push_back(p.name);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(count_ops(plain, "user.swish"), 17);
+  EXPECT_EQ(count_ops(fused, "user.swish"), 0);
+  EXPECT_EQ(count_ops(fused, "nn.fused_conv2d"), 20);
+  const std::vector<std::vector<std::int64_t>> shapes{kg::models::input_shape("resnet18-swish", 1)};
+  auto mp = plain.load(kg::Device::cpu(), shapes);
+  auto mf = fused.load(kg::Device::cpu(), shapes);
+  mf.load_state_dict(mp.state_dict());
+  auto in = kg_test::random_tensor(rng, kg::DType::F32, shapes[0]);
+  EXPECT_TRUE(kg_test::all_close(mf.forward({in})[0], mp.forward({in})[0], 1e-4, 1e-5));
+}
