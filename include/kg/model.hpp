@@ -141,6 +141,7 @@ class Model {
  private:
   std::shared_ptr<Graph> recorded_, graph_;
   LoweringMode mode_;
+  bool fused_ = true;  // the fusion passes ran
   std::vector<std::pair<std::string, int>> outputs_;
   std::vector<int> live_;
 };

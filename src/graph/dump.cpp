@@ -242,29 +242,29 @@ namespace kg {
 
 namespace {
 
-dump::GraphView model_view(const Graph& g, const Graph& recorded, LoweringMode mode,
+dump::GraphView model_view(const Graph& g, const Graph& recorded, LoweringMode mode, bool fused,
                            const std::vector<int>& live,
                            const std::vector<std::pair<std::string, int>>& outputs) {
   dump::GraphView v;
   v.graph = &g;
   v.nodes = live;
   v.outputs = outputs;
-  v.title = mode == LoweringMode::Inference
-                ? util::cat("inference graph after fusion: ", live.size(), " live nodes (",
-                            recorded.nodes().size(), " recorded)")
-                : util::cat("training graph after elementwise fusion: ", live.size(), " live nodes (",
-                            recorded.nodes().size(), " recorded)");
+  const char* what = mode == LoweringMode::Inference ? "inference graph" : "training graph";
+  const char* how = !fused ? "as recorded (no fusion)"
+                    : mode == LoweringMode::Inference ? "after fusion"
+                                                      : "after elementwise fusion";
+  v.title = util::cat(what, " ", how, ": ", live.size(), " live nodes (", recorded.nodes().size(), " recorded)");
   return v;
 }
 
 }  // namespace
 
 std::string Model::summary() const {
-  return dump::summary(model_view(*graph_, *recorded_, mode_, live_, outputs_));
+  return dump::summary(model_view(*graph_, *recorded_, mode_, fused_, live_, outputs_));
 }
 
 std::string Model::to_dot() const {
-  return dump::to_dot(model_view(*graph_, *recorded_, mode_, live_, outputs_));
+  return dump::to_dot(model_view(*graph_, *recorded_, mode_, fused_, live_, outputs_));
 }
 
 }  // namespace kg

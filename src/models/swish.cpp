@@ -52,7 +52,8 @@ std::string source_for(DType dtype) {
 }
 
 Dim3 blocks_for(std::int64_t n) {
-  return {static_cast<unsigned>(std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks)), 1, 1};
+  return {static_cast<unsigned>(std::clamp<std::int64_t>((n + kThreads - 1) / kThreads, 1, kMaxBlocks)), 1,
+          1};
 }
 
 class SwishRuntime final : public RuntimeOp {
@@ -108,10 +109,13 @@ DType Swish::infer_output_dtype(const std::vector<DType>& in) const {
 }
 
 std::optional<Lowered> Swish::lower(const LowerContext& ctx) const {
-  return Lowered{name(), source_for(ctx.output_dtype), "user_swish_forward", std::make_shared<SwishRuntime>()};
+  return Lowered{name(), source_for(ctx.output_dtype), "user_swish_forward",
+                 std::make_shared<SwishRuntime>()};
 }
 
-std::string Swish::lower_backward_source(const LowerContext& ctx) const { return source_for(ctx.output_dtype); }
+std::string Swish::lower_backward_source(const LowerContext& ctx) const {
+  return source_for(ctx.output_dtype);
+}
 
 std::optional<ElementwiseForm> Swish::elementwise_form(const std::vector<DType>& in) const {
   if (in.size() != 1 || (in[0] != DType::F32 && in[0] != DType::F64)) return std::nullopt;
@@ -120,7 +124,8 @@ std::optional<ElementwiseForm> Swish::elementwise_form(const std::vector<DType>&
   f.function = "swish";
   f.derivative = "swish_grad";
   f.cpu = ElementwiseForm::cpu_map<1>([](auto x) { return swish_of(x); });
-  f.cpu_derivative = ElementwiseForm::cpu_map_derivative<1>([](int, auto x, auto) { return swish_grad_of(x); });
+  f.cpu_derivative =
+      ElementwiseForm::cpu_map_derivative<1>([](int, auto x, auto) { return swish_grad_of(x); });
   return f;
 }
 

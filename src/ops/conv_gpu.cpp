@@ -394,7 +394,8 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
     stem += util::cat("_act", hex);
   }
   if (activated) {
-    source = util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"), "\n");
+    // The formulas a form may call: elementwise.cu's (without its entries) and pointwise.cuh's.
+    source = util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"), "\n#include \"pointwise.cuh\"\n");
     functor = util::cat("KgConvActivation<", t, ">{(", t, ")act_param}");
   }
   const std::string entry = entry_for(stem, cfg.dtype);

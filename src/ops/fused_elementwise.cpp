@@ -86,8 +86,8 @@ WalkPlan plan_walk(const std::vector<std::vector<std::int64_t>>& inputs, const s
     ++d;
   }
   if (size.size() > KG_EW_MAX_DIMS)
-    throw Error(util::cat(label, " broadcasts over ", size.size(), " dims after merging; the fused kernel walks at most ",
-                          KG_EW_MAX_DIMS));
+    throw Error(util::cat(label, " broadcasts over ", size.size(),
+                          " dims after merging; the fused kernel walks at most ", KG_EW_MAX_DIMS));
   p.size = std::move(size);
   p.stride = std::move(stride);
   return p;
@@ -160,8 +160,8 @@ class FusedRuntime final : public RuntimeOp {
 // The chunk [o0, o0 + len) of input j as a contiguous array: the input itself where it is read at
 // the same index, else gathered into `buf`.
 template <class T>
-const T* chunk_of(const Tensor& x, Read read, const WalkPlan& p, std::size_t j, std::int64_t o0, std::int64_t len,
-                  T* buf) {
+const T* chunk_of(const Tensor& x, Read read, const WalkPlan& p, std::size_t j, std::int64_t o0,
+                  std::int64_t len, T* buf) {
   const T* data = x.data<T>();
   if (read == Read::Same) return data + o0;
   if (read == Read::Scalar) {
@@ -198,7 +198,8 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
     : members_(std::move(members)), inputs_(inputs), dtype_(dtype), mode_(mode) {
   if (members_.empty()) throw Error("kg.fused_elementwise: a group needs at least one member");
   if (inputs_ < 1 || inputs_ > KG_FUSE_MAX_INPUTS)
-    throw Error(util::cat("kg.fused_elementwise: a group reads 1 to ", KG_FUSE_MAX_INPUTS, " inputs, got ", inputs_));
+    throw Error(
+        util::cat("kg.fused_elementwise: a group reads 1 to ", KG_FUSE_MAX_INPUTS, " inputs, got ", inputs_));
   if (dtype_ != DType::F32 && dtype_ != DType::F64)
     throw Error(util::cat("kg.fused_elementwise: groups compute in f32 or f64, not ", dtype_name(dtype_)));
   std::vector<char> used(static_cast<std::size_t>(inputs_), 0);
@@ -214,7 +215,8 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
         throw Error(util::cat(who, " reads value ", a, ", which is not an earlier member or a group input"));
       if (a < 0) used[static_cast<std::size_t>(-1 - a)] = 1;
     }
-    key += util::cat("|", f.op.name(), "(", f.op->attributes(), ")", f.form.function, "/", f.form.derivative, "[");
+    key += util::cat("|", f.op.name(), "(", f.op->attributes(), ")", f.form.function, "/", f.form.derivative,
+                     "[");
     for (int a : f.args) key += util::cat(a, ",");
     key += "]" + f.form.device_source;
   }
@@ -238,7 +240,8 @@ Shape FusedElementwiseOp::infer_output_shape(const std::vector<Shape>& in) const
   std::vector<Shape> values;
   for (const auto& m : members_) {
     std::vector<Shape> args;
-    for (int a : m.args) args.push_back(a >= 0 ? values[static_cast<std::size_t>(a)] : in[static_cast<std::size_t>(-1 - a)]);
+    for (int a : m.args)
+      args.push_back(a >= 0 ? values[static_cast<std::size_t>(a)] : in[static_cast<std::size_t>(-1 - a)]);
     try {
       values.push_back(m.op->infer_output_shape(args));
     } catch (const Error& e) {
@@ -264,19 +267,20 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     // Symbolic shapes only (an op lowered outside a model): an input shaped like the output is
     // read at the same index, one of a single static element once, any other by the walk.
     for (const auto& s : ctx.input_shapes)
-      plan.reads.push_back(s == ctx.output_shape                        ? Read::Same
+      plan.reads.push_back(s == ctx.output_shape                         ? Read::Same
                            : s.is_concrete() && numel_of(s.sizes()) == 1 ? Read::Scalar
                                                                          : Read::Walk);
   }
-  const std::vector<std::int64_t> out =
-      ctx.concrete_output_shape.empty() && ctx.output_shape.is_concrete() ? ctx.output_shape.sizes()
-                                                                           : ctx.concrete_output_shape;
+  const std::vector<std::int64_t> out = ctx.concrete_output_shape.empty() && ctx.output_shape.is_concrete()
+                                            ? ctx.output_shape.sizes()
+                                            : ctx.concrete_output_shape;
   const bool walks = std::find(plan.reads.begin(), plan.reads.end(), Read::Walk) != plan.reads.end();
   // 32-bit index division where every index fits (unknown sizes: 64-bit).
-  const bool small = (!out.empty() || ctx.output_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
+  const bool small =
+      (!out.empty() || ctx.output_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
 
   std::string src = util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
-                              c_type(dtype_), " kg_t;\n");
+                              c_type(dtype_), " kg_t;\n#include \"pointwise.cuh\"\n");
   for (std::size_t m = 0; m < members_.size(); ++m)
     src += util::cat("// ", members_[m].op.name(), " @ ", members_[m].node, "\nnamespace kg_m", m, " {\n",
                      members_[m].form.device_source, "\n}  // namespace kg_m", m, "\n");
@@ -298,9 +302,12 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
                    members_.size() - 1, ";\n  };\n");
   auto read = [&](int j, const char* i) -> std::string {
     switch (plan.reads[static_cast<std::size_t>(j)]) {
-      case Read::Same: return util::cat("x", j, "[", i, "]");
-      case Read::Scalar: return util::cat("x", j, "[0]");
-      case Read::Walk: return util::cat("x", j, "[o", j, "]");
+      case Read::Same:
+        return util::cat("x", j, "[", i, "]");
+      case Read::Scalar:
+        return util::cat("x", j, "[0]");
+      case Read::Walk:
+        return util::cat("x", j, "[o", j, "]");
     }
     return {};
   };
@@ -310,8 +317,8 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     for (int j = 0; j < inputs_; ++j) {
       if (plan.reads[static_cast<std::size_t>(j)] == Read::Same) {
         aligned += util::cat(" && kg_aligned16(x", j, ")");
-        pack_loads += util::cat("        const KgPack<kg_t> p", j, " = reinterpret_cast<const KgPack<kg_t>*>(x", j,
-                                ")[i];\n");
+        pack_loads += util::cat("        const KgPack<kg_t> p", j,
+                                " = reinterpret_cast<const KgPack<kg_t>*>(x", j, ")[i];\n");
         pack_args += util::cat(j ? ", " : "", "p", j, ".v[k]");
       } else {
         scalars += util::cat("  const kg_t s", j, " = x", j, "[0];\n");
@@ -320,14 +327,16 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     }
     std::string scalar_args;
     for (int j = 0; j < inputs_; ++j) scalar_args += util::cat(j ? ", " : "", read(j, "i"));
-    src += util::cat(scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_t);\n  kg_index done = 0;\n  if (",
-                     aligned, ") {\n    kg_for_each_unrolled<KgPack<kg_t>>(\n      n / W,\n      [&](kg_index i) {\n",
-                     pack_loads, "        KgPack<kg_t> r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) r.v[k] = eval(",
-                     pack_args, ");\n        return r;\n      },\n",
-                     "      [&](kg_index i, const KgPack<kg_t>& r) { reinterpret_cast<KgPack<kg_t>*>(y)[i] = r; });\n",
-                     "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_t>(\n    n - done,\n",
-                     "    [&](kg_index t) { const kg_index i = done + t; return eval(", scalar_args, "); },\n",
-                     "    [&](kg_index t, kg_t v) { y[done + t] = v; });\n}\n");
+    src += util::cat(
+        scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_t);\n  kg_index done = 0;\n  if (",
+        aligned, ") {\n    kg_for_each_unrolled<KgPack<kg_t>>(\n      n / W,\n      [&](kg_index i) {\n",
+        pack_loads,
+        "        KgPack<kg_t> r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) r.v[k] = eval(",
+        pack_args, ");\n        return r;\n      },\n",
+        "      [&](kg_index i, const KgPack<kg_t>& r) { reinterpret_cast<KgPack<kg_t>*>(y)[i] = r; });\n",
+        "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_t>(\n    n - done,\n",
+        "    [&](kg_index t) { const kg_index i = done + t; return eval(", scalar_args, "); },\n",
+        "    [&](kg_index t, kg_t v) { y[done + t] = v; });\n}\n");
   } else {
     std::string offsets, walk, args;
     for (int j = 0; j < inputs_; ++j) {
@@ -341,18 +350,21 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     src += util::cat("  kg_for_each_unrolled<kg_t>(\n    n,\n    [&](kg_index i) {\n      kg_index", offsets,
                      "\n      kg_index r = i;\n      for (int d = 0; d < w.rank; ++d) {\n",
                      "        const kg_index q = kg_div<", small ? "true" : "false", ">(w.size[d], r);\n",
-                     "        const kg_index k = r - q * w.size[d].d;\n       ", walk, "\n        r = q;\n      }\n",
-                     "      return eval(", args, ");\n    },\n    [&](kg_index i, kg_t v) { y[i] = v; });\n}\n");
+                     "        const kg_index k = r - q * w.size[d].d;\n       ", walk,
+                     "\n        r = q;\n      }\n", "      return eval(", args,
+                     ");\n    },\n    [&](kg_index i, kg_t v) { y[i] = v; });\n}\n");
   }
-  return Lowered{name(), std::move(src), entry_, std::make_shared<FusedRuntime>(entry_, label, dtype_, plan.reads)};
+  return Lowered{name(), std::move(src), entry_,
+                 std::make_shared<FusedRuntime>(entry_, label, dtype_, plan.reads)};
 }
 
 std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const {
   if (mode_ != LoweringMode::Training) return {};
   std::string src = util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
-                              c_type(dtype_), " kg_t;\n");
+                              c_type(dtype_), " kg_t;\n#include \"pointwise.cuh\"\n");
   for (std::size_t m = 0; m < members_.size(); ++m)
-    src += util::cat("namespace kg_m", m, " {\n", members_[m].form.device_source, "\n}  // namespace kg_m", m, "\n");
+    src += util::cat("namespace kg_m", m, " {\n", members_[m].form.device_source, "\n}  // namespace kg_m", m,
+                     "\n");
   std::string params;
   for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_t* __restrict__ x", j, ", ");
   params += "const kg_t* __restrict__ dy";
@@ -376,12 +388,13 @@ std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const
     std::string args;
     for (int a : f.args) args += value_name(a) + ", ";
     for (std::size_t k = 0; k < f.args.size(); ++k)
-      body += util::cat("    d", value_name(f.args[k]), " += dv", m, " * (kg_t)kg_m", m, "::", f.form.derivative, "(",
-                        k, ", ", args, "v", m, ");\n");
+      body += util::cat("    d", value_name(f.args[k]), " += dv", m, " * (kg_t)kg_m", m,
+                        "::", f.form.derivative, "(", k, ", ", args, "v", m, ");\n");
   }
   for (int j = 0; j < inputs_; ++j) body += util::cat("    if (g", j, ") g", j, "[i] = de", j, ";\n");
-  src += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_, "_backward(", params,
-                   ") {\n  for (kg_index i = kg_thread_index(); i < n; i += kg_grid_stride()) {\n", body, "  }\n}\n");
+  src += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_, "_backward(",
+                   params, ") {\n  for (kg_index i = kg_thread_index(); i < n; i += kg_grid_stride()) {\n",
+                   body, "  }\n}\n");
   return src;
 }
 
@@ -413,7 +426,8 @@ void FusedElementwiseOp::cpu_forward(CpuContext& ctx) const {
                                                                            static_cast<std::size_t>(a)) *
                                                                               kChunk)
                                   : in[static_cast<std::size_t>(-1 - a)]);
-          T* result = m + 1 == mcount ? y + o0 : buf.data() + (static_cast<std::size_t>(inputs_) + m) * kChunk;
+          T* result =
+              m + 1 == mcount ? y + o0 : buf.data() + (static_cast<std::size_t>(inputs_) + m) * kChunk;
           members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, result, len, 0});
         }
       }
@@ -427,8 +441,8 @@ void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
   if (n == 0) return;
   for (const auto& x : ctx.inputs)
     if (x.numel() != n)
-      throw Error(util::cat("a training group's inputs have the output's shape, got ", sizes_to_string(x.shape()),
-                            " for ", sizes_to_string(ctx.grad_output.shape())));
+      throw Error(util::cat("a training group's inputs have the output's shape, got ",
+                            sizes_to_string(x.shape()), " for ", sizes_to_string(ctx.grad_output.shape())));
   const std::size_t mcount = members_.size(), nin = static_cast<std::size_t>(inputs_);
   dispatch_float(dtype_, [&](auto zero) {
     using T = decltype(zero);
@@ -468,7 +482,8 @@ void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
         }
         for (std::size_t j = 0; j < nin; ++j)
           if (ctx.wants_input_grad(j))
-            std::copy(de.data() + j * kChunk, de.data() + j * kChunk + len, ctx.grad_inputs[j].data<T>() + o0);
+            std::copy(de.data() + j * kChunk, de.data() + j * kChunk + len,
+                      ctx.grad_inputs[j].data<T>() + o0);
       }
     });
   });

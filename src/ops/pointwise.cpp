@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -59,7 +60,7 @@ struct FnInfo {
   const char* expr;           // the device expression over a, b, c, T (the inputs' C type) and p
 };
 
-// One row per function, in PointwiseFn order. The expressions call pointwise.cu's helpers.
+// One row per function, in PointwiseFn order. The expressions call pointwise.cuh's helpers.
 // clang-format off
 constexpr FnInfo kFns[] = {
     {P::Neg, "pw.neg", 1, Takes::Numeric, false, 0, {}, "kg_pw_neg(a)"},
@@ -851,6 +852,34 @@ void integer_bounds(Attrs& at) {
   at.i[1] = std::clamp(double_to_i64(std::floor(at.a[1])), lo, hi);
 }
 
+// ---- elementwise forms (the fusion pass) ----
+
+// True when the function has an elementwise form for f32 and f64 inputs: one or two inputs of
+// the output's dtype. Not the comparisons, IsNaN, IsInf and the logical ops (bool results), the
+// bitwise ops (integers only) or Where (a bool condition).
+constexpr bool has_form(PointwiseFn fn) {
+  const FnInfo& f = info(fn);
+  return f.arity <= 2 && !f.bool_out && f.takes != Takes::Bool && f.takes != Takes::Integer;
+}
+
+// The table's expression for a float dtype with the attributes as literals (Clip's bounds through
+// kg_pw_clamp), or "" when it would still read the kernel's arguments p.
+std::string form_expr(PointwiseFn fn, const Attrs& at) {
+  if (fn == P::Clip)
+    return util::cat("kg_pw_clamp(a, (T)", device_literal(at.a[0]), ", (T)", device_literal(at.a[1]), ")");
+  std::string e = info(fn).expr;
+  for (int k = 0; k < info(fn).attrs; ++k) {
+    const std::string ref = util::cat("p.attr[", k, "]"), lit = device_literal(at.a[k]);
+    for (std::size_t i = e.find(ref); i != std::string::npos; i = e.find(ref, i + lit.size()))
+      e.replace(i, ref.size(), lit);
+  }
+  // An expression that still reads p (an argument not replaced above) gets no form.
+  auto ident = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  for (std::size_t i = 0; i < e.size(); ++i)
+    if (e[i] == 'p' && (i == 0 || !ident(e[i - 1])) && (i + 1 == e.size() || !ident(e[i + 1]))) return {};
+  return e;
+}
+
 // ---- the ops ----
 
 class PointwiseOp final : public CustomOp {
@@ -928,6 +957,37 @@ class PointwiseOp final : public CustomOp {
     const std::string stem = name().substr(3);  // after "pw."
     return lowering(ctx, name(), util::cat("kg_pw_", stem, "_", dtype_name(t)), t, info(fn_).expr,
                     attrs_for(t));
+  }
+
+  // f = the unfused kernel's expression with the attributes as literals, on the CPU the same
+  // scalar function as cpu_forward. No derivative (the family has no backward): fused in
+  // inference only. The helpers it calls are pointwise.cuh's, which every module a form goes into
+  // (a fused group's, a convolution's epilogue) includes.
+  std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& in) const override {
+    const FnInfo& f = info(fn_);
+    if (!has_form(fn_) || in.size() != static_cast<std::size_t>(f.arity)) return std::nullopt;
+    const DType t = in[0];
+    if (t != DType::F32 && t != DType::F64) return std::nullopt;
+    for (DType d : in)
+      if (d != t) return std::nullopt;
+    const Attrs at = attrs_for(t);
+    const std::string expr = form_expr(fn_, at);
+    if (expr.empty()) return std::nullopt;
+    ElementwiseForm form;
+    form.function = "f";
+    form.device_source =
+        util::cat("template <class T> __device__ __forceinline__ T f(T a",
+                  f.arity == 2 ? ", T b" : "", ") { return (T)(", expr, "); }\n");
+    visit_fn(fn_, [&](auto fc) {
+      constexpr PointwiseFn F = decltype(fc)::value;
+      if constexpr (has_form(F)) {
+        if constexpr (info(F).arity == 1)
+          form.cpu = ElementwiseForm::cpu_map<1>([at](auto a) { return unary_fn<F>(a, at); });
+        else
+          form.cpu = ElementwiseForm::cpu_map<2>([](auto a, auto b) { return binary_fn<F>(a, b); });
+      }
+    });
+    return form;
   }
 
   void cpu_forward(CpuContext& ctx) const override {

@@ -6,8 +6,10 @@
 // One op class serves every function: the function and its attributes are the op's
 // configuration; the dtypes come from the inputs. On the GPU every (function, dtypes) pair the
 // op is instantiated for gets its own entry, generated at lowering from an expression for the
-// function and the C types of the dtypes (pointwise.cu holds the device helpers and the
-// broadcasting loops).
+// function and the C types of the dtypes (pointwise.cuh holds the device helpers, pointwise.cu
+// the broadcasting loops). For f32 and f64 the functions whose result has the inputs' dtype
+// declare elementwise forms (docs/fusion.md), so the fusion pass can join them with their
+// neighbours in inference.
 #pragma once
 
 #include <string>

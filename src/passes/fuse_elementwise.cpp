@@ -92,7 +92,8 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
       std::vector<int> ext;
       for (int m : members)
         for (int in : graph.node(m).inputs)
-          if (group_of[static_cast<std::size_t>(in)] != gi && std::find(ext.begin(), ext.end(), in) == ext.end())
+          if (group_of[static_cast<std::size_t>(in)] != gi &&
+              std::find(ext.begin(), ext.end(), in) == ext.end())
             ext.push_back(in);
       return ext;
     };
@@ -102,7 +103,8 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
         const auto up = static_cast<std::size_t>(p);
         if (!forms[up] || group_of[up] >= 0 || is_output[up]) continue;
         const auto& cs = consumers[up];
-        if (!std::all_of(cs.begin(), cs.end(), [&](int c) { return group_of[static_cast<std::size_t>(c)] == gi; }))
+        if (!std::all_of(cs.begin(), cs.end(),
+                         [&](int c) { return group_of[static_cast<std::size_t>(c)] == gi; }))
           continue;
         group_of[up] = gi;
         members.push_back(p);
@@ -123,7 +125,8 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
     g.members = members;
     for (int m : members)
       for (int in : graph.node(m).inputs)
-        if (group_of[static_cast<std::size_t>(in)] != gi && std::find(g.inputs.begin(), g.inputs.end(), in) == g.inputs.end())
+        if (group_of[static_cast<std::size_t>(in)] != gi &&
+            std::find(g.inputs.begin(), g.inputs.end(), in) == g.inputs.end())
           g.inputs.push_back(in);
     groups.push_back(std::move(g));
   }
@@ -159,8 +162,8 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
     fused.name = n.name;
     fused.dtype = n.dtype;
     fused.shape = n.shape;
-    fused.op = CustomData::make<ops::FusedElementwiseOp>(std::move(members), static_cast<int>(g.inputs.size()),
-                                                         n.dtype, mode);
+    fused.op = CustomData::make<ops::FusedElementwiseOp>(std::move(members),
+                                                         static_cast<int>(g.inputs.size()), n.dtype, mode);
     rw.map(n.id, rw.add(std::move(fused), g.inputs));
   }
   return rw.finish(outputs);

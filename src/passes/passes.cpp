@@ -48,15 +48,15 @@ std::vector<int> use_counts(const Graph& graph, const std::vector<int>& outputs)
   return uses;
 }
 
-bool fusion_disabled_by_env() {
+bool fusion_enabled_by_env() {
   const char* v = std::getenv("KG_NO_FUSION");
-  return v && *v && std::string_view(v) != "0";
+  return !(v && *v && std::string_view(v) != "0");
 }
 
 GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode,
                          const ModelOptions& options) {
   GraphAndOutputs g{std::move(graph), std::move(outputs)};
-  if (!options.fusion || fusion_disabled_by_env()) return g;
+  if (!options.fusion || !fusion_enabled_by_env()) return g;
   if (mode == LoweringMode::Inference) g = fuse_conv_epilogue(*g.graph, g.outputs);
   g = fuse_elementwise(*g.graph, g.outputs, mode);
   return g;

@@ -41,6 +41,9 @@ class Rewriter {
 // For each node, how many nodes (and model outputs) consume it.
 std::vector<int> use_counts(const Graph& graph, const std::vector<int>& outputs);
 
+// True unless KG_NO_FUSION is set to anything but "" or "0".
+bool fusion_enabled_by_env();
+
 // Runs the passes for `mode` in order; with options.fusion false (or KG_NO_FUSION set to anything
 // but "" or "0") none of the fusion passes runs.
 GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode,

@@ -66,6 +66,7 @@ Model::Model(std::shared_ptr<Graph> graph, std::vector<std::pair<std::string, Sy
   }
   std::vector<int> ids;
   for (auto& o : outputs_) ids.push_back(o.second);
+  fused_ = options.fusion && passes::fusion_enabled_by_env();
   passes::GraphAndOutputs opt = passes::optimize(recorded_, ids, mode_, options);
   graph_ = opt.graph;
   for (std::size_t i = 0; i < outputs_.size(); ++i) outputs_[i].second = opt.outputs[i];

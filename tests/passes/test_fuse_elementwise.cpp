@@ -5,8 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "kg/testing.hpp"
 #include "kg/models.hpp"
+#include "kg/testing.hpp"
 #include "ops/fused_elementwise.hpp"
 #include "support/test_util.hpp"
 
@@ -94,7 +94,8 @@ TEST(FuseElementwise, TheSwishChainIsOneNodeWithTheSameValues) {
       // The fused node keeps the root's name; its attributes name the members and the kernel.
       const kg::Node& node = m.graph().node(m.outputs()[0].second);
       EXPECT_EQ(node.name, "out");
-      EXPECT_NE(node.op->op().attributes().find("nodes=sig,mul,plus1,out kernel=kg_fused_"), std::string::npos);
+      EXPECT_NE(node.op->op().attributes().find("nodes=sig,mul,plus1,out kernel=kg_fused_"),
+                std::string::npos);
     }
   }
 }
@@ -110,25 +111,50 @@ TEST(FuseElementwise, RandomBroadcastingGraphsAgreeFusedAndUnfused) {
     const kg::DType dt = trial % 4 == 3 ? kg::DType::F64 : kg::DType::F32;
     auto [x, g] = kg::SymTensor::input(dt, {kg::Dim::named("batch"), 3, 5, 6}, "x");
     std::vector<kg::SymTensor> inputs{x, g->input(dt, {3, 1, 1}, "c"), g->input(dt, {1}, "s"),
-                                      g->input(dt, {6}, "row"), g->input(dt, {kg::Dim::named("batch"), 3, 5, 6}, "y")};
+                                      g->input(dt, {6}, "row"),
+                                      g->input(dt, {kg::Dim::named("batch"), 3, 5, 6}, "y")};
     std::vector<kg::SymTensor> values = inputs;
     std::uniform_int_distribution<int> pick_op(0, 10);
     for (int k = 0; k < 9; ++k) {
-      auto pick = [&] { return values[std::uniform_int_distribution<std::size_t>(0, values.size() - 1)(rng)]; };
+      auto pick = [&] {
+        return values[std::uniform_int_distribution<std::size_t>(0, values.size() - 1)(rng)];
+      };
       const std::string name = "n" + std::to_string(k);
       kg::SymTensor a = pick(), b = pick(), v;
       switch (pick_op(rng)) {
-        case 0: v = kg::add(a, b, name); break;
-        case 1: v = kg::sub(a, b, name); break;
-        case 2: v = kg::mul(a, b, name); break;
-        case 3: v = kg::div(a, kg::add(kg::mul(b, b), 1.0), name); break;  // a / (b² + 1)
-        case 4: v = kg::sigmoid(a, name); break;
-        case 5: v = kg::tanh(a, name); break;
-        case 6: v = kg::silu(a, name); break;
-        case 7: v = kg::leaky_relu(a, 0.2, name); break;
-        case 8: v = kg::rsub(a, 0.5, name); break;
-        case 9: v = kg::gelu(a, kg::GeluApprox::Tanh, name); break;
-        default: v = kg::models::scaled_tanh(a, name); break;
+        case 0:
+          v = kg::add(a, b, name);
+          break;
+        case 1:
+          v = kg::sub(a, b, name);
+          break;
+        case 2:
+          v = kg::mul(a, b, name);
+          break;
+        case 3:
+          v = kg::div(a, kg::add(kg::mul(b, b), 1.0), name);
+          break;  // a / (b² + 1)
+        case 4:
+          v = kg::sigmoid(a, name);
+          break;
+        case 5:
+          v = kg::tanh(a, name);
+          break;
+        case 6:
+          v = kg::silu(a, name);
+          break;
+        case 7:
+          v = kg::leaky_relu(a, 0.2, name);
+          break;
+        case 8:
+          v = kg::rsub(a, 0.5, name);
+          break;
+        case 9:
+          v = kg::gelu(a, kg::GeluApprox::Tanh, name);
+          break;
+        default:
+          v = kg::models::scaled_tanh(a, name);
+          break;
       }
       values.push_back(v);
     }
@@ -318,8 +344,8 @@ TEST(FuseElementwise, AFusedGroupPassesTheGradientCheck) {
   opt.gpu = false;
   const auto report = kg::testing::check_gradients(*node->op, {{4, 10}}, {kg::DType::F32}, opt);
   EXPECT_TRUE(report.ok) << report.to_string();
-  const auto fwd = kg::testing::check_op(*node->op, {kg::Shape{kg::Dim::named("batch"), 10}}, {kg::DType::F32},
-                                         {.rtol = 1e-5, .atol = 1e-6, .gpu = false});
+  const auto fwd = kg::testing::check_op(*node->op, {kg::Shape{kg::Dim::named("batch"), 10}},
+                                         {kg::DType::F32}, {.rtol = 1e-5, .atol = 1e-6, .gpu = false});
   EXPECT_TRUE(fwd.ok) << fwd.to_string();
 }
 
@@ -371,13 +397,15 @@ TEST(FuseElementwise, ABadGroupDescriptionIsAnError) {
   auto relu_form = [] {
     auto [x, g] = kg::SymTensor::input(kg::DType::F32, {2}, "x");
     auto y = kg::relu(x, "r");
-    return std::make_pair(*g->node(y.node()).op, *g->node(y.node()).op->op().elementwise_form({kg::DType::F32}));
+    return std::make_pair(*g->node(y.node()).op,
+                          *g->node(y.node()).op->op().elementwise_form({kg::DType::F32}));
   };
   auto [op, form] = relu_form();
   auto member = [&](std::vector<int> args) { return FusedMember{"r", op, form, std::move(args)}; };
   const auto mode = kg::LoweringMode::Inference;
   EXPECT_THROW(FusedElementwiseOp({}, 1, kg::DType::F32, mode), kg::Error);
-  kg_test::expect_error([&] { FusedElementwiseOp({member({-1})}, 0, kg::DType::F32, mode); }, {"reads 1 to 8 inputs"});
+  kg_test::expect_error([&] { FusedElementwiseOp({member({-1})}, 0, kg::DType::F32, mode); },
+                        {"reads 1 to 8 inputs"});
   kg_test::expect_error([&] { FusedElementwiseOp({member({-1})}, 9, kg::DType::F32, mode); }, {"got 9"});
   kg_test::expect_error([&] { FusedElementwiseOp({member({0})}, 1, kg::DType::F32, mode); },
                         {"nn.relu @ r", "not an earlier member"});
@@ -389,8 +417,9 @@ TEST(FuseElementwise, ABadGroupDescriptionIsAnError) {
   kg_test::expect_error([&] { FusedElementwiseOp({no_cpu}, 1, kg::DType::F32, mode); }, {"no CPU form"});
   FusedMember no_derivative = member({-1});
   no_derivative.form.derivative.clear();
-  kg_test::expect_error([&] { FusedElementwiseOp({no_derivative}, 1, kg::DType::F32, kg::LoweringMode::Training); },
-                        {"no derivative", "cannot be fused in training"});
+  kg_test::expect_error(
+      [&] { FusedElementwiseOp({no_derivative}, 1, kg::DType::F32, kg::LoweringMode::Training); },
+      {"no derivative", "cannot be fused in training"});
   // A fused op given inputs of another dtype names both.
   FusedElementwiseOp ok({member({-1})}, 1, kg::DType::F32, mode);
   kg_test::expect_error([&] { ok.infer_output_dtype({kg::DType::F64}); }, {"fused for f32", "got f64"});
@@ -404,7 +433,8 @@ TEST(FuseElementwise, AUserActivationBecomesAConvolutionsEpilogue) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 3, 9, 9}, "x");
-  auto y = user_swish(kg::nn::batch_norm2d(kg::nn::conv2d(x, 8, 3, {.padding = 1}, "conv1"), "bn1"), true, "act1");
+  auto y =
+      user_swish(kg::nn::batch_norm2d(kg::nn::conv2d(x, 8, 3, {.padding = 1}, "conv1"), "bn1"), true, "act1");
   auto r = kg::nn::conv2d(y, 8, 3, {.padding = 1, .bias = false}, "conv2");
   auto out = user_swish(kg::add(kg::nn::batch_norm2d(r, "bn2"), y, "res"), true, "act2");
   kg::Model fused(g, {out});
@@ -422,7 +452,8 @@ TEST(FuseElementwise, AUserActivationBecomesAConvolutionsEpilogue) {
   for (const auto& info : plain.parameters()) {
     if (info.dtype != kg::DType::F32) continue;
     const bool var = info.name.ends_with("running_var");
-    params[info.name] = kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -1.0, var ? 1.5 : 1.0);
+    params[info.name] =
+        kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -1.0, var ? 1.5 : 1.0);
   }
   mp.load_state_dict(params, false);
   auto in = kg_test::random_tensor(rng, kg::DType::F32, shapes[0]);
@@ -547,7 +578,8 @@ TEST(FuseElementwiseGpu, AUserActivationEpilogueMatchesTheCpu) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 16, 12, 12}, "x");
-  auto y = user_swish(kg::nn::batch_norm2d(kg::nn::conv2d(x, 32, 3, {.padding = 1}, "conv1"), "bn1"), true, "act1");
+  auto y = user_swish(kg::nn::batch_norm2d(kg::nn::conv2d(x, 32, 3, {.padding = 1}, "conv1"), "bn1"), true,
+                      "act1");
   auto out = user_swish(kg::add(kg::nn::conv2d(y, 32, 3, {.padding = 1}, "conv2"), y, "res"), true, "act2");
   Built b{g, {out}, {{2, 16, 12, 12}}};
   kg::Model plain(g, {out}, kg::LoweringMode::Inference, {.fusion = false});
@@ -555,7 +587,8 @@ TEST(FuseElementwiseGpu, AUserActivationEpilogueMatchesTheCpu) {
   for (const auto& info : plain.parameters()) {
     if (info.dtype != kg::DType::F32) continue;
     const bool var = info.name.ends_with("running_var");
-    params[info.name] = kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -0.3, var ? 1.5 : 0.3);
+    params[info.name] =
+        kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -0.3, var ? 1.5 : 0.3);
   }
   compare_on_gpu(b, random_inputs(rng, b, kg::DType::F32), 1e-4, params);
 }
