@@ -191,6 +191,14 @@ const T* chunk_of(const Tensor& x, Read read, const WalkPlan& p, std::size_t j, 
   return buf;
 }
 
+// Per-thread scratch of at least n values, kept between runs: a warm forward allocates nothing.
+template <class T>
+T* thread_scratch(std::size_t n) {
+  thread_local std::vector<T> s;
+  if (s.size() < n) s.resize(n);
+  return s.data();
+}
+
 }  // namespace
 
 FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inputs, DType dtype,
@@ -409,25 +417,24 @@ void FusedElementwiseOp::cpu_forward(CpuContext& ctx) const {
     using T = decltype(zero);
     T* y = ctx.output.data<T>();
     ctx.parallel_for(tiles_of(n, kChunk), 16, [&](std::int64_t c0, std::int64_t c1) {
-      // Per range: a gather buffer per input, a value buffer per member.
-      std::vector<T> buf(static_cast<std::size_t>((inputs_ + static_cast<int>(mcount)) * kChunk));
-      std::vector<const T*> in(static_cast<std::size_t>(inputs_));
-      std::vector<const void*> args;
+      // A gather buffer per input, a value buffer per member.
+      T* buf = thread_scratch<T>((static_cast<std::size_t>(inputs_) + mcount) * kChunk);
+      const T* in[KG_FUSE_MAX_INPUTS] = {};
+      thread_local std::vector<const void*> args;
       for (std::int64_t c = c0; c < c1; ++c) {
         const std::int64_t o0 = c * kChunk, len = std::min(kChunk, n - o0);
         for (int j = 0; j < inputs_; ++j) {
           const auto uj = static_cast<std::size_t>(j);
-          in[uj] = chunk_of<T>(ctx.inputs[uj], plan.reads[uj], plan, uj, o0, len, buf.data() + uj * kChunk);
+          in[uj] = chunk_of<T>(ctx.inputs[uj], plan.reads[uj], plan, uj, o0, len, buf + uj * kChunk);
         }
         for (std::size_t m = 0; m < mcount; ++m) {
           args.clear();
           for (int a : members_[m].args)
-            args.push_back(a >= 0 ? static_cast<const void*>(buf.data() + (static_cast<std::size_t>(inputs_) +
-                                                                           static_cast<std::size_t>(a)) *
-                                                                              kChunk)
-                                  : in[static_cast<std::size_t>(-1 - a)]);
-          T* result =
-              m + 1 == mcount ? y + o0 : buf.data() + (static_cast<std::size_t>(inputs_) + m) * kChunk;
+            args.push_back(
+                a >= 0 ? static_cast<const void*>(
+                             buf + (static_cast<std::size_t>(inputs_) + static_cast<std::size_t>(a)) * kChunk)
+                       : in[static_cast<std::size_t>(-1 - a)]);
+          T* result = m + 1 == mcount ? y + o0 : buf + (static_cast<std::size_t>(inputs_) + m) * kChunk;
           members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, result, len, 0});
         }
       }
@@ -449,10 +456,13 @@ void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
     const T* dy = ctx.grad_output.data<T>();
     ctx.parallel_for(tiles_of(n, kChunk), 16, [&](std::int64_t c0, std::int64_t c1) {
       // Values v (members), their gradients dv, the inputs' gradients de, one derivative.
-      std::vector<T> v(mcount * kChunk), dv(mcount * kChunk), de(nin * kChunk), d(kChunk);
-      std::vector<const void*> args;
+      T* v = thread_scratch<T>((2 * mcount + nin + 1) * kChunk);
+      T* dv = v + mcount * kChunk;
+      T* de = dv + mcount * kChunk;
+      T* d = de + nin * kChunk;
+      thread_local std::vector<const void*> args;
       auto value = [&](int a, std::int64_t o0) -> const void* {
-        return a >= 0 ? static_cast<const void*>(v.data() + static_cast<std::size_t>(a) * kChunk)
+        return a >= 0 ? static_cast<const void*>(v + static_cast<std::size_t>(a) * kChunk)
                       : static_cast<const void*>(ctx.inputs[static_cast<std::size_t>(-1 - a)].data<T>() + o0);
       };
       for (std::int64_t c = c0; c < c1; ++c) {
@@ -461,29 +471,27 @@ void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
         for (std::size_t m = 0; m < mcount; ++m) {
           args.clear();
           for (int a : members_[m].args) args.push_back(value(a, o0));
-          members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, v.data() + m * kChunk, len, 0});
+          members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, v + m * kChunk, len, 0});
         }
-        std::fill(dv.begin(), dv.end(), T(0));
-        std::fill(de.begin(), de.end(), T(0));
-        std::copy(dy + o0, dy + o0 + len, dv.data() + (mcount - 1) * kChunk);
+        std::fill(dv, dv + mcount * kChunk, T(0));
+        std::fill(de, de + nin * kChunk, T(0));
+        std::copy(dy + o0, dy + o0 + len, dv + (mcount - 1) * kChunk);
         for (std::size_t m = mcount; m-- > 0;) {
           const FusedMember& f = members_[m];
           args.clear();
           for (int a : f.args) args.push_back(value(a, o0));
-          const T* g = dv.data() + m * kChunk;
+          const T* g = dv + m * kChunk;
           for (std::size_t k = 0; k < f.args.size(); ++k) {
-            f.form.cpu_derivative(
-                ElementwiseSpan{dtype_, args, v.data() + m * kChunk, d.data(), len, static_cast<int>(k)});
+            f.form.cpu_derivative(ElementwiseSpan{dtype_, args, v + m * kChunk, d, len, static_cast<int>(k)});
             const int a = f.args[k];
-            T* target = a >= 0 ? dv.data() + static_cast<std::size_t>(a) * kChunk
-                               : de.data() + static_cast<std::size_t>(-1 - a) * kChunk;
+            T* target = a >= 0 ? dv + static_cast<std::size_t>(a) * kChunk
+                               : de + static_cast<std::size_t>(-1 - a) * kChunk;
             for (std::size_t i = 0; i < ulen; ++i) target[i] += g[i] * d[i];
           }
         }
         for (std::size_t j = 0; j < nin; ++j)
           if (ctx.wants_input_grad(j))
-            std::copy(de.data() + j * kChunk, de.data() + j * kChunk + len,
-                      ctx.grad_inputs[j].data<T>() + o0);
+            std::copy(de + j * kChunk, de + j * kChunk + len, ctx.grad_inputs[j].data<T>() + o0);
       }
     });
   });
