@@ -2,7 +2,7 @@
 // and torch.compile on the same inputs.
 //
 //   gpu_fusion [--elements N] [--input X.safetensors] [--output-dir DIR] [--lenet-batch B]
-//              [--warmup W] [--runs R] [--device N] [--cpu]
+//              [--resnet-batch B] [--warmup W] [--runs R] [--device N] [--cpu]
 //
 // Cases, each with fusion on and off (ModelOptions::fusion):
 //   chain   relu(x * sigmoid(x) + 1) over N floats (default 64M): device time is the sum of the
@@ -11,6 +11,9 @@
 //           read and one write of N floats.
 //   lenet   LeNet-5 with the custom scaled tanh (lenet5-tanh) at batch B: the nodes' summed time
 //           as above, and the host round trip of forward() (input in, logits out).
+//   resnet18-swish  ResNet-18 with a user's swish custom op for every ReLU, the same at batch B.
+//   train-* a training step (zero_grad, forward, backward, SGD step, synchronised) of both models
+//           with a cross-entropy loss, host clock.
 // Prints "case=<c> fusion=<on|off> ..." lines with medians; with --output-dir the chain's output
 // goes to DIR/chain_<on|off>.safetensors (tensor "y") for comparison.
 #include <chrono>
@@ -33,6 +36,7 @@ struct Args {
   std::int64_t elements = 64LL << 20;
   std::string input, output_dir;
   std::int64_t lenet_batch = 256;
+  std::int64_t resnet_batch = 32;  // 0: no ResNet-18 cases
   int warmup = 5, runs = 30, device = 0;
   bool cpu = false;  // --cpu: the same runs on the CPU (a smoke test of the program)
 };
@@ -64,6 +68,8 @@ Args parse(int argc, char** argv) {
       a.output_dir = v;
     else if (flag == "--lenet-batch")
       a.lenet_batch = kg_bench::parse_int(flag, v, 1, usage);
+    else if (flag == "--resnet-batch")
+      a.resnet_batch = kg_bench::parse_int(flag, v, 0, usage);
     else if (flag == "--warmup")
       a.warmup = static_cast<int>(kg_bench::parse_int(flag, v, 0, usage));
     else if (flag == "--runs")
@@ -179,6 +185,61 @@ int main(int argc, char** argv) {
           "case=lenet batch=%lld fusion=%s nodes=%d device_median_ms=%.4f round_trip_median_ms=%.4f%s\n",
           static_cast<long long>(a.lenet_batch), fusion ? "on" : "off", r.nodes, r.device.median,
           r.round_trip.median, fusion ? "" : (" max_abs_vs_fused=" + std::to_string(diff)).c_str());
+    }
+    // ---- ResNet-18 with the user's swish: inference, and both models' training steps ----
+    if (a.resnet_batch > 0) {
+      const auto rshape = kg::models::input_shape("resnet18-swish", a.resnet_batch);
+      kg::Tensor rimg = kg::Tensor::empty(kg::DType::F32, rshape);
+      for (std::int64_t i = 0; i < rimg.numel(); ++i) rimg.data<float>()[i] = u(rng);
+      for (bool fusion : {true, false}) {
+        const kg::Model model =
+            kg::models::build("resnet18-swish", kg::LoweringMode::Inference, {.fusion = fusion});
+        const Measured r = measure(model, rimg, a);
+        std::printf(
+            "case=resnet18-swish batch=%lld fusion=%s nodes=%d device_median_ms=%.4f "
+            "round_trip_median_ms=%.4f\n",
+            static_cast<long long>(a.resnet_batch), fusion ? "on" : "off", r.nodes, r.device.median,
+            r.round_trip.median);
+        std::fflush(stdout);
+      }
+    }
+    for (const auto& [name, batch] :
+         {std::pair<std::string, std::int64_t>{"lenet5-tanh", a.lenet_batch},
+          std::pair<std::string, std::int64_t>{"resnet18-swish", a.resnet_batch}}) {
+      if (batch <= 0) continue;
+      const auto tshape = kg::models::input_shape(name, batch);
+      kg::Tensor timg = kg::Tensor::empty(kg::DType::F32, tshape);
+      for (std::int64_t i = 0; i < timg.numel(); ++i) timg.data<float>()[i] = u(rng);
+      kg::Tensor labels = kg::Tensor::empty(kg::DType::I64, {batch});
+      for (std::int64_t i = 0; i < batch; ++i) labels.data<std::int64_t>()[i] = i % 10;
+      for (bool fusion : {true, false}) {
+        std::vector<kg::Dim> dims{kg::Dim::named("batch")};
+        for (std::size_t d = 1; d < tshape.size(); ++d) dims.emplace_back(tshape[d]);
+        auto [tx, tg] = kg::SymTensor::input(kg::DType::F32, kg::Shape(dims), "input");
+        auto tl = tg->input(kg::DType::I64, {kg::Dim::named("batch")}, "labels");
+        auto loss = kg::cross_entropy(kg::models::record(name, tx), tl, "loss");
+        kg::Model model(tg, {{"loss", loss}}, kg::LoweringMode::Training, {.fusion = fusion});
+        kg::LoadedModel m =
+            model.load(a.cpu ? kg::Device::cpu() : kg::Device::cuda(a.device), {tshape, {batch}});
+        m.set_optimizer(kg::OptimizerOptions::sgd(0.01, 0.9));
+        m.set_training(true);
+        std::vector<double> ms;
+        for (int i = 0; i < a.warmup + a.runs; ++i) {
+          const auto t0 = std::chrono::steady_clock::now();
+          m.zero_grad();
+          m.forward({timg, labels});
+          m.backward();
+          m.step();
+          if (!a.cpu) kg::cuda::synchronize(a.device);
+          if (i >= a.warmup) ms.push_back(ms_since(t0));
+        }
+        int nodes = 0;
+        for (int id : model.live_nodes()) nodes += model.graph().node(id).kind == kg::Node::Kind::Op;
+        std::printf("case=train-%s batch=%lld fusion=%s nodes=%d step_median_ms=%.4f\n", name.c_str(),
+                    static_cast<long long>(batch), fusion ? "on" : "off", nodes,
+                    kg_bench::summarise(ms).median);
+        std::fflush(stdout);
+      }
     }
     return 0;
   } catch (const kg::Error& e) {
