@@ -20,6 +20,7 @@
 namespace kg {
 
 class RuntimeOp;  // the launch-time description; see the lowering
+class SymTensor;  // kg/graph.hpp
 
 // How a graph is lowered: for inference, or for training (backward kernels too).
 enum class LoweringMode { Inference, Training };
@@ -211,6 +212,14 @@ class CustomOp {
   virtual BackwardSaves backward_saves() const { return {}; }
   // Attributes for dumps, e.g. "k=5 s=1 p=2" (default: none).
   virtual std::string attributes() const { return {}; }
+  // A split of the node into several (default: none). When a Model is made, the node is replaced by
+  // what this records on `inputs` (the node's inputs in the graph being built) with the public
+  // API, and the returned value stands for the node's output. The node's name is `name`: give the
+  // last node that name and the others names under it ("<name>.bias_add"), and keep the node's
+  // parameters under their full names (Graph::bind_param renames one), so weights still load by
+  // them. Every parameter the node declared must appear exactly once, with its shape and dtype, and
+  // the output must have the node's shape and dtype; anything else is an error naming the node.
+  virtual SymTensor split(const std::vector<SymTensor>& inputs, const std::string& name) const;
   // The op's per-element form for the given input dtypes, when it has one (default: none, so
   // the op is never fused). Built-in activations and arithmetic declare theirs the same way.
   virtual std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& input_dtypes) const;

@@ -202,6 +202,7 @@ std::string CustomOp::lower_backward_source(const LowerContext&) const { return 
 std::optional<ElementwiseForm> CustomOp::elementwise_form(const std::vector<DType>&) const {
   return std::nullopt;
 }
+SymTensor CustomOp::split(const std::vector<SymTensor>&, const std::string&) const { return {}; }
 
 void CustomOp::cpu_backward(CpuBackwardContext&) const {
   throw Error("has no CPU backward (override CustomOp::cpu_backward and has_cpu_backward)");

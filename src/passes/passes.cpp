@@ -56,6 +56,7 @@ bool fusion_enabled_by_env() {
 GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode,
                          const ModelOptions& options) {
   GraphAndOutputs g{std::move(graph), std::move(outputs)};
+  g = split_nodes(*g.graph, g.outputs);
   if (!options.fusion || !fusion_enabled_by_env()) return g;
   if (mode == LoweringMode::Inference) g = fuse_conv_epilogue(*g.graph, g.outputs);
   g = fuse_elementwise(*g.graph, g.outputs, mode);

@@ -28,6 +28,8 @@ class Rewriter {
   // Records that old node `old_id` is now computed by new node `new_id`.
   void map(int old_id, int new_id) { map_.at(static_cast<std::size_t>(old_id)) = new_id; }
   int mapped(int old_id) const { return map_.at(static_cast<std::size_t>(old_id)); }
+  // The graph being built.
+  const std::shared_ptr<Graph>& graph() const { return graph_; }
   const Graph& old() const { return old_; }
   // The new graph and the old outputs remapped.
   GraphAndOutputs finish(const std::vector<int>& old_outputs);
@@ -52,6 +54,9 @@ GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs,
 // The passes themselves (each in its own file).
 // Inference only: conv2d → batch_norm2d → (relu) and conv2d → relu become one fused conv.
 GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& outputs);
+// Nodes whose op splits (CustomOp::split) are replaced by what the split records. Runs first,
+// with or without fusion.
+GraphAndOutputs split_nodes(const Graph& graph, const std::vector<int>& outputs);
 // Groups of elementwise nodes (ops with an ElementwiseForm) become kg.fused_elementwise nodes.
 GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode);
 
