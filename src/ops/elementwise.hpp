@@ -29,6 +29,23 @@ inline float float_from_bits(std::int32_t i) {
   std::memcpy(&f, &i, sizeof f);
   return f;
 }
+// a·b + c: one fused instruction where the build targets FMA, else a multiply and an add.
+// (std::fma without FMA in the target is a library call per element, which also stops the loops
+// from vectorising: 20 to 40 ns per activation.)
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+// s - a·a exactly, for s = a·a rounded (Dekker's product: a split into halves of 12 bits), with
+// no FMA needed; |a| must stay far below the overflow range (erfc uses |a| <= 10.06).
+inline float square_error(float a, float s) {
+  const float c = 4097.0f * a;
+  const float hi = c - (c - a), lo = a - hi;
+  return -(((hi * hi - s) + 2.0f * hi * lo) + lo * lo);
+}
 }  // namespace detail
 
 // e^x within about 1 ulp (Cephes' range reduction and polynomial); results below the smallest
@@ -41,14 +58,14 @@ inline float exp_f32(float x) {
   // n = round(c / ln 2) by the 1.5 * 2^23 trick (std::floor does not vectorise); r = c - n ln 2
   // with ln 2 split in two for precision.
   const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = std::fma(n, 2.12194440e-4f, std::fma(n, -0.693359375f, c));
+  const float r = detail::madd(n, 2.12194440e-4f, detail::madd(n, -0.693359375f, c));
   float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p, r * r, r) + 1.0f;
+  p = detail::madd(p, r, 1.3981999507e-3f);
+  p = detail::madd(p, r, 8.3334519073e-3f);
+  p = detail::madd(p, r, 4.1665795894e-2f);
+  p = detail::madd(p, r, 1.6666665459e-1f);
+  p = detail::madd(p, r, 5.0000001201e-1f);
+  p = detail::madd(p, r * r, r) + 1.0f;
   // p * 2^n, with 2^n as two factors so that n = 128 and n = -126 stay representable.
   const auto k = static_cast<std::int32_t>(n), h = k / 2;
   float y = p * detail::float_from_bits((h + 127) << 23) * detail::float_from_bits((k - h + 127) << 23);
@@ -64,11 +81,11 @@ inline float tanh_f32(float x) {
   const float big = 1.0f - 2.0f / (exp_f32(2.0f * a) + 1.0f);
   const float s = x * x;
   float p = -5.70498872745e-3f;
-  p = std::fma(p, s, 2.06390887954e-2f);
-  p = std::fma(p, s, -5.37397155531e-2f);
-  p = std::fma(p, s, 1.33314422036e-1f);
-  p = std::fma(p, s, -3.33332819422e-1f);
-  const float small = std::fma(p * s, a, a);
+  p = detail::madd(p, s, 2.06390887954e-2f);
+  p = detail::madd(p, s, -5.37397155531e-2f);
+  p = detail::madd(p, s, 1.33314422036e-1f);
+  p = detail::madd(p, s, -3.33332819422e-1f);
+  const float small = detail::madd(p * s, a, a);
   return std::copysign(a > 0.625f ? big : small, x);
 }
 
@@ -80,19 +97,19 @@ inline float erfc_f32(float x) {
   a = a > 10.0546875f ? 10.0546875f : a;  // erfc is 0 in float beyond
   const float q = (a - 2.0f) / (a + 2.0f);
   float p = -4.0958286e-4f;
-  p = std::fma(p, q, -1.2415353e-3f);
-  p = std::fma(p, q, 1.3206749e-3f);
-  p = std::fma(p, q, 8.642994e-3f);
-  p = std::fma(p, q, -8.061685e-3f);
-  p = std::fma(p, q, -5.4207817e-2f);
-  p = std::fma(p, q, 1.6405554e-1f);
-  p = std::fma(p, q, -1.6603108e-1f);
-  p = std::fma(p, q, -9.276399e-2f);
-  p = std::fma(p, q, 2.7697837e-1f);
-  const float scaled = (p + 1.0f) / std::fma(2.0f, a, 1.0f);  // exp(a^2) erfc(a)
-  const float s = a * a, t = std::fma(-a, a, s);              // a^2 = s - t
+  p = detail::madd(p, q, -1.2415353e-3f);
+  p = detail::madd(p, q, 1.3206749e-3f);
+  p = detail::madd(p, q, 8.642994e-3f);
+  p = detail::madd(p, q, -8.061685e-3f);
+  p = detail::madd(p, q, -5.4207817e-2f);
+  p = detail::madd(p, q, 1.6405554e-1f);
+  p = detail::madd(p, q, -1.6603108e-1f);
+  p = detail::madd(p, q, -9.276399e-2f);
+  p = detail::madd(p, q, 2.7697837e-1f);
+  const float scaled = (p + 1.0f) / detail::madd(2.0f, a, 1.0f);  // exp(a^2) erfc(a)
+  const float s = a * a, t = detail::square_error(a, s);      // a^2 = s - t
   const float e = exp_f32(-s);
-  const float r = scaled * std::fma(e, t, e);  // exp(-s) (1 + t) = exp(-a^2)
+  const float r = scaled * detail::madd(e, t, e);  // exp(-s) (1 + t) = exp(-a^2)
   return x < 0.0f ? 2.0f - r : r;
 }
 
