@@ -3,7 +3,7 @@
 BUILD := build
 JOBS ?= 2
 
-.PHONY: demo test build deps configure bench fixtures clean format fuzz
+.PHONY: demo test test-sanitize build deps configure bench fixtures clean format fuzz
 
 deps:
 	@scripts/install-deps
@@ -18,6 +18,14 @@ build: deps configure
 
 test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+
+# The whole suite under AddressSanitizer (leaks too) and UBSan (docs/hardening.md, "Sanitizers"):
+# builds the debug preset into build-debug, runs ctest there with every sanitizer report fatal
+# and logged, and prints tests passed / failed and the number of reports; fails unless all
+# tests pass and that number is 0. Extra ctest arguments: make test-sanitize SANITIZE_ARGS="-R Emu".
+SANITIZE_ARGS ?=
+test-sanitize: deps
+	scripts/test-sanitize --jobs $(JOBS) $(if $(SANITIZE_ARGS),-- $(SANITIZE_ARGS))
 
 # Trains LeNet-5 with LeCun's scaled tanh (a custom op) on Fashion-MNIST, on the GPU when there is
 # one; logs, plot and checkpoints go to runs/<model>-<time>/. Extra flags: make demo DEMO_ARGS="--epochs 2".
@@ -34,7 +42,9 @@ bench: build
 # The libFuzzer targets (docs/hardening.md): builds the fuzz preset (clang 16 or newer, ASan
 # and UBSan) into build-fuzz, then runs each target for FUZZ_SECONDS on a copy of its seed corpus;
 # fails when one finds a crash. make fuzz FUZZ_SECONDS=300 FUZZ_JOBS=2 FUZZ_TARGETS="idx ptx".
+# FUZZ_CPU_SECONDS=1800 runs each target until it has used that much CPU time instead.
 FUZZ_SECONDS ?= 60
+FUZZ_CPU_SECONDS ?=
 FUZZ_JOBS ?= 1
 FUZZ_TARGETS ?=
 FUZZ_CXX ?=
@@ -43,7 +53,8 @@ fuzz:
 	@cxx="$(FUZZ_CXX)"; [ -n "$$cxx" ] || cxx=$$(for v in 21 20 19 18 17 16; do command -v clang++-$$v && break; done); \
 	  test -f build-fuzz/build.ninja || cmake --preset fuzz -DCMAKE_CXX_COMPILER=$${cxx:-clang++}
 	cmake --build --preset fuzz -j $(JOBS)
-	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz --build-dir build-fuzz --jobs $(FUZZ_JOBS) $(FUZZ_TARGETS)
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz --build-dir build-fuzz --jobs $(FUZZ_JOBS) \
+	  $(if $(FUZZ_CPU_SECONDS),--cpu-seconds $(FUZZ_CPU_SECONDS)) $(FUZZ_TARGETS)
 
 fixtures:
 	@scripts/install-deps --torch

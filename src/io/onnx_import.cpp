@@ -450,7 +450,9 @@ std::vector<std::int64_t> NodeContext::ints(std::size_t i, const char* what) {
   if (is_floating(t.dtype())) fail(util::cat(what, " must be integers, got ", dtype_name(t.dtype())));
   std::vector<std::int64_t> out;
   for (std::int64_t k = 0; k < t.numel(); ++k) out.push_back(static_cast<std::int64_t>(t.item(k)));
-  if (t.dtype() == DType::I64) std::memcpy(out.data(), t.raw(), out.size() * sizeof(std::int64_t));
+  // Exact i64 values (item() goes through a double). An empty constant has no storage to copy:
+  // memcpy with a null pointer is undefined even for 0 bytes.
+  if (t.dtype() == DType::I64 && !out.empty()) std::memcpy(out.data(), t.raw(), out.size() * sizeof(std::int64_t));
   return out;
 }
 

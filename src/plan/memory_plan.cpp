@@ -82,4 +82,20 @@ Placement plan_buffers(const std::vector<BufferRequest>& req, std::size_t alignm
   return p;
 }
 
+std::optional<std::string> device_memory_shortfall(const DeviceMemoryNeed& need, std::uint64_t free_bytes,
+                                                   std::uint64_t total_bytes, const std::string& device,
+                                                   const std::string& inputs) {
+  std::optional<std::uint64_t> total = need.activations;
+  for (std::uint64_t part : {need.parameters, need.inputs, need.gradients})
+    if (total) total = util::checked_add(*total, part);
+  if (total && *total <= free_bytes) return std::nullopt;
+  const std::string needs =
+      total ? util::cat(*total, " bytes (", util::format_bytes(*total)) : std::string("more than 2^64 bytes (");
+  return util::cat("the memory plan for ", inputs, " needs ", needs, ": activations ", need.activations,
+                   ", parameters ", need.parameters, ", inputs ", need.inputs,
+                   need.gradients ? util::cat(", gradients ", need.gradients) : std::string(), ") on ", device,
+                   " but ", free_bytes, " bytes (", util::format_bytes(free_bytes), ") of its ", total_bytes,
+                   " are free (cuMemGetInfo); use a smaller batch, or set KG_NO_MEMORY_CHECK=1 to allocate anyway");
+}
+
 }  // namespace kg::plan

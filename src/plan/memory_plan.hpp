@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,5 +47,21 @@ class ArenaNotOnHost {
   // True while one is alive on this thread.
   static bool active();
 };
+
+// What a loaded model allocates on a GPU, by part, in bytes.
+struct DeviceMemoryNeed {
+  std::uint64_t activations = 0;  // the arena (with checked mode's guard bytes)
+  std::uint64_t parameters = 0;
+  std::uint64_t inputs = 0;       // the device copies of the model's inputs
+  std::uint64_t gradients = 0;    // parameter gradients (training)
+};
+
+// The check of a plan against a GPU's free memory (cuMemGetInfo's free and total bytes), before
+// anything is allocated: empty when `need` fits in `free_bytes`, otherwise the one-line text of
+// the error, which names `inputs` (the model's input shapes, as describe_inputs writes them), the
+// device, every byte count and KG_NO_MEMORY_CHECK=1.
+std::optional<std::string> device_memory_shortfall(const DeviceMemoryNeed& need, std::uint64_t free_bytes,
+                                                   std::uint64_t total_bytes, const std::string& device,
+                                                   const std::string& inputs);
 
 }  // namespace kg::plan

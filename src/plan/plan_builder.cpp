@@ -108,6 +108,15 @@ Plan build_plan(const Graph& graph, const std::vector<int>& live, const std::vec
   return plan;
 }
 
+std::string describe_inputs(const Plan& plan, const Graph& graph) {
+  std::vector<std::string> inputs;
+  for (int id : graph.inputs()) {
+    const auto& v = plan.values[static_cast<std::size_t>(id)];
+    inputs.push_back(util::cat("'", graph.node(id).name, "' ", sizes_to_string(v.shape)));
+  }
+  return util::cat("input", inputs.size() == 1 ? " " : "s ", util::join(inputs, ", "));
+}
+
 namespace {
 
 // The plan's peak against the memory this process can have, before the arena is allocated.
@@ -115,13 +124,7 @@ void check_host_memory(const Plan& plan, const Graph& graph) {
   if (util::memory_check_disabled()) return;
   const auto avail = util::available_memory();
   if (!avail || plan.memory.peak_bytes <= avail->bytes) return;
-  std::vector<std::string> inputs;
-  for (int id : graph.inputs()) {
-    const auto& v = plan.values[static_cast<std::size_t>(id)];
-    inputs.push_back(util::cat("'", graph.node(id).name, "' ", sizes_to_string(v.shape)));
-  }
-  throw Error(util::cat("the memory plan for input", inputs.size() == 1 ? " " : "s ", util::join(inputs, ", "),
-                        " needs ", plan.memory.peak_bytes, " bytes (", util::format_bytes(plan.memory.peak_bytes),
+  throw Error(util::cat("the memory plan for ", describe_inputs(plan, graph), " needs ", plan.memory.peak_bytes, " bytes (", util::format_bytes(plan.memory.peak_bytes),
                         ": activations ", plan.memory.arena_bytes, ", parameters ", plan.memory.param_bytes,
                         ", outputs ", plan.memory.peak_bytes - plan.memory.arena_bytes - plan.memory.param_bytes,
                         ") but ", avail->bytes, " bytes (", util::format_bytes(avail->bytes), ") are available (",

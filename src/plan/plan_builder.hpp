@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "plan/memory_plan.hpp"
@@ -25,5 +26,9 @@ void init_param(Tensor& t, const ParamSpec& spec, const Node& node, std::mt19937
 // `extra` buffers (scratch), and fills plan.memory. Returns the offsets of the extras.
 std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const std::function<std::size_t(int)>& bytes_of,
                                         const std::vector<BufferRequest>& extra);
+
+// The model's inputs with their bound shapes, for messages: "input 'x' [64, 784]", or
+// "inputs 'a' [2, 3], 'b' [2]".
+std::string describe_inputs(const Plan& plan, const Graph& graph);
 
 }  // namespace kg::plan

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <sstream>
 
 #include "compile/compiler.hpp"
@@ -429,4 +430,24 @@ TEST(CudaGpu, LoadStateDictUploadsAgain) {
       EXPECT_TRUE(kg_test::all_close(back.at(name), t, 0, 0)) << name;
     }
   }
+}
+
+TEST(CudaGpu, PlanOverTheFreeGpuMemoryIsRefusedBeforeAllocating) {
+  KG_REQUIRE_GPU();
+  // LeNet-5 at batch 2^27 needs about 3 TB on the device: refused from cuMemGetInfo's figure,
+  // naming the input shape and the counts, before the arena allocation is tried.
+  kg::Model m = kg::models::build("lenet5");
+  const std::int64_t batch = std::int64_t{1} << 27;
+  expect_error([&] { m.load(kg::Device::cuda(), {kg::models::input_shape("lenet5", batch)}); },
+               {"the memory plan for input 'input' [134217728, 1, 28, 28] needs", "on cuda:0 but",
+                "are free (cuMemGetInfo)", "KG_NO_MEMORY_CHECK=1"});
+  // Without the check the allocation itself fails, with the driver's error.
+  ::setenv("KG_NO_MEMORY_CHECK", "1", 1);
+  try {
+    m.load(kg::Device::cuda(), {kg::models::input_shape("lenet5", batch)});
+    ADD_FAILURE() << "a 3 TB arena was allocated";
+  } catch (const kg::Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("the memory plan for"), std::string::npos) << e.what();
+  }
+  ::unsetenv("KG_NO_MEMORY_CHECK");
 }

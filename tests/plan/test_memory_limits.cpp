@@ -131,3 +131,39 @@ TEST(MemoryLimits, RlimitAsIsSeenInAForkedChild) {
   ASSERT_TRUE(WIFEXITED(status)) << status;
   EXPECT_EQ(WEXITSTATUS(status), 0) << "1: another error, 2: the load succeeded, 3: setrlimit failed, 4: not a kg::Error";
 }
+
+// The GPU's check (the CUDA executor calls it with cuMemGetInfo's figures before allocating the
+// arena): a plan that fits the free bytes passes, one byte more is a one-line error with every
+// count in it.
+TEST(MemoryLimits, GpuPlanOverTheFreeDeviceMemoryIsAOneLineError) {
+  kg::plan::DeviceMemoryNeed need;
+  need.activations = 4'000'000'000;
+  need.parameters = 246'824;
+  need.inputs = 627'200'000;
+  const std::uint64_t total = need.activations + need.parameters + need.inputs;  // 4627446824
+  EXPECT_FALSE(kg::plan::device_memory_shortfall(need, total, total, "cuda:0", "input 'x' [200000, 1, 28, 28]"));
+  EXPECT_FALSE(kg::plan::device_memory_shortfall(need, total + 1, total + 5, "cuda:0", "input 'x' [1]"));
+  const auto e = kg::plan::device_memory_shortfall(need, total - 1, 85'000'000'000, "cuda:1",
+                                                   "input 'input' [200000, 1, 28, 28]");
+  ASSERT_TRUE(e);
+  for (const std::string part :
+       {"the memory plan for input 'input' [200000, 1, 28, 28] needs 4627446824 bytes (",
+        "activations 4000000000, parameters 246824, inputs 627200000) on cuda:1",
+        "but 4627446823 bytes (", "of its 85000000000 are free (cuMemGetInfo)", "KG_NO_MEMORY_CHECK=1"})
+    EXPECT_NE(e->find(part), std::string::npos) << "lacks '" << part << "': " << *e;
+  EXPECT_EQ(e->find('\n'), std::string::npos) << *e;
+  EXPECT_EQ(e->find("gradients"), std::string::npos) << *e;  // none: an inference plan
+
+  need.gradients = 246'824;
+  const auto t = kg::plan::device_memory_shortfall(need, total, total, "cuda:0", "inputs 'a' [2], 'b' [3]");
+  ASSERT_TRUE(t);
+  EXPECT_NE(t->find("inputs 'a' [2], 'b' [3] needs 4627693648 bytes"), std::string::npos) << *t;
+  EXPECT_NE(t->find(", gradients 246824) on cuda:0"), std::string::npos) << *t;
+
+  // Parts whose sum passes 2^64 are refused, not wrapped round to a small count.
+  need.activations = std::numeric_limits<std::uint64_t>::max();
+  const std::uint64_t all = ~std::uint64_t{0};
+  const auto o = kg::plan::device_memory_shortfall(need, all, all, "cuda:0", "input 'x' [1]");
+  ASSERT_TRUE(o);
+  EXPECT_NE(o->find("needs more than 2^64 bytes"), std::string::npos) << *o;
+}

@@ -2,11 +2,13 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <random>
 
 #include "backend/emu/executor.hpp"
 #include "backend/emu/host_jit.hpp"
+#include "backend/poison.hpp"
 #include "graph/no_cpu_impl.hpp"
 #include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
@@ -49,21 +51,28 @@ DevicePtr host_address(const Tensor& t) { return reinterpret_cast<std::uintptr_t
 
 DeviceTensor device_tensor(const Tensor& t) { return {host_address(t), t.shape(), t.dtype()}; }
 
-// The value a buffer is filled with before a checked launch, so that unwritten elements can be
-// found: 0xFF bytes (a NaN no arithmetic produces) for floats, 0xA5 bytes for integers.
-unsigned char poison_byte(DType t) { return is_floating(t) ? 0xFF : 0xA5; }
+using backend::poison_byte;
 
-// The first element of `t` still holding the poison, or -1.
-std::int64_t first_unwritten(const Tensor& t) {
-  const std::size_t es = dtype_size(t.dtype());
-  const unsigned char p = poison_byte(t.dtype());
-  const auto* b = static_cast<const unsigned char*>(t.raw());
-  for (std::int64_t i = 0; i < t.numel(); ++i) {
-    bool all = true;
-    for (std::size_t k = 0; k < es && all; ++k) all = b[static_cast<std::size_t>(i) * es + k] == p;
-    if (all) return i;
-  }
-  return -1;
+const unsigned char* bytes_of(const Tensor& t) { return static_cast<const unsigned char*>(t.raw()); }
+
+// Fills `t` with `byte` (checked mode's poison).
+void fill_with(const Tensor& t, unsigned char byte) {
+  if (t.nbytes()) std::memset(const_cast<void*>(t.raw()), byte, t.nbytes());
+}
+
+// After a checked run of launches that were given `outputs` poisoned: the first element one of
+// them did not write (backend::find_unwritten; `rerun` runs the launches again).
+std::optional<backend::Unwritten> find_unwritten(const std::vector<const Tensor*>& outputs,
+                                                 const std::function<void()>& rerun) {
+  std::vector<backend::CheckedOutput> after;
+  for (const Tensor* t : outputs) after.push_back({bytes_of(*t), t->numel(), t->dtype()});
+  return backend::find_unwritten(after, [&](unsigned char byte) {
+    for (const Tensor* t : outputs) fill_with(*t, byte);
+    rerun();
+    std::vector<const unsigned char*> bytes;
+    for (const Tensor* t : outputs) bytes.push_back(bytes_of(*t));
+    return bytes;
+  });
 }
 
 std::string index_text(std::int64_t flat, const std::vector<std::int64_t>& shape) {
@@ -120,7 +129,7 @@ std::vector<emu::HostBuffer> launch_buffers(const Node& n, const Graph& graph, c
 // addresses. In checked mode the output is poisoned first and verified after.
 void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, const plan::Step& step,
                   const std::vector<Tensor>& ins, Tensor& out, bool training, std::uint64_t seed,
-                  bool checked) {
+                  bool checked, ThreadPool& pool) {
   const std::string label = n.label();
   const RuntimeOp& rt = *e.exe->runtime_op;
   LaunchTensors t;
@@ -141,10 +150,11 @@ void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, 
   }
   t.scratch = e.scratch.numel() > 0 ? host_address(e.scratch) : 0;
   const auto launches = lower::check_launches(e.module, rt.launches(t), label, "");
-  if (checked && out.nbytes()) std::memset(out.raw(), poison_byte(out.dtype()), out.nbytes());
+  if (checked) fill_with(out, poison_byte(out.dtype()));
   emu::LaunchOptions o;
   o.label = label;
   o.checked = checked;
+  o.pool = &pool;
   if (checked)
     o.buffers =
         launch_buffers(n, graph, ins, step.params, step.specs, out, nullptr, nullptr, nullptr, e.scratch);
@@ -165,17 +175,24 @@ void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, 
     gl.shared = L.launch.shared_bytes;
     gl.args = ptrs.data();
     gl.label = label;
+    gl.pool = &pool;
     emu::run_grid(gl);
   }
   e.launched = true;
   if (checked) {
-    const std::int64_t bad = first_unwritten(out);
-    if (bad >= 0)
+    const auto unwritten = find_unwritten({&out}, [&] {
+      for (const auto& L : launches)
+        emu::launch(e.exe->name, e.exe->source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                    L.launch.args, o);
+    });
+    if (unwritten) {
+      const std::int64_t bad = unwritten->element;
       throw Error(util::cat(label, " kernel '", e.exe->name, "': output '", n.name, "' ",
                             sizes_to_string(out.shape()), " element ", bad, " (index ",
                             index_text(bad, out.shape()), ") was not written (", out.numel(),
                             " elements; every one must be); is infer_output_shape larger than what the "
                             "kernel writes?"));
+    }
   }
 }
 
@@ -236,7 +253,7 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
                            const std::vector<Tensor>& params, const std::vector<ParamSpec>& specs,
                            const Tensor& out, const Tensor& grad_out, std::vector<Tensor>& grad_in,
                            std::vector<Tensor>& grad_params, std::uint64_t seed, bool training,
-                           bool checked) {
+                           bool checked, ThreadPool& pool) {
   const std::string label = n.label();
   const RuntimeOp& rt = *exe.runtime_op;
   LaunchTensors bt;
@@ -261,23 +278,27 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
   for (const auto& t : grad_params)
     if (t.raw()) wanted.push_back(&t);
   if (checked)
-    for (const Tensor* t : wanted)
-      if (t->nbytes()) std::memset(const_cast<void*>(t->raw()), poison_byte(t->dtype()), t->nbytes());
+    for (const Tensor* t : wanted) fill_with(*t, poison_byte(t->dtype()));
   emu::LaunchOptions o;
   o.label = label + " backward";
   o.checked = checked;
+  o.pool = &pool;
   if (checked)
     o.buffers = launch_buffers(n, graph, ins, params, specs, out, &grad_out, &grad_in, &grad_params, scratch);
-  for (const auto& L : launches)
-    emu::launch(module.name, module.source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
-                L.launch.args, o);
-  if (checked)
-    for (std::size_t i = 0; i < wanted.size(); ++i)
-      if (const std::int64_t bad = first_unwritten(*wanted[i]); bad >= 0)
-        throw Error(util::cat(
-            label, " backward kernel '", module.name, "': gradient ", sizes_to_string(wanted[i]->shape()),
-            " element ", bad, " (index ", index_text(bad, wanted[i]->shape()),
-            ") was not written; a backward overwrites every element of each wanted gradient"));
+  auto run_all = [&] {
+    for (const auto& L : launches)
+      emu::launch(module.name, module.source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                  L.launch.args, o);
+  };
+  run_all();
+  if (!checked) return;
+  if (const auto unwritten = find_unwritten(wanted, run_all)) {
+    const Tensor& g = *wanted[unwritten->output];
+    const std::int64_t bad = unwritten->element;
+    throw Error(util::cat(label, " backward kernel '", module.name, "': gradient ", sizes_to_string(g.shape()),
+                          " element ", bad, " (index ", index_text(bad, g.shape()),
+                          ") was not written; a backward overwrites every element of each wanted gradient"));
+  }
 }
 
 }  // namespace
@@ -351,7 +372,7 @@ void Executor::run_backward(const Graph& graph, plan::Plan& plan, const std::vec
                    .emplace(b.node, lower::make_module(exe->name + ".backward", exe->backward_source, "", 0))
                    .first;
         run_emulated_backward(n, graph, *exe, eb->second, ins, step.params, step.specs, out, grad_of(b.node),
-                              grad_in, grad_params, s, training, checked_);
+                              grad_in, grad_params, s, training, checked_, pool());
       }
     } catch (const Error& e) {
       const std::string what = e.what();
@@ -426,7 +447,7 @@ void Executor::run(const Graph& graph, plan::Plan& plan, const std::vector<Tenso
       try {
         if (emulated == emulated_.end()) emulated = emulated_.emplace(step.node, prepare(n, exe)).first;
         run_emulated(*emulated->second, n, graph, step, ins, out, training,
-                     training ? plan::node_seed(seed, step.node) : 0, checked_);
+                     training ? plan::node_seed(seed, step.node) : 0, checked_, pool());
       } catch (const Error& e) {
         throw lower::labelled(n.label(), e);
       } catch (const std::exception& e) {

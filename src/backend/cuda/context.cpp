@@ -61,6 +61,13 @@ DevicePtr Context::alloc(std::size_t bytes) {
   return static_cast<DevicePtr>(p);
 }
 
+Context::MemoryInfo Context::memory_info() const {
+  make_current();
+  MemoryInfo m;
+  d_.check(d_.cuMemGetInfo(&m.free, &m.total), util::cat("cuMemGetInfo on cuda:", index_));
+  return m;
+}
+
 void Context::free(DevicePtr p) noexcept {
   if (p) d_.cuMemFree(static_cast<CUdeviceptr>(p));
 }

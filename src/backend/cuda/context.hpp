@@ -26,6 +26,12 @@ class Context {
   void make_current() const;
 
   DevicePtr alloc(std::size_t bytes);
+  // The device's free and total memory now, in bytes (cuMemGetInfo).
+  struct MemoryInfo {
+    std::size_t free = 0;
+    std::size_t total = 0;
+  };
+  MemoryInfo memory_info() const;
   void free(DevicePtr p) noexcept;
   void upload(DevicePtr dst, const void* src, std::size_t bytes);    // synchronous
   void download(void* dst, DevicePtr src, std::size_t bytes);        // synchronous

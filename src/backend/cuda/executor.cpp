@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 
 #include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
@@ -12,7 +13,10 @@
 #ifdef KG_HAVE_CUDA
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/trainer.hpp"
+#include "backend/poison.hpp"
 #include "lower/launch_plan.hpp"
+#include "plan/plan_builder.hpp"
+#include "util/memory.hpp"
 #endif
 
 namespace kg::cuda {
@@ -34,6 +38,29 @@ namespace {
 
 // Checked mode: bytes of canaries before and after the arena.
 constexpr std::size_t kGuardBytes = 1 << 16;
+
+// The plan against the device's free memory, before anything of the model is allocated on it
+// (unless KG_NO_MEMORY_CHECK=1): the arena block, the inputs, the parameters and, for training,
+// the parameter gradients the trainer allocates.
+void check_device_memory(const Context& ctx, const Graph& graph, const plan::Plan& plan, std::size_t arena_block) {
+  if (util::memory_check_disabled()) return;
+  auto add = [](std::uint64_t& sum, std::uint64_t b) {  // saturating: a sum past 2^64 fits no GPU
+    sum = util::checked_add(sum, b).value_or(std::numeric_limits<std::uint64_t>::max());
+  };
+  plan::DeviceMemoryNeed need;
+  need.activations = arena_block;
+  for (int id : graph.inputs()) add(need.inputs, plan.values[static_cast<std::size_t>(id)].bytes());
+  for (const auto& st : plan.steps)
+    for (const Tensor& t : st.params) add(need.parameters, t.nbytes());
+  if (plan.training.enabled)
+    for (const auto& b : plan.training.steps)
+      for (std::size_t p = 0; p < b.want_param.size(); ++p)
+        if (b.want_param[p]) add(need.gradients, plan.steps[static_cast<std::size_t>(b.step)].params[p].nbytes());
+  const auto info = ctx.memory_info();
+  if (auto e = plan::device_memory_shortfall(need, info.free, info.total, util::cat("cuda:", ctx.index()),
+                                             plan::describe_inputs(plan, graph)))
+    throw Error(*e);
+}
 
 class GpuExecutor final : public backend::Executor {
  public:
@@ -104,6 +131,7 @@ GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGra
     : ctx_(Context::get(device)), graph_(graph), plan_(plan), options_(options) {
   lp_ = lower::size_launches(graph, lowered, plan);
   guard_ = options.checked ? kGuardBytes : 0;
+  check_device_memory(ctx_, graph, plan, lp_.arena_bytes + 2 * guard_);
   arena_block_ = DeviceBuffer(ctx_, std::max<std::size_t>(lp_.arena_bytes, 1) + 2 * guard_);
   arena_ = arena_block_.ptr() + guard_;
   for (int id : graph.inputs()) {
@@ -187,7 +215,7 @@ void GpuExecutor::launch_checked(std::size_t i) {
   const bool in_arena = ov.input_index < 0;
   const std::size_t total = arena_block_.bytes();
   const std::size_t out_lo = guard_ + ov.offset, out_hi = out_lo + ov.bytes();
-  const unsigned char poison = is_floating(ov.dtype) ? 0xFF : 0xA5;
+  const unsigned char poison = backend::poison_byte(ov.dtype);
   const std::string kernel = util::cat(sl.label, " kernel '", sl.module.name, "'");
   if (in_arena && ov.bytes()) ctx_.fill_bytes_async(value_ptr(sl.node), poison, ov.bytes());
   std::vector<unsigned char> before(total), after(total);
@@ -246,17 +274,25 @@ void GpuExecutor::launch_checked(std::size_t i) {
     throw Error(util::cat(kernel, " wrote outside its output, at ", where));
   }
   if (!in_arena) return;
-  const std::size_t es = dtype_size(ov.dtype);
-  for (std::size_t e = 0; e * es < ov.bytes(); ++e) {
-    bool all = true;
-    for (std::size_t k = 0; k < es && all; ++k) all = after[out_lo + e * es + k] == poison;
-    if (all)
-      throw Error(
-          util::cat(kernel, ": output '", graph_.node(sl.node).name, "' ", sizes_to_string(ov.shape),
-                    " element ", e, " was not written (", numel_of(ov.shape),
-                    " elements; every one must be); is infer_output_shape larger than what the kernel "
-                    "writes?"));
-  }
+  // Elements still holding the poison: run the step again over a second poison to tell a kernel
+  // that wrote the poison's value from one that wrote nothing (backend::find_unwritten).
+  const auto unwritten = backend::find_unwritten(
+      {{after.data() + out_lo, numel_of(ov.shape), ov.dtype}}, [&](unsigned char byte) {
+        ctx_.fill_bytes_async(value_ptr(sl.node), byte, ov.bytes());
+        try {
+          launch_step(i);
+          ctx_.synchronize(kernel);
+        } catch (const Error& e) {
+          throw Error(kernel + " failed when run again in checked mode: " + e.what());
+        }
+        ctx_.download(after.data() + out_lo, value_ptr(sl.node), ov.bytes());
+        return std::vector<const unsigned char*>{after.data() + out_lo};
+      });
+  if (unwritten)
+    throw Error(util::cat(kernel, ": output '", graph_.node(sl.node).name, "' ", sizes_to_string(ov.shape),
+                          " element ", unwritten->element, " was not written (", numel_of(ov.shape),
+                          " elements; every one must be); is infer_output_shape larger than what the kernel "
+                          "writes?"));
 }
 
 bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {

@@ -727,7 +727,7 @@ void run_grid(const GridLaunch& L) {
   install_fault_handlers();
   const long long blocks = static_cast<long long>(L.grid.x) * L.grid.y * L.grid.z;
   if (blocks <= 0) return;
-  auto& pool = util::ThreadPool::global();
+  auto& pool = L.pool ? *L.pool : util::ThreadPool::global();
   const int workers = static_cast<int>(std::min<long long>(pool.size(), blocks));
   std::atomic<long long> next{0};
   std::atomic<bool> stop{false};

@@ -13,6 +13,7 @@
 
 #include "backend/emu/emu_abi.hpp"
 #include "kg/runtime_op.hpp"
+#include "util/thread_pool.hpp"
 
 namespace kg::emu {
 
@@ -35,6 +36,8 @@ struct GridLaunch {
   // `access` is "read", "write" or "access" (when the hardware does not say).
   std::function<std::string(std::uintptr_t address, const std::string& access)> describe_fault;
   std::function<void(const void* address)> note_atomic;
+  // The pool the blocks run on: the model's (LoadOptions::threads); null: the process-wide one.
+  util::ThreadPool* pool = nullptr;
 };
 
 // Runs every block of the grid. Throws kg::Error, prefixed by the label and naming the kernel

@@ -161,8 +161,8 @@ struct Group {
 class CheckedLaunch {
  public:
   CheckedLaunch(const KernelEntry& k, const lower::ArgPack& pack, const std::vector<HostBuffer>& buffers,
-                const std::string& label)
-      : k_(k), label_(label) {
+                const std::string& label, util::ThreadPool* pool)
+      : k_(k), label_(label), pool_(pool) {
     for (const auto& a : pack.args()) bytes_.push_back(a.data());
     // Each pointer argument to the buffer that contains it; overlapping buffers share one copy.
     std::vector<std::pair<std::size_t, std::size_t>> uses;  // (argument, buffer)
@@ -287,6 +287,7 @@ class CheckedLaunch {
     gl.order = order;
     gl.checked = true;
     gl.label = label_;
+    gl.pool = pool_;
     gl.describe_fault = [this](std::uintptr_t address, const std::string& access) -> std::string {
       for (const auto& g : groups_)
         if (auto off = g->region->guard_offset(address))
@@ -311,6 +312,7 @@ class CheckedLaunch {
 
   const KernelEntry& k_;
   std::string label_;
+  util::ThreadPool* pool_ = nullptr;
   std::vector<std::vector<std::byte>> bytes_;
   std::vector<void*> ptrs_;
   std::vector<std::unique_ptr<Group>> groups_;
@@ -321,7 +323,7 @@ void run_kernel(const KernelEntry& k, Dim3 grid, Dim3 block, std::size_t shared,
   check_args(k, pack, label);
   check_dims(k, grid, block, label);
   if (o.checked) {
-    CheckedLaunch c(k, pack, o.buffers, label);
+    CheckedLaunch c(k, pack, o.buffers, label, o.pool);
     c.run(grid, block, shared);
     return;
   }
@@ -337,6 +339,7 @@ void run_kernel(const KernelEntry& k, Dim3 grid, Dim3 block, std::size_t shared,
   gl.args = ptrs.data();
   gl.order = o.order;
   gl.label = label;
+  gl.pool = o.pool;
   run_grid(gl);
 }
 

@@ -33,6 +33,8 @@ struct LaunchOptions {
   std::vector<HostBuffer> buffers;
   std::string label;             // error prefix; default "[<name>]"
   Order order = Order::Forward;  // unchecked launches
+  // The pool the blocks run on (the model's); null: the process-wide one.
+  util::ThreadPool* pool = nullptr;
 };
 
 // Compiles `source` for the CPU (cached) and runs `entry` ("" for the only __global__ function)
