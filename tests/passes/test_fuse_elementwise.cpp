@@ -45,6 +45,18 @@ std::vector<std::string> member_names(const kg::ops::FusedElementwiseOp& f) {
   return v;
 }
 
+// Random values for every f32 parameter by name: running variances in [0.5, 1.5], the others in
+// [-scale, scale] (the i64 counters keep theirs).
+std::map<std::string, kg::Tensor> random_params(const kg::Model& m, std::mt19937_64& rng, double scale) {
+  std::map<std::string, kg::Tensor> p;
+  for (const auto& info : m.parameters()) {
+    if (info.dtype != kg::DType::F32) continue;
+    const bool var = info.name.ends_with("running_var");
+    p[info.name] = kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -scale, var ? 1.5 : scale);
+  }
+  return p;
+}
+
 std::vector<kg::Tensor> random_inputs(std::mt19937_64& rng, const Built& b, kg::DType dt) {
   std::vector<kg::Tensor> v;
   for (const auto& s : b.input_shapes) v.push_back(kg_test::random_tensor(rng, dt, s, -2.0, 2.0));
@@ -448,13 +460,7 @@ TEST(FuseElementwise, AUserActivationBecomesAConvolutionsEpilogue) {
   }
   const std::vector<std::vector<std::int64_t>> shapes{{2, 3, 9, 9}};
   auto mp = plain.load(kg::Device::cpu(), shapes);
-  std::map<std::string, kg::Tensor> params;
-  for (const auto& info : plain.parameters()) {
-    if (info.dtype != kg::DType::F32) continue;
-    const bool var = info.name.ends_with("running_var");
-    params[info.name] =
-        kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -1.0, var ? 1.5 : 1.0);
-  }
+  const auto params = random_params(plain, rng, 1.0);
   mp.load_state_dict(params, false);
   auto in = kg_test::random_tensor(rng, kg::DType::F32, shapes[0]);
   const auto want = mp.forward({in})[0];
@@ -583,13 +589,7 @@ TEST(FuseElementwiseGpu, AUserActivationEpilogueMatchesTheCpu) {
   auto out = user_swish(kg::add(kg::nn::conv2d(y, 32, 3, {.padding = 1}, "conv2"), y, "res"), true, "act2");
   Built b{g, {out}, {{2, 16, 12, 12}}};
   kg::Model plain(g, {out}, kg::LoweringMode::Inference, {.fusion = false});
-  std::map<std::string, kg::Tensor> params;
-  for (const auto& info : plain.parameters()) {
-    if (info.dtype != kg::DType::F32) continue;
-    const bool var = info.name.ends_with("running_var");
-    params[info.name] =
-        kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -0.3, var ? 1.5 : 0.3);
-  }
+  const auto params = random_params(plain, rng, 0.3);
   compare_on_gpu(b, random_inputs(rng, b, kg::DType::F32), 1e-4, params);
 }
 
