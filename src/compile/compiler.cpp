@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -149,9 +150,9 @@ fs::path Compiler::default_cache_dir() {
 
 namespace {
 
-// Writes through a temporary file and rename, so a concurrent reader never sees a torn file.
-// (Unused in a build without NVRTC.)
-[[maybe_unused]] void write_atomic(const fs::path& p, const std::string& text) {
+// Writes through a temporary file and rename, so a concurrent reader never sees a torn file. False
+// when the file could not be written (nothing is left behind then).
+bool write_atomic(const fs::path& p, const std::string& text) {
   // The temporary name is unique per write (process id and a counter), so two threads writing the
   // same file never share one.
   static std::atomic<unsigned> counter{0};
@@ -160,7 +161,7 @@ namespace {
   // Every write, the flush, the fsync and the close are checked before the rename: a full disk
   // must not rename a truncated file over a good one (an unwritable cache only costs time).
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) return;
+  if (!f) return false;
   bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   ok = std::fflush(f) == 0 && ok;
   ok = ::fsync(::fileno(f)) == 0 && ok;
@@ -168,10 +169,11 @@ namespace {
   std::error_code ec;
   if (!ok) {
     fs::remove(tmp, ec);
-    return;
+    return false;
   }
   fs::rename(tmp, p, ec);
   if (ec) fs::remove(tmp, ec);
+  return !ec;
 }
 
 }  // namespace
@@ -292,6 +294,99 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
   std::lock_guard<std::mutex> lk(mu_);
   memory_.emplace(r.key, r.ptx);
   return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUBIN cache
+
+namespace {
+
+bool is_hex(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(),
+                                   [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+std::mutex cubin_dir_mu;
+std::optional<fs::path> cubin_dir_override;
+
+std::atomic<long> load_counts[4];
+
+}  // namespace
+
+CubinCache::CubinCache(fs::path dir) : dir_(std::move(dir)) {}
+
+std::string CubinCache::key(const std::string& ptx_hash, int arch, int driver_version) {
+  // The key is a file name: anything but a content hash is hashed first.
+  const std::string h = is_hex(ptx_hash) && ptx_hash.size() <= 64 ? ptx_hash : content_hash(ptx_hash);
+  return util::cat(h, ".sm_", arch, ".drv", driver_version);
+}
+
+bool CubinCache::usable(std::string* why) const {
+  std::string reason;
+  bool ok = false;
+  if (dir_.empty()) {
+    reason = "there is no cache folder";
+  } else {
+    std::error_code ec;
+    if (dir_.has_parent_path()) fs::create_directories(dir_.parent_path(), ec);
+    ok = private_cache_dir(dir_, reason);
+  }
+  if (why) *why = reason;
+  return ok;
+}
+
+fs::path CubinCache::path(const std::string& key) const { return dir_ / (key + ".cubin"); }
+
+std::optional<std::string> CubinCache::read(const std::string& key) const {
+  if (!usable()) return std::nullopt;
+  const fs::path p = path(key);
+  std::string file;
+  if (!read_cache_file(p, file)) return std::nullopt;
+  auto bytes = unseal_cache_file(file);
+  if (!bytes || bytes->compare(0, 4, "\177ELF") != 0) {
+    // Cut short, damaged, from an older version or not machine code: built again.
+    std::error_code ec;
+    fs::remove(p, ec);
+    count_module_load(ModuleLoad::dropped_cubin);
+    return std::nullopt;
+  }
+  return bytes;
+}
+
+bool CubinCache::store(const std::string& key, const std::string& cubin) const {
+  return usable() && write_atomic(path(key), seal_cache_file(cubin));
+}
+
+void CubinCache::drop(const std::string& key) const {
+  if (dir_.empty()) return;
+  std::error_code ec;
+  fs::remove(path(key), ec);
+}
+
+fs::path cubin_cache_dir() {
+  {
+    std::lock_guard<std::mutex> lk(cubin_dir_mu);
+    if (cubin_dir_override) return *cubin_dir_override;
+  }
+  return Compiler::global().cache_dir();
+}
+
+void set_cubin_cache_dir(std::optional<fs::path> dir) {
+  std::lock_guard<std::mutex> lk(cubin_dir_mu);
+  cubin_dir_override = std::move(dir);
+}
+
+void count_module_load(ModuleLoad what) {
+  load_counts[static_cast<int>(what)].fetch_add(1, std::memory_order_relaxed);
+}
+
+ModuleLoadCounts module_load_counts() {
+  ModuleLoadCounts c;
+  c.cached_cubin = load_counts[static_cast<int>(ModuleLoad::cached_cubin)].load();
+  c.built_cubin = load_counts[static_cast<int>(ModuleLoad::built_cubin)].load();
+  c.ptx_jit = load_counts[static_cast<int>(ModuleLoad::ptx_jit)].load();
+  c.dropped_cubin = load_counts[static_cast<int>(ModuleLoad::dropped_cubin)].load();
+  return c;
 }
 
 }  // namespace kg::compile

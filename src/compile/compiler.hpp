@@ -76,4 +76,62 @@ bool read_cache_file(const std::filesystem::path& p, std::string& out);
 // group or others. `why` gets the reason when it is not.
 bool private_cache_dir(const std::filesystem::path& dir, std::string& why);
 
+// Machine code beside the PTX: the CUBIN the driver's linker made from a PTX for one device
+// architecture, kept sealed in the cache folder so that a later load reads machine code instead of
+// JIT-compiling the PTX again. The file is `<PTX content hash>.sm_<arch>.drv<driver version>.cubin`;
+// the folder must pass private_cache_dir(), since what is in it runs on the GPU.
+class CubinCache {
+ public:
+  // `dir` empty: no cache (read() misses, store() does nothing).
+  explicit CubinCache(std::filesystem::path dir);
+  // The key of the CUBIN of the PTX whose content_hash() is `ptx_hash`, for compute capability
+  // `arch` (90) under the driver version `driver_version` (cuDriverGetVersion: 13000 for 13.0).
+  static std::string key(const std::string& ptx_hash, int arch, int driver_version);
+  // Whether the folder can hold CUBINs: set and private_cache_dir() (which creates it). `why` gets
+  // the reason when not.
+  bool usable(std::string* why = nullptr) const;
+  // The file of `key` (whether or not it exists).
+  std::filesystem::path path(const std::string& key) const;
+  // The CUBIN of `key`, or nullopt when there is none; a file cut short, damaged or not an ELF
+  // image is removed (counted as dropped) so that it is rebuilt.
+  std::optional<std::string> read(const std::string& key) const;
+  // Keeps `cubin` under `key`, sealed, through a temporary file and a rename; false when the
+  // folder is unusable or the write failed (which only costs a JIT next time).
+  bool store(const std::string& key, const std::string& cubin) const;
+  // Removes the file of `key` (a CUBIN the driver refused).
+  void drop(const std::string& key) const;
+  const std::filesystem::path& dir() const { return dir_; }
+
+ private:
+  std::filesystem::path dir_;
+};
+
+// The folder where device contexts keep CUBINs: the one given to set_cubin_cache_dir(), else
+// Compiler::global().cache_dir().
+std::filesystem::path cubin_cache_dir();
+// Overrides cubin_cache_dir() for the process (nullopt: back to the default). Loads after the change
+// read and write the new folder; modules already loaded are not loaded again.
+void set_cubin_cache_dir(std::optional<std::filesystem::path> dir);
+
+// How a module came to be loaded on a GPU, for the counters below.
+enum class ModuleLoad {
+  cached_cubin,  // machine code read from the disk cache: no JIT
+  built_cubin,   // the PTX compiled to a CUBIN by the driver's linker (then kept in the cache)
+  ptx_jit,       // the PTX handed to the driver as is (no usable cache, or building the CUBIN failed)
+  dropped_cubin  // not a load: a cached CUBIN that was damaged or that the driver refused, removed
+};
+// What the module loads of this process did, over every device.
+struct ModuleLoadCounts {
+  long cached_cubin = 0;   // modules loaded from a cached CUBIN
+  long built_cubin = 0;    // modules compiled to a CUBIN in this process
+  long ptx_jit = 0;        // modules JIT-compiled by the driver from PTX
+  long dropped_cubin = 0;  // cached CUBINs removed as damaged or refused
+  // Modules whose machine code was compiled in this process (built_cubin + ptx_jit).
+  long compiled() const { return built_cubin + ptx_jit; }
+};
+// Counts one event (thread-safe).
+void count_module_load(ModuleLoad what);
+// The counts so far.
+ModuleLoadCounts module_load_counts();
+
 }  // namespace kg::compile

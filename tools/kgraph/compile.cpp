@@ -104,6 +104,32 @@ struct Tally {
   }
 };
 
+// A kernel to load on the GPU: its name, source and one entry point of its PTX.
+struct GpuLoad {
+  std::string name, source, entry;
+};
+
+// With a GPU of architecture `arch`, loads each module on cuda:0, which keeps its machine code in the
+// cache, and says where the machine code came from ("; on cuda:0: N kernels from cached machine
+// code, M compiled"); "" without one (the PTX cache is then all this command warms).
+std::string load_on_gpu(const std::vector<GpuLoad>& loads, int arch) {
+  if (loads.empty() || !kg::cuda::available() || kg::cuda::device_arch(0) != arch) return "";
+  const kg::compile::ModuleLoadCounts before = kg::compile::module_load_counts();
+  for (const GpuLoad& l : loads) kg::cuda::Kernel::compile(l.name, l.source, l.entry, 0);
+  const kg::compile::ModuleLoadCounts after = kg::compile::module_load_counts();
+  const long cached = after.cached_cubin - before.cached_cubin;
+  const long compiled = after.compiled() - before.compiled();
+  return kg::util::cat("; on cuda:0: ", cached, cached == 1 ? " kernel" : " kernels",
+                       " from cached machine code, ", compiled, " compiled");
+}
+
+// The first entry point the PTX makes visible ("" when there is none).
+std::string first_entry(const std::string& ptx) {
+  for (const auto& e : kg::compile::parse_ptx_entries(ptx))
+    if (e.visible) return e.name;
+  return "";
+}
+
 void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
   const ModelSource source = ModelSource::open(args.model);
   const kg::Model& model = source.model();
@@ -114,7 +140,8 @@ void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
   // Each kernel compiled once here (to see where it came from), then the whole model lowered,
   // planned and every launch packed and checked against its PTX (served from memory).
   const auto t0 = Clock::now();
-  const kg::lower::LoweredGraph lowered = kg::lower::lower_model(model, kg::lower::LowerTarget{{}, arch, true});
+  const kg::lower::LoweredGraph lowered =
+      kg::lower::lower_model(model, kg::lower::LowerTarget{{}, arch, true});
   std::vector<kg::compile::CompileResult> results;
   std::vector<double> times;
   Tally tally;
@@ -145,17 +172,28 @@ void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
     const kg::Node& n = model.graph().node(e.node);
     std::string launch = "-";
     if (!step.launches.empty()) {
-      launch = "grid " + dim3_text(step.launches[0].launch.grid) + " block " + dim3_text(step.launches[0].launch.block);
+      launch = "grid " + dim3_text(step.launches[0].launch.grid) + " block " +
+               dim3_text(step.launches[0].launch.block);
       if (step.launches.size() > 1) launch += kg::util::cat(" (+", step.launches.size() - 1, " more)");
     }
-    rows.push_back({n.name, e.name, step.launches.empty() ? std::string("-") : step.launches[0].ptx_entry, kg::dump::group_digits(static_cast<long long>(r.ptx.size())),
-                    cache_word(r), format_ms(times.at(k)), launch});
+    rows.push_back({n.name, e.name, step.launches.empty() ? std::string("-") : step.launches[0].ptx_entry,
+                    kg::dump::group_digits(static_cast<long long>(r.ptx.size())), cache_word(r),
+                    format_ms(times.at(k)), launch});
     ++k;
   }
   out << "compiling " << args.model << " for sm_" << arch << " at " << binding.to_string() << " with NVRTC "
       << kg::compile::Compiler::nvrtc_version() << "\n";
   print_table(out, rows, {3, 5});
-  out << tally.text("kernel");
+  std::vector<GpuLoad> loads;
+  std::set<std::string> seen;
+  k = 0;
+  for (const auto& e : lowered.executables) {
+    if (e.view) continue;
+    const auto& r = results.at(k++);
+    if (const std::string entry = first_entry(r.ptx); !entry.empty() && seen.insert(r.ptx).second)
+      loads.push_back({e.name, e.source, entry});
+  }
+  out << tally.text("kernel") << load_on_gpu(loads, arch);
   if (views)
     out << kg::util::cat("; ", views, views == 1 ? " view node needs" : " view nodes need", " no kernel");
   std::string shape_text;
@@ -167,8 +205,7 @@ void compile_model(const CompileArgs& args, int arch, std::ostream& out) {
       parts.push_back(source.inputs()[i].name + " " + kg::sizes_to_string(shapes[i]));
     shape_text = kg::util::join(parts, ", ");
   }
-  out << "\nevery launch packed and checked for " << shape_text << " in "
-      << format_ms(ms_since(t0)) << "\n";
+  out << "\nevery launch packed and checked for " << shape_text << " in " << format_ms(ms_since(t0)) << "\n";
 }
 
 void compile_all(int arch, std::ostream& out) {
@@ -177,6 +214,7 @@ void compile_all(int arch, std::ostream& out) {
   std::vector<std::vector<std::string>> rows{
       {"file", "entries", "PTX bytes", "cache", "time", "entry points"}};
   Tally tally;
+  std::vector<GpuLoad> loads;
   for (const std::string& file : kg::compile::kernel_files()) {
     const auto t = Clock::now();
     const std::string name = file.substr(0, file.rfind('.'));
@@ -186,6 +224,7 @@ void compile_all(int arch, std::ostream& out) {
     std::vector<std::string> entries;
     for (const auto& e : kg::compile::parse_ptx_entries(r.ptx))
       if (e.visible) entries.push_back(e.name);
+    if (!entries.empty()) loads.push_back({name, kg::compile::kernel_source(file), entries[0]});
     rows.push_back({file, std::to_string(entries.size()),
                     kg::dump::group_digits(static_cast<long long>(r.ptx.size())), cache_word(r),
                     format_ms(ms), entries.empty() ? "-" : kg::util::join(entries, ", ")});
@@ -193,7 +232,8 @@ void compile_all(int arch, std::ostream& out) {
   out << "compiling every built-in kernel file for sm_" << arch << " with NVRTC "
       << kg::compile::Compiler::nvrtc_version() << "\n";
   print_table(out, rows, {1, 2, 4});
-  out << tally.text("file") << "; " << format_ms(ms_since(t0)) << "\n";
+  const std::string gpu = load_on_gpu(loads, arch);
+  out << tally.text("file") << gpu << "; " << format_ms(ms_since(t0)) << "\n";
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #ifdef KG_HAVE_CUDA
 #include "backend/cuda/context.hpp"
 
+#include <atomic>
+#include <iostream>
 #include <vector>
 
 #include "compile/compiler.hpp"
@@ -31,6 +33,7 @@ Context::Context(int index) : d_(Driver::require()), index_(index) {
   d_.check(d_.cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device_),
            "cuDeviceGetAttribute");
   arch_ = major * 10 + minor;
+  if (d_.cuDriverGetVersion(&driver_version_) != CUDA_SUCCESS) driver_version_ = 0;
   char name[256] = {};
   d_.check(d_.cuDeviceGetName(name, sizeof name, device_), "cuDeviceGetName");
   name_ = name;
@@ -103,22 +106,81 @@ void Context::synchronize(const std::string& after) {
 
 CUfunction Context::function(const std::string& ptx, const std::string& entry, const std::string& label) {
   std::lock_guard<std::mutex> lk(mu_);
-  const std::string key = compile::content_hash(ptx);
+  const std::string ptx_hash = compile::content_hash(ptx);
+  const std::filesystem::path cubin_dir = compile::cubin_cache_dir();
+  const std::string key = ptx_hash + "\n" + cubin_dir.string();
   CUmodule& m = modules_[key];
   if (!m) {
-    std::vector<char> log(8192, '\0');
-    CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
-    void* vals[] = {log.data(), reinterpret_cast<void*>(log.size())};
-    CUresult r = d_.cuModuleLoadDataEx(&m, ptx.c_str(), 2, opts, vals);
-    if (r != CUDA_SUCCESS) {
-      m = nullptr;
+    try {
+      m = load_module(ptx, ptx_hash, cubin_dir, label + " loading the module for '" + entry + "'");
+    } catch (...) {
       modules_.erase(key);
-      d_.check(r, label + " loading the module for '" + entry + "': " + std::string(log.data()));
+      throw;
     }
   }
   CUfunction f = nullptr;
   d_.check(d_.cuModuleGetFunction(&f, m, entry.c_str()), label + " cuModuleGetFunction('" + entry + "')");
   return f;
+}
+
+CUmodule Context::load_module(const std::string& ptx, const std::string& ptx_hash,
+                              const std::filesystem::path& cubin_dir, const std::string& what) {
+  make_current();
+  const compile::CubinCache cache(cubin_dir);
+  std::string why;
+  const bool usable = driver_version_ > 0 && cache.usable(&why);
+  if (!usable && !cubin_dir.empty()) {
+    static std::atomic<bool> told{false};
+    if (driver_version_ <= 0) why = "the driver did not give its version";
+    if (!told.exchange(true))
+      std::cerr << "kernelgraph: not keeping machine code in " << cubin_dir.string() << ": " << why
+                << "; kernels are compiled from PTX at every load\n";
+  }
+  if (usable) {
+    const std::string key = compile::CubinCache::key(ptx_hash, arch_, driver_version_);
+    if (const auto cubin = cache.read(key)) {
+      CUmodule m = nullptr;
+      if (d_.cuModuleLoadData(&m, cubin->data()) == CUDA_SUCCESS) {
+        compile::count_module_load(compile::ModuleLoad::cached_cubin);
+        return m;
+      }
+      // Refused (built for another device or driver, or damaged past the seal): built again.
+      cache.drop(key);
+      compile::count_module_load(compile::ModuleLoad::dropped_cubin);
+    }
+    if (const auto cubin = link_cubin(ptx)) {
+      CUmodule m = nullptr;
+      if (d_.cuModuleLoadData(&m, cubin->data()) == CUDA_SUCCESS) {
+        cache.store(key, *cubin);  // a failed write only costs a link next time
+        compile::count_module_load(compile::ModuleLoad::built_cubin);
+        return m;
+      }
+    }
+  }
+  // Without a CUBIN: the driver JIT-compiles the PTX, and its log explains a failure.
+  std::vector<char> log(8192, '\0');
+  CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+  void* vals[] = {log.data(), reinterpret_cast<void*>(log.size())};
+  CUmodule m = nullptr;
+  d_.check(d_.cuModuleLoadDataEx(&m, ptx.c_str(), 2, opts, vals), what + ": " + std::string(log.data()));
+  compile::count_module_load(compile::ModuleLoad::ptx_jit);
+  return m;
+}
+
+std::optional<std::string> Context::link_cubin(const std::string& ptx) const {
+  // The linker targets the current context's device, at the JIT's default optimisation level.
+  CUlinkState state = nullptr;
+  if (d_.cuLinkCreate(0, nullptr, nullptr, &state) != CUDA_SUCCESS || !state) return std::nullopt;
+  std::optional<std::string> cubin;
+  void* image = nullptr;
+  std::size_t size = 0;
+  // The PTX is passed with its terminating NUL, as the driver reads it as a string.
+  if (d_.cuLinkAddData(state, CU_JIT_INPUT_PTX, const_cast<char*>(ptx.c_str()), ptx.size() + 1, "kernel.ptx",
+                       0, nullptr, nullptr) == CUDA_SUCCESS &&
+      d_.cuLinkComplete(state, &image, &size) == CUDA_SUCCESS && image && size > 0)
+    cubin.emplace(static_cast<const char*>(image), size);  // the image dies with the link state
+  d_.cuLinkDestroy(state);
+  return cubin;
 }
 
 void Context::launch(CUfunction f, Dim3 grid, Dim3 block, std::size_t shared_bytes, void** params,

@@ -1,9 +1,11 @@
 // One GPU: its primary context, a stream, memory, modules and launches.
 #pragma once
 
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "backend/cuda/driver.hpp"
@@ -41,24 +43,36 @@ class Context {
   // Waits for the stream; `after` names what ran (an op's kernel) in the error of a fault.
   void synchronize(const std::string& after = "");
 
-  // The function `entry` (exact PTX name) of the module built from `ptx`; modules are cached
-  // by content. `label` names the op in errors.
+  // The function `entry` (exact PTX name) of the module built from `ptx`; modules are cached in
+  // memory by content (and machine-code folder), their CUBINs on disk (see load_module). `label`
+  // names the op in errors.
   CUfunction function(const std::string& ptx, const std::string& entry, const std::string& label);
+  // The driver's version (cuDriverGetVersion: 13000 for 13.0; 0 when it would not say).
+  int driver_version() const { return driver_version_; }
   // Launches on the context's stream and checks the launch status.
   void launch(CUfunction f, Dim3 grid, Dim3 block, std::size_t shared_bytes, void** params,
               const std::string& label);
 
  private:
   explicit Context(int index);
+  // Loads the module of `ptx` (content hash `ptx_hash`) from the CUBIN cached in `cubin_dir` for this
+  // device and driver; on a miss, or a CUBIN the driver refuses, links the PTX to a CUBIN, loads and
+  // stores that; when no CUBIN can be had, loads the PTX (the driver JITs it). Throws only when the
+  // PTX itself cannot be loaded.
+  CUmodule load_module(const std::string& ptx, const std::string& ptx_hash,
+                       const std::filesystem::path& cubin_dir, const std::string& what);
+  // The PTX compiled to a CUBIN for this device by the driver's linker; nullopt when that failed.
+  std::optional<std::string> link_cubin(const std::string& ptx) const;
   const Driver& d_;
   int index_;
   int arch_ = 0;
+  int driver_version_ = 0;
   std::string name_;
   CUdevice device_ = 0;
   CUcontext ctx_ = nullptr;
   CUstream stream_ = nullptr;
   std::mutex mu_;
-  std::map<std::string, CUmodule> modules_;  // by content hash of the PTX
+  std::map<std::string, CUmodule> modules_;  // by content hash of the PTX and CUBIN folder
 };
 
 // Owns device memory.

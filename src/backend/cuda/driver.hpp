@@ -20,7 +20,9 @@ namespace kg::cuda {
                               X(cuGraphInstantiateWithFlags) X(cuGraphLaunch) X(cuGraphExecDestroy)     \
                                   X(cuGraphDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) \
                                       X(cuEventSynchronize) X(cuEventElapsedTime) X(cuGetErrorName)     \
-                                          X(cuGetErrorString)
+                                          X(cuGetErrorString)                                           \
+                                              X(cuModuleLoadData) X(cuLinkCreate) X(cuLinkAddData)      \
+                                                  X(cuLinkComplete) X(cuLinkDestroy) X(cuCtxGetCurrent)
 
 // Function pointers of the driver API, resolved through cuGetProcAddress for the ABI of the
 // cuda.h this was compiled with.
