@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kg/graph.hpp"
+#include "kg/runtime_op.hpp"
 #include "kg/tensor.hpp"
 
 namespace kg {
@@ -57,8 +58,19 @@ struct LoadOptions {
   std::uint64_t seed = 0;
   // Worker threads for CPU ops (0: one per core).
   int threads = 0;
-  // On cuda: capture the whole forward into a CUDA graph at the first run and replay it.
-  bool cuda_graph = false;
+  // On cuda: capture the whole forward into a CUDA graph at the first run and replay it (not
+  // while profiling, in checked mode, or in a training run whose launches change per run).
+  bool cuda_graph = true;
+  // On cuda: run the matrix products and convolutions that describe a library call with cuBLASLt
+  // and cuDNN where those libraries are present (the op's own kernels otherwise). The environment
+  // variable KG_NO_VENDOR=1 turns this off too.
+  bool vendor_libraries = true;
+  // On cuda: f32 matrix products and convolutions may round their inputs to TF32 on tensor cores
+  // (PyTorch's allow_tf32). Off: full f32.
+  bool tf32 = false;
+  // On cuda: time each vendor algorithm on the model's own shapes at load and keep the fastest
+  // (otherwise the library's first choice).
+  bool tune = false;
   // Models lowered for training: the scalar output that LoadedModel::backward() starts from.
   // Empty: the only output of rank 0 (none or several: backward() is unavailable).
   std::string loss;
@@ -79,13 +91,13 @@ struct OptimizerOptions {
 
 // The memory plan of a loaded model.
 struct MemoryPlan {
-  std::size_t arena_bytes = 0;        // activation arena, buffers shared by liveness
-  std::size_t unshared_bytes = 0;     // what the activations would take without sharing
-  std::size_t param_bytes = 0;        // parameters and buffers
-  std::size_t grad_bytes = 0;         // parameter gradients (models with a loss)
-  std::size_t optimizer_bytes = 0;    // optimiser state (after set_optimizer)
-  std::size_t peak_bytes = 0;         // arena + parameters + gradients + optimiser state + outputs
-  int buffers = 0;                    // activation buffers placed in the arena
+  std::size_t arena_bytes = 0;      // activation arena, buffers shared by liveness
+  std::size_t unshared_bytes = 0;   // what the activations would take without sharing
+  std::size_t param_bytes = 0;      // parameters and buffers
+  std::size_t grad_bytes = 0;       // parameter gradients (models with a loss)
+  std::size_t optimizer_bytes = 0;  // optimiser state (after set_optimizer)
+  std::size_t peak_bytes = 0;       // arena + parameters + gradients + optimiser state + outputs
+  int buffers = 0;                  // activation buffers placed in the arena
   std::string to_string() const;
 };
 
@@ -94,6 +106,8 @@ struct NodeTime {
   std::string node;
   std::string op;
   double ms;
+  // What ran on cuda: the kernel module, or the vendor library and its algorithm (the tactic).
+  std::string kernel = {};
 };
 
 class LoadedModel;
@@ -154,6 +168,16 @@ class LoadedModel {
 
   // Runs the model. `inputs` are in graph-input order with the shapes given to load().
   std::vector<Tensor> forward(const std::vector<Tensor>& inputs);
+  // Runs the model on inputs that are already in the device's memory (on cuda, addresses in the
+  // loaded device's memory; on cpu, host addresses), with the dtypes and shapes given to load().
+  // Returns the outputs as views of the model's own buffers: valid until the next run, not to be
+  // freed. Nothing is copied to or from the host; on cuda the call returns when the outputs are
+  // ready.
+  std::vector<DeviceTensor> forward_device(const std::vector<DeviceTensor>& inputs);
+  // Time of the last forward on the device, in ms: on cuda, CUDA events around its launches (and
+  // forward_device's copies of the inputs into the model's buffers; host copies excluded); on
+  // cpu, the wall time of the run.
+  double last_device_ms() const;
   // Train mode (Dropout, BatchNorm batch statistics) or inference mode (default).
   void set_training(bool training);
 
@@ -204,7 +228,8 @@ class LoadedModel {
   void load_optimizer_state(const std::map<std::string, Tensor>& state);
   // A checkpoint: parameters, optimiser state under "optimizer/<name>", and `metadata`, in one
   // safetensors file. load_checkpoint restores both and returns the metadata.
-  void save_checkpoint(const std::string& path, const std::map<std::string, std::string>& metadata = {}) const;
+  void save_checkpoint(const std::string& path,
+                       const std::map<std::string, std::string>& metadata = {}) const;
   std::map<std::string, std::string> load_checkpoint(const std::string& path);
 
  private:

@@ -7,7 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "kg/dtype.hpp"
@@ -129,6 +131,56 @@ struct LaunchTensors {
   std::vector<DeviceTensor> grad_params;  // dLoss/dParam, one per parameter
 };
 
+// A matrix product, possibly batched, over row-major operands that a vendor library can run:
+//   C[i] = op(A[i]) · op(B[i]) (+ bias, one value per column) (then relu, if set),
+// with op(X) = Xᵀ where trans_* is set, op(A) [m, k], op(B) [k, n], C [m, n], for i < batch.
+struct GemmCall {
+  DType dtype = DType::F32;  // of A, B, C and the bias
+  DevicePtr a = 0, b = 0, c = 0;
+  DevicePtr bias = 0;  // n values, or 0 for none
+  bool trans_a = false, trans_b = false;
+  std::int64_t m = 0, n = 0, k = 0;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;  // elements between rows of A, B and C as stored
+  std::int64_t batch = 1;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements between batch items (0: one shared)
+  bool relu = false;
+};
+
+// A 2-d convolution in NCHW that a vendor library can run: y = conv(x, w) (+ bias, one value per
+// output channel), cross-correlation as in PyTorch, w [out_channels, in_channels / groups, kh, kw].
+// The backward passes use the same description: BackwardData writes x = dL/dx from y = dL/dy and w;
+// BackwardFilter writes w = dL/dw from x and y = dL/dy (the bias is not used by either).
+struct Conv2dCall {
+  enum class Pass { Forward, BackwardData, BackwardFilter };
+  Pass pass = Pass::Forward;
+  DType dtype = DType::F32;  // of x, w, y and the bias
+  DevicePtr x = 0, w = 0, y = 0;
+  DevicePtr bias = 0;  // out_channels values, or 0 for none
+  std::int64_t batch = 0, in_channels = 0, height = 0, width = 0;
+  std::int64_t out_channels = 0, kernel_h = 0, kernel_w = 0, out_height = 0, out_width = 0;
+  std::int64_t pad_h = 0, pad_w = 0, stride_h = 1, stride_w = 1, dilation_h = 1, dilation_w = 1;
+  std::int64_t groups = 1;
+};
+
+// A forward described for a vendor library (cuBLASLt for a GEMM, cuDNN for a convolution), so the
+// runtime may call the library instead of the op's own launches where it is available (a tactic;
+// docs/gpu.md). The op's launches stay the reference and the fallback: the CUDA emulator and a
+// machine without the library run them, so both must compute the same output. `epilogue` lists
+// launches of the op's own module that run after the library call, in place on the output, for
+// what the library does not fuse (a folded BatchNorm, a residual add, an activation).
+struct LibraryCall {
+  std::variant<GemmCall, Conv2dCall> call;
+  std::vector<Launch> epilogue;
+};
+
+// The backward described for vendor libraries: `calls` (each overwriting one gradient; their
+// epilogues are launches of the backward module), then `launches` of the backward module for the
+// gradients no library computes (a bias gradient). Gradients nobody wants (ptr 0) need no call.
+struct LibraryBackward {
+  std::vector<LibraryCall> calls;
+  std::vector<Launch> launches;
+};
+
 class RuntimeOp {
  public:
   virtual ~RuntimeOp() = default;
@@ -153,6 +205,12 @@ class RuntimeOp {
   // False when the kernels only implement inference behaviour: a train-mode run through the
   // kernels is then an error naming the op.
   virtual bool supports_train_mode() const;
+  // The forward as a vendor-library call for these tensors (default: none). Used only on a GPU,
+  // for the forward; the backward still runs backward_launches().
+  virtual std::optional<LibraryCall> library_call(const LaunchTensors& t) const;
+  // The backward as vendor-library calls for these tensors (default: none), used on a GPU in
+  // place of backward_launches() when every call can be planned.
+  virtual std::optional<LibraryBackward> backward_library_calls(const LaunchTensors& t) const;
 
   // ---- backward (training): the kernels of CustomOp::lower_backward_source() ----
   // The backward launches, run in order. Called when lower_backward_source() is not empty, which

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kg/error.hpp"
 #include "kg/model.hpp"
 
 namespace kg::backend {
@@ -16,6 +17,14 @@ class Executor {
   // `seed` is the run's (see plan::node_seed).
   virtual std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
                                   std::vector<NodeTime>* profile) = 0;
+  // Runs every step on inputs already in the device's memory (cuda only: the cpu path is
+  // LoadedModel's) and returns views of the output buffers, valid until the next run.
+  virtual std::vector<DeviceTensor> run_device(const std::vector<DeviceTensor>&, bool, std::uint64_t,
+                                               std::vector<NodeTime>*) {
+    throw Error("forward_device: this backend runs on host tensors");
+  }
+  // Device time of the last run in ms, or a negative value where the backend has no clock of its own.
+  virtual double last_device_ms() const { return -1; }
   // Host parameter values (plan.steps[].params) to the device's copy, and back (no-ops where the
   // host tensors are the parameters).
   virtual void upload_params() = 0;

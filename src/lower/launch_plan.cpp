@@ -181,6 +181,17 @@ void pack_step(StepLaunches& sl, bool training, std::uint64_t seed) {
   } catch (const std::exception& err) {
     throw Error(sl.label + " RuntimeOp::launches failed: " + err.what());
   }
+  if (sl.depends_on_run) return;
+  try {
+    sl.library = sl.runtime_op->library_call(sl.tensors);
+    sl.epilogue.clear();
+    if (sl.library && !sl.library->epilogue.empty())
+      sl.epilogue = check_launches(sl.module, sl.library->epilogue, sl.label, "library-call epilogue");
+  } catch (const Error& err) {
+    throw labelled(sl.label, err);
+  } catch (const std::exception& err) {
+    throw Error(sl.label + " RuntimeOp::library_call failed: " + err.what());
+  }
 }
 
 }  // namespace kg::lower

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,10 @@ struct StepLaunches {
   std::shared_ptr<RuntimeOp> runtime_op;
   bool depends_on_run = false;
   LaunchTensors tensors;  // addresses and shapes; training and seed set per run
+  // The forward as a vendor-library call (RuntimeOp::library_call), for ops whose launches do not
+  // depend on the run; its epilogue launches checked against the module like the others.
+  std::optional<LibraryCall> library;
+  std::vector<CheckedLaunch> epilogue;
 };
 
 struct LaunchPlan {

@@ -61,8 +61,9 @@ Dim3 RuntimeOp::grid(const std::vector<std::int64_t>& output_shape) const {
   const std::int64_t blocks = n / b + (n % b != 0);
   constexpr std::int64_t kMaxX = (std::int64_t{1} << 31) - 1;
   if (blocks > kMaxX)
-    throw Error(util::cat("the default grid (one thread per output element) for ", sizes_to_string(output_shape),
-                          " needs gridDim.x = ", blocks, ", over CUDA's limit of ", kMaxX,
+    throw Error(util::cat("the default grid (one thread per output element) for ",
+                          sizes_to_string(output_shape), " needs gridDim.x = ", blocks,
+                          ", over CUDA's limit of ", kMaxX,
                           "; override RuntimeOp::grid() (a grid-stride loop) for outputs this large"));
   return {static_cast<unsigned>(blocks), 1, 1};
 }
@@ -78,6 +79,10 @@ std::vector<Launch> RuntimeOp::launches(const LaunchTensors& t) const {
 bool RuntimeOp::depends_on_run() const { return false; }
 std::size_t RuntimeOp::scratch_bytes(const LaunchTensors&) const { return 0; }
 bool RuntimeOp::supports_train_mode() const { return true; }
+std::optional<LibraryCall> RuntimeOp::library_call(const LaunchTensors&) const { return std::nullopt; }
+std::optional<LibraryBackward> RuntimeOp::backward_library_calls(const LaunchTensors&) const {
+  return std::nullopt;
+}
 std::vector<Launch> RuntimeOp::backward_launches(const LaunchTensors&) const { return {}; }
 std::size_t RuntimeOp::backward_scratch_bytes(const LaunchTensors&) const { return 0; }
 

@@ -422,6 +422,21 @@ __device__ __forceinline__ KgConvEpilogue<T> kg_conv_epilogue(const T* bias, con
   return ep;
 }
 
+// The epilogue alone, in place over an output a vendor library computed without it (the
+// convolution's LibraryCall, ops/conv_gpu.cpp): y = act(y * scale + shift + residual), every
+// output element, with a grid-stride loop over the whole batch of s.n images.
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_epilogue(T* __restrict__ y, const KgConvShape& s,
+                                                   const KgConvEpilogue<T>& ep, const Act& act) {
+  const long long hwo = s.ho * s.wo, total = s.n * s.o * hwo;
+  for (long long at = blockIdx.x * (long long)blockDim.x + threadIdx.x; at < total;
+       at += (long long)gridDim.x * blockDim.x) {
+    T scale, shift;
+    kg_conv_affine(ep, (at / hwo) % s.o, scale, shift);
+    kg_conv_store(ep, act, y, at, y[at], scale, shift);
+  }
+}
+
 // ---- entries ----
 // (ops/conv_gpu.cpp cuts the file at the line above for the kernels it writes an entry for.)
 
@@ -467,4 +482,24 @@ extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
   kg_conv2d_gemm<double>(x, w, y, s,
                          kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
                          KgConvIdentity<double>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_epilogue_f32(const float* __restrict__ x, const float* __restrict__ w,
+                           const float* __restrict__ bias, const float* __restrict__ bn_weight,
+                           const float* __restrict__ bn_bias, const float* __restrict__ bn_mean,
+                           const float* __restrict__ bn_var, const float* __restrict__ residual,
+                           float* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_epilogue<float>(y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                           KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_epilogue_f64(const double* __restrict__ x, const double* __restrict__ w,
+                           const double* __restrict__ bias, const double* __restrict__ bn_weight,
+                           const double* __restrict__ bn_bias, const double* __restrict__ bn_mean,
+                           const double* __restrict__ bn_var, const double* __restrict__ residual,
+                           double* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_epilogue<double>(y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                           KgConvIdentity<double>());
 }

@@ -1,9 +1,8 @@
 // nn.conv2d and nn.fused_conv2d on the GPU: choosing the kernel of conv.cu and launching it.
 #include "ops/conv_gpu.hpp"
 
-#include <cstdio>
-
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -54,7 +53,8 @@ std::string entry_params(const char* t) {
 
 // conv.cu without its entries: everything before its "---- entries ----" line.
 std::string conv_body() {
-  const std::string all = kernel_file("conv.cu");  // a copy: GCC 13 warns on the reference (-Wdangling-reference)
+  const std::string all =
+      kernel_file("conv.cu");  // a copy: GCC 13 warns on the reference (-Wdangling-reference)
   const std::size_t at = all.find("\n// ---- entries ----");
   if (at == std::string::npos) throw Error("conv.cu has no \"---- entries ----\" line to cut at");
   return all.substr(0, at + 1);
@@ -123,6 +123,59 @@ class ConvRuntime final : public RuntimeOp {
     return v;
   }
 
+  // The convolution for cuDNN, and the rest (bias, folded BatchNorm, residual, activation) as
+  // one launch of the module's epilogue entry over the library's output.
+  std::optional<LibraryCall> library_call(const LaunchTensors& t) const override {
+    if (cfg_.dtype != DType::F32 && cfg_.dtype != DType::F64) return std::nullopt;
+    const auto& in = t.inputs.at(0).shape;
+    const auto& out = t.output.shape;
+    const auto& op = cfg_.options;
+    LibraryCall call{conv_call(t.inputs[0].ptr, t.params.at(0).ptr, t.output.ptr, in, out), {}};
+    if (op.bias || cfg_.batch_norm || cfg_.residual || cfg_.activation || cfg_.activation_form) {
+      Launch L;
+      L.entry = epilogue_entry_;
+      L.block = {kConvThreads, 1, 1};
+      L.grid = grid_1d(numel_of(out), kConvThreads);
+      const std::size_t bn = op.bias ? 2 : 1;
+      L.args.pointer(0);  // x and w: not read
+      L.args.pointer(0);
+      L.args.pointer(op.bias ? t.params[1].ptr : 0);
+      for (std::size_t i = 0; i < 4; ++i) L.args.pointer(cfg_.batch_norm ? t.params[bn + i].ptr : 0);
+      L.args.pointer(cfg_.residual ? t.inputs.at(1).ptr : 0);
+      L.args.pointer(t.output.ptr);
+      const KgConvShape s = geometry(out[0], in, out);
+      L.args.bytes(&s, sizeof s);
+      L.args.f64(cfg_.bn_eps);
+      L.args.f64(cfg_.activation ? cfg_.activation->param : 0.0);
+      call.epilogue.push_back(std::move(L));
+    }
+    return call;
+  }
+  // dx by cuDNN's backward data, dw by its backward filter, db by the backward module's kernel.
+  std::optional<LibraryBackward> backward_library_calls(const LaunchTensors& t) const override {
+    if (!backward_ || (cfg_.dtype != DType::F32 && cfg_.dtype != DType::F64)) return std::nullopt;
+    const auto& in = t.inputs.at(0).shape;
+    const auto& out = t.grad_output.shape;
+    LibraryBackward b;
+    if (t.grad_inputs.at(0).ptr) {
+      Conv2dCall c = conv_call(t.grad_inputs[0].ptr, t.params.at(0).ptr, t.grad_output.ptr, in, out);
+      c.pass = Conv2dCall::Pass::BackwardData;
+      b.calls.push_back({c, {}});
+    }
+    if (t.grad_params.at(0).ptr) {
+      if (!t.inputs[0].ptr) return std::nullopt;  // the input was not saved
+      Conv2dCall c = conv_call(t.inputs[0].ptr, t.grad_params[0].ptr, t.grad_output.ptr, in, out);
+      c.pass = Conv2dCall::Pass::BackwardFilter;
+      b.calls.push_back({c, {}});
+    }
+    if (cfg_.options.bias && t.grad_params.at(1).ptr)
+      b.launches.push_back(backward_launches(t).at(kGradBias));
+    return b;
+  }
+
+  // The module's entry that applies the epilogue alone (see library_call()).
+  void set_epilogue_entry(std::string entry) { epilogue_entry_ = std::move(entry); }
+
   // ---- backward (conv_backward.cu): dx, dw, the sum of dw's ranges, then db with a bias ----
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     if (!backward_) return {};
@@ -144,6 +197,34 @@ class ConvRuntime final : public RuntimeOp {
   }
 
  private:
+  // The convolution between x [in] and y [out] with weights w, for a vendor library.
+  Conv2dCall conv_call(DevicePtr x, DevicePtr w, DevicePtr y, const std::vector<std::int64_t>& in,
+                       const std::vector<std::int64_t>& out) const {
+    const auto& op = cfg_.options;
+    Conv2dCall c;
+    c.dtype = cfg_.dtype;
+    c.x = x;
+    c.w = w;
+    c.y = y;
+    c.batch = in[0];
+    c.in_channels = in[1];
+    c.height = in[2];
+    c.width = in[3];
+    c.out_channels = out[1];
+    c.kernel_h = cfg_.kernel.h;
+    c.kernel_w = cfg_.kernel.w;
+    c.out_height = out[2];
+    c.out_width = out[3];
+    c.pad_h = op.padding.h;
+    c.pad_w = op.padding.w;
+    c.stride_h = op.stride.h;
+    c.stride_w = op.stride.w;
+    c.dilation_h = op.dilation.h;
+    c.dilation_w = op.dilation.w;
+    c.groups = op.groups;
+    return c;
+  }
+
   // Arguments of forward launch `launch`: its images' base pointers, then the geometry.
   void pack(int launch, const LaunchTensors& t, ArgVisitor& v) const {
     const auto& shape = t.output.shape;
@@ -340,6 +421,7 @@ class ConvRuntime final : public RuntimeOp {
   ConvGpuAlgo algo_;
   std::string label_;  // "[nn.conv2d]", for errors
   bool backward_;      // a plain convolution: its backward kernels apply
+  std::string epilogue_entry_;
 };
 
 }  // namespace
@@ -365,9 +447,11 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   const char* algo_name = algo == ConvGpuAlgo::Gemm    ? "gemm"
                           : algo == ConvGpuAlgo::Tiled ? "tiled"
                                                        : "direct";
-  if (!activated && algo != ConvGpuAlgo::Tiled)
+  if (!activated && algo != ConvGpuAlgo::Tiled) {
+    rt->set_epilogue_entry(entry_for("kg_conv2d_epilogue", cfg.dtype));
     return Lowered{op_name, kernel_file("conv.cu"), entry_for(util::cat("kg_conv2d_", algo_name), cfg.dtype),
                    rt};
+  }
   // One entry of its own, calling conv.cu's body with the tiled kernel's template arguments and
   // the activation, whose formula comes from elementwise.cu (without that file's entries).
   const char* t = cfg.dtype == DType::F64 ? "double" : "float";
@@ -395,7 +479,8 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   }
   if (activated) {
     // The formulas a form may call: elementwise.cu's (without its entries) and pointwise.cuh's.
-    source = util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"), "\n#include \"pointwise.cuh\"\n");
+    source = util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"),
+                       "\n#include \"pointwise.cuh\"\n");
     functor = util::cat("KgConvActivation<", t, ">{(", t, ")act_param}");
   }
   const std::string entry = entry_for(stem, cfg.dtype);
@@ -406,15 +491,24 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
                   "  __device__ __forceinline__ T operator()(T v) const { return kg_unary_fn<",
                   kUnaryOps[static_cast<std::size_t>(cfg.activation->fn)].device_fn, ">(v, param); }\n};\n");
   else if (cfg.activation_form)
-    source += util::cat("\nnamespace kg_act {\n", cfg.activation_form->device_source,
-                        "\n}  // namespace kg_act\ntemplate <class T>\nstruct KgConvActivation {\n  T param;\n",
-                        "  __device__ __forceinline__ T operator()(T v) const { return (T)kg_act::",
-                        cfg.activation_form->function, "(v); }\n};\n");
+    source +=
+        util::cat("\nnamespace kg_act {\n", cfg.activation_form->device_source,
+                  "\n}  // namespace kg_act\ntemplate <class T>\nstruct KgConvActivation {\n  T param;\n",
+                  "  __device__ __forceinline__ T operator()(T v) const { return (T)kg_act::",
+                  cfg.activation_form->function, "(v); }\n};\n");
   source += util::cat(
       "\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", entry, "(", entry_params(t),
       ") {\n  ", body,
       ">(x, w, y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),\n",
       "      ", functor, ");\n}\n");
+  // The epilogue alone, for the library call (ConvRuntime::library_call).
+  const std::string epilogue = entry_for(stem + "_epilogue", cfg.dtype);
+  source +=
+      util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", epilogue, "(",
+                entry_params(t), ") {\n  kg_conv2d_epilogue<", t,
+                ">(y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),\n",
+                "      ", functor, ");\n}\n");
+  rt->set_epilogue_entry(epilogue);
   return Lowered{op_name, std::move(source), entry, rt};
 }
 

@@ -50,6 +50,64 @@ class LinearRuntime final : public RuntimeOp {
             1};
   }
 
+  // y [rows, out] = x [rows, in] · Wᵀ + b, for cuBLASLt.
+  std::optional<LibraryCall> library_call(const LaunchTensors& t) const override {
+    GemmCall g;
+    g.dtype = dtype_;
+    g.a = t.inputs.at(0).ptr;
+    g.b = t.params.at(0).ptr;
+    g.c = t.output.ptr;
+    g.bias = bias_ ? t.params.at(1).ptr : 0;
+    g.trans_b = true;
+    g.m = rows(t.output.shape);
+    g.n = out_;
+    g.k = in_;
+    g.lda = in_;
+    g.ldb = in_;
+    g.ldc = out_;
+    if (g.m == 0 || in_ == 0) return std::nullopt;
+    return LibraryCall{g, {}};
+  }
+
+  // dx = dy · W and dW = dyᵀ · x for cuBLASLt; db by the backward module's column sums.
+  std::optional<LibraryBackward> backward_library_calls(const LaunchTensors& t) const override {
+    const std::int64_t r = rows(t.grad_output.shape);
+    if (r == 0 || in_ == 0) return std::nullopt;
+    LibraryBackward b;
+    if (t.grad_inputs.at(0).ptr) {  // [rows, in] = [rows, out] · [out, in]
+      GemmCall g;
+      g.dtype = dtype_;
+      g.a = t.grad_output.ptr;
+      g.b = t.params.at(0).ptr;
+      g.c = t.grad_inputs[0].ptr;
+      g.m = r;
+      g.n = in_;
+      g.k = out_;
+      g.lda = out_;
+      g.ldb = in_;
+      g.ldc = in_;
+      b.calls.push_back({g, {}});
+    }
+    if (t.grad_params.at(0).ptr) {                   // [out, in] = [rows, out]ᵀ · [rows, in]
+      if (!t.inputs.at(0).ptr) return std::nullopt;  // the input was not saved
+      GemmCall g;
+      g.dtype = dtype_;
+      g.a = t.grad_output.ptr;
+      g.trans_a = true;
+      g.b = t.inputs[0].ptr;
+      g.c = t.grad_params[0].ptr;
+      g.m = out_;
+      g.n = in_;
+      g.k = r;
+      g.lda = out_;
+      g.ldb = in_;
+      g.ldc = in_;
+      b.calls.push_back({g, {}});
+    }
+    if (bias_ && t.grad_params.at(1).ptr) b.launches.push_back(backward_launches(t).at(kGradBias));
+    return b;
+  }
+
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     const std::int64_t r = rows(t.grad_output.shape);
     std::vector<Launch> ls;
@@ -81,7 +139,9 @@ class LinearRuntime final : public RuntimeOp {
   }
 
  private:
-  std::int64_t rows(const std::vector<std::int64_t>& shape) const { return out_ ? numel_of(shape) / out_ : 0; }
+  std::int64_t rows(const std::vector<std::int64_t>& shape) const {
+    return out_ ? numel_of(shape) / out_ : 0;
+  }
   std::int64_t in_, out_;
   bool bias_;
   DType dtype_;  // of the kernel entries
@@ -109,7 +169,8 @@ class LinearOp final : public CustomOp {
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override {
     DType t = require_float(in);
-    if (t != dtype_) throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
+    if (t != dtype_)
+      throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
     return t;
   }
 
@@ -220,12 +281,14 @@ namespace kg::nn {
 
 SymTensor linear(const SymTensor& x, std::int64_t out_features, const std::string& name, bool bias) {
   const Shape& s = x.shape();
-  if (out_features <= 0) throw Error(util::cat("[nn.linear] out_features must be positive, got ", out_features));
+  if (out_features <= 0)
+    throw Error(util::cat("[nn.linear] out_features must be positive, got ", out_features));
   if (s.rank() < 1 || s[s.rank() - 1].is_dynamic())
     throw Error("[nn.linear] the input's last dim must be known to size the weight, got " + s.to_string() +
                 " from '" + x.name() + "'");
-  return x.record_custom(CustomData::make<ops::LinearOp>(s[s.rank() - 1].size(), out_features, bias, x.dtype()), {},
-                         std::nullopt, name);
+  return x.record_custom(
+      CustomData::make<ops::LinearOp>(s[s.rank() - 1].size(), out_features, bias, x.dtype()), {},
+      std::nullopt, name);
 }
 
 }  // namespace kg::nn

@@ -67,10 +67,12 @@ Levels broadcast_levels(const std::vector<std::int64_t>& sa, const std::vector<s
 }
 
 // The levels for the GPU kernel, which takes at most kMaxBatchLevels.
-void check_gpu_levels(const Levels& lv, const std::vector<std::int64_t>& sa, const std::vector<std::int64_t>& sb) {
+void check_gpu_levels(const Levels& lv, const std::vector<std::int64_t>& sa,
+                      const std::vector<std::int64_t>& sb) {
   if (lv.size.size() > kMaxBatchLevels)
     throw Error(util::cat("nn.matmul: operands ", sizes_to_string(sa), " and ", sizes_to_string(sb), " need ",
-                          lv.size.size(), " broadcast batch levels; the GPU kernel handles ", kMaxBatchLevels));
+                          lv.size.size(), " broadcast batch levels; the GPU kernel handles ",
+                          kMaxBatchLevels));
 }
 
 // One output batch entry and no levels (the product as one GEMM).
@@ -217,6 +219,39 @@ class MatmulRuntime final : public RuntimeOp {
             static_cast<unsigned>(std::clamp<std::int64_t>(batches, 1, kMaxGridYZ))};
   }
 
+  // The product for cuBLASLt: one GEMM, or a strided batch of them over one broadcast level
+  // (more levels: the kernel's walk serves).
+  std::optional<LibraryCall> library_call(const LaunchTensors& t) const override {
+    const auto &sa = t.inputs.at(0).shape, &sb = t.inputs.at(1).shape;
+    const auto [m, k, n] = matmul_sizes(sa, sb);
+    GemmCall g;
+    g.dtype = dtype_;
+    g.a = t.inputs[0].ptr;
+    g.b = t.inputs[1].ptr;
+    g.c = t.output.ptr;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.lda = k;
+    g.ldb = n;
+    g.ldc = n;
+    if (merged()) {
+      g.m = m * batch_count(t.output.shape);
+    } else {
+      const Levels lv = broadcast_levels(sa, sb);
+      if (lv.size.size() > 1) return std::nullopt;
+      if (lv.size.size() == 1) {
+        g.batch = lv.size[0];
+        g.stride_a = lv.stride_a[0];
+        g.stride_b = lv.stride_b[0];
+        g.stride_c = m * n;
+      }
+    }
+    if (g.m == 0 || g.n == 0 || g.batch == 0) return std::nullopt;
+    if (g.k == 0) return std::nullopt;  // an all-zero output: the kernel writes it
+    return LibraryCall{g, {}};
+  }
+
   // ---- backward (matmul_backward.cu): launch 0 writes dA, launch 1 dB ----
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     std::vector<Launch> ls;
@@ -347,15 +382,18 @@ class MatmulOp final : public CustomOp {
             const GradEntry at = grad_entry(gl, e, r);
             const T beta = r == 0 ? T(0) : T(1);
             if (grad_a)
-              gemm(false, true, m, k, n, T(1), dc + at.z * m * n, n, other + at.other, n, beta, g + at.own, k);
+              gemm(false, true, m, k, n, T(1), dc + at.z * m * n, n, other + at.other, n, beta, g + at.own,
+                   k);
             else
-              gemm(true, false, k, n, m, T(1), other + at.other, k, dc + at.z * m * n, n, beta, g + at.own, n);
+              gemm(true, false, k, n, m, T(1), other + at.other, k, dc + at.z * m * n, n, beta, g + at.own,
+                   n);
           }
         };
         if (m * n * k >= 64 * 64 * 64) {
           for (std::int64_t e = 0; e < gl.entries; ++e) one(e);  // the BLAS threads each product
         } else {
-          ctx.parallel_for(gl.entries, std::max<std::int64_t>(1, 65536 / std::max<std::int64_t>(m * n * k * gl.reps, 1)),
+          ctx.parallel_for(gl.entries,
+                           std::max<std::int64_t>(1, 65536 / std::max<std::int64_t>(m * n * k * gl.reps, 1)),
                            [&](std::int64_t e0, std::int64_t e1) {
                              for (std::int64_t e = e0; e < e1; ++e) one(e);
                            });

@@ -1,5 +1,9 @@
+#include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <functional>
 #include <set>
+#include <utility>
 
 #include "kg/error.hpp"
 #include "kg/io.hpp"
@@ -17,8 +21,9 @@ const MemoryPlan& LoadedModel::memory_plan() const { return impl_->plan.memory; 
 std::vector<NodeTime> LoadedModel::profile() const { return impl_->last_profile; }
 void LoadedModel::set_training(bool training) {
   if (training && impl_->mode != LoweringMode::Training)
-    throw Error("set_training: this model was lowered for inference (patterns such as BatchNorm were "
-                "fused); build the Model with LoweringMode::Training to train it");
+    throw Error(
+        "set_training: this model was lowered for inference (patterns such as BatchNorm were "
+        "fused); build the Model with LoweringMode::Training to train it");
   impl_->training = training;
 }
 
@@ -34,28 +39,78 @@ std::vector<std::vector<std::int64_t>> LoadedModel::output_shapes() const {
   return s;
 }
 
-std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
-  Impl& m = *impl_;
+namespace {
+// The inputs of a forward against what the model was loaded for.
+void check_inputs(const LoadedModel::Impl& m, const char* what, std::size_t count,
+                  const std::function<std::pair<DType, std::vector<std::int64_t>>(std::size_t)>& input) {
   const Graph& g = *m.graph;
-  if (inputs.size() != g.inputs().size())
-    throw Error(util::cat("forward: the model has ", g.inputs().size(), " input(s) but ", inputs.size(),
+  if (count != g.inputs().size())
+    throw Error(util::cat(what, ": the model has ", g.inputs().size(), " input(s) but ", count,
                           " tensor(s) were given"));
-  for (std::size_t k = 0; k < inputs.size(); ++k) {
+  for (std::size_t k = 0; k < count; ++k) {
     const Node& n = g.node(g.inputs()[k]);
     const auto& v = m.plan.values[static_cast<std::size_t>(n.id)];
-    if (inputs[k].dtype() != v.dtype || inputs[k].shape() != v.shape)
-      throw Error(util::cat("forward: input '", n.name, "' was loaded as ", sizes_to_string(v.shape), " ",
-                            dtype_name(v.dtype), " but got ", sizes_to_string(inputs[k].shape()), " ",
-                            dtype_name(inputs[k].dtype()), "; load the model again for new shapes"));
+    const auto [dtype, shape] = input(k);
+    if (dtype != v.dtype || shape != v.shape)
+      throw Error(util::cat(what, ": input '", n.name, "' was loaded as ", sizes_to_string(v.shape), " ",
+                            dtype_name(v.dtype), " but got ", sizes_to_string(shape), " ", dtype_name(dtype),
+                            "; load the model again for new shapes"));
   }
+}
+
+// The bookkeeping of a forward around `run`.
+template <class Run>
+auto run_forward(LoadedModel::Impl& m, Run&& run) {
   ++m.runs;
   m.last_profile.clear();
   m.forward_ready = false;
   m.last_seed = m.options.seed + m.runs;
   m.last_training = m.training;
-  auto outs = m.exec->run(inputs, m.training, m.last_seed, m.options.profile ? &m.last_profile : nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto outs = run(m.options.profile ? &m.last_profile : nullptr);
+  m.last_wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   m.forward_ready = m.plan.training.enabled;
   return outs;
+}
+}  // namespace
+
+std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
+  Impl& m = *impl_;
+  check_inputs(m, "forward", inputs.size(), [&](std::size_t k) {
+    return std::pair{inputs[k].dtype(), inputs[k].shape()};
+  });
+  return run_forward(
+      m, [&](std::vector<NodeTime>* prof) { return m.exec->run(inputs, m.training, m.last_seed, prof); });
+}
+
+std::vector<DeviceTensor> LoadedModel::forward_device(const std::vector<DeviceTensor>& inputs) {
+  Impl& m = *impl_;
+  check_inputs(m, "forward_device", inputs.size(), [&](std::size_t k) {
+    return std::pair{inputs[k].dtype, inputs[k].shape};
+  });
+  for (std::size_t k = 0; k < inputs.size(); ++k)
+    if (inputs[k].ptr == 0 && inputs[k].numel() > 0)
+      throw Error(util::cat("forward_device: input ", k, " has a null address"));
+  if (m.device.kind == Device::Kind::Cuda)
+    return run_forward(m, [&](std::vector<NodeTime>* prof) {
+      return m.exec->run_device(inputs, m.training, m.last_seed, prof);
+    });
+  // The cpu: the addresses are host memory, read in place.
+  std::vector<Tensor> host;
+  for (const auto& t : inputs)
+    host.push_back(
+        Tensor::wrap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(t.ptr)), t.dtype, t.shape));
+  m.device_outputs = run_forward(
+      m, [&](std::vector<NodeTime>* prof) { return m.exec->run(host, m.training, m.last_seed, prof); });
+  std::vector<DeviceTensor> outs;
+  for (auto& t : m.device_outputs)
+    outs.push_back({static_cast<DevicePtr>(reinterpret_cast<std::uintptr_t>(t.raw())), t.shape(), t.dtype()});
+  return outs;
+}
+
+double LoadedModel::last_device_ms() const {
+  const double ms = impl_->exec->last_device_ms();
+  return ms >= 0 ? ms : impl_->last_wall_ms;
 }
 
 // ---- parameters and weights ----
@@ -77,7 +132,8 @@ std::map<std::string, ParamRef> param_map(LoadedModel::Impl& m) {
   std::map<std::string, ParamRef> out;
   for (auto& s : m.plan.steps) {
     const Node& n = m.graph->node(s.node);
-    for (std::size_t i = 0; i < s.specs.size(); ++i) out.emplace(s.specs[i].name, ParamRef{&n, &s.specs[i], &s.params[i]});
+    for (std::size_t i = 0; i < s.specs.size(); ++i)
+      out.emplace(s.specs[i].name, ParamRef{&n, &s.specs[i], &s.params[i]});
   }
   return out;
 }
@@ -112,12 +168,13 @@ void LoadedModel::load_state_dict(const std::map<std::string, Tensor>& tensors, 
     bool dtype_ok = t.dtype() == ref.spec->dtype || (is_floating(t.dtype()) && is_floating(ref.spec->dtype));
     if (t.shape() != ref.spec->shape || !dtype_ok)
       mismatched.push_back(util::cat(name, ": file has ", sizes_to_string(t.shape()), " ",
-                                     dtype_name(t.dtype()), ", model has ",
-                                     sizes_to_string(ref.spec->shape), " ", dtype_name(ref.spec->dtype)));
+                                     dtype_name(t.dtype()), ", model has ", sizes_to_string(ref.spec->shape),
+                                     " ", dtype_name(ref.spec->dtype)));
   }
   for (auto& [name, t] : tensors)
     if (!params.count(name))
-      unexpected.push_back(name + " " + sizes_to_string(t.shape()) + " " + std::string(dtype_name(t.dtype())));
+      unexpected.push_back(name + " " + sizes_to_string(t.shape()) + " " +
+                           std::string(dtype_name(t.dtype())));
   if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty()))) {
     std::string msg = "weights do not match the model's parameters:";
     auto section = [&](const char* title, const std::vector<std::string>& items) {

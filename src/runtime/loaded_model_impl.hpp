@@ -22,6 +22,8 @@ struct LoadedModel::Impl {
   bool training = false;
   std::uint64_t runs = 0;
   std::vector<NodeTime> last_profile;
+  double last_wall_ms = 0;             // of the last forward, for backends without a device clock
+  std::vector<Tensor> device_outputs;  // cpu: what the last forward_device returned views of
 
   // ---- training (plan.training.enabled) ----
   std::string loss_name;

@@ -286,10 +286,14 @@ void check_fused(const FusedCase& fc, std::mt19937_64& rng) {
   const std::string stem =
       fc.act == Act::None ? "kg_conv2d_" + algo : "kg_fused_conv2d_" + algo + "_" + act_name(fc.act);
   EXPECT_EQ(lowered.entry_point, stem + (fc.dtype == kg::DType::F64 ? "_f64" : "_f32"));
-  // A module of its own holds its one entry (not elementwise.cu's).
+  // A module of its own holds its entry and the epilogue entry of its library call (not
+  // elementwise.cu's entries).
   if ((fc.act != Act::None || fc.algo == kg::ops::ConvGpuAlgo::Tiled) && kg::compile::Compiler::available()) {
     const std::string ptx = kg::compile::Compiler::global().compile(lowered.name, lowered.source, 90).ptx;
-    EXPECT_EQ(kg::compile::parse_ptx_entries(ptx).size(), 1u);
+    const auto entries = kg::compile::parse_ptx_entries(ptx);
+    ASSERT_EQ(entries.size(), 2u);
+    EXPECT_EQ(entries[0].name + entries[1].name,
+              lowered.entry_point + stem + "_epilogue" + (fc.dtype == kg::DType::F64 ? "_f64" : "_f32"));
   }
 
   const auto params = random_params(model, rng);

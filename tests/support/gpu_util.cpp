@@ -73,18 +73,27 @@ bool check_emulated(const kg::Model& model, const std::vector<kg::Tensor>& input
     return false;
   }
   record_emulation(true);
-  std::vector<kg::Tensor> got;
-  try {
-    got = kg::emu::run_model(model, inputs, params, /*checked=*/true);
-  } catch (const kg::Error& e) {
-    ADD_FAILURE() << "emulated run failed: " << e.what();
-    return true;
-  }
-  EXPECT_EQ(got.size(), want.size());
-  for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    EXPECT_TRUE(all_written(got[i]) || !all_written(want[i]))
-        << "emulated output " << i << " has elements the kernel never wrote";
-    EXPECT_TRUE(all_close(got[i], want[i], rtol, atol)) << "emulated output " << i << " differs from the CPU";
+  // The library-call path first (the vendor call by its definition, then the op's epilogue
+  // kernels), then, when some op took it, the ops' own kernels; otherwise the first run was theirs.
+  for (bool library : {true, false}) {
+    const char* path = library ? " (library-call path)" : "";
+    std::vector<kg::Tensor> got;
+    int library_steps = 0;
+    try {
+      got = kg::emu::run_model(model, inputs, params, /*checked=*/true, library, &library_steps);
+    } catch (const kg::Error& e) {
+      ADD_FAILURE() << "emulated run" << path << " failed: " << e.what();
+      return true;
+    }
+    if (library && library_steps == 0) path = "";  // no op took it: this was the kernels' run
+    EXPECT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
+      EXPECT_TRUE(all_written(got[i]) || !all_written(want[i]))
+          << "emulated output " << i << path << " has elements the kernel never wrote";
+      EXPECT_TRUE(all_close(got[i], want[i], rtol, atol))
+          << "emulated output " << i << path << " differs from the CPU";
+    }
+    if (library && library_steps == 0) break;
   }
   return true;
 }
@@ -109,14 +118,21 @@ bool check_lowering(const BuildFn& build, const std::vector<kg::Tensor>& inputs,
   const auto want = cpu.forward(inputs);
   check_emulated(model, inputs, cpu.state_dict(), want, rtol, atol);
   if (!kg::Device::cuda_available()) return false;
-  kg::LoadedModel gpu = model.load(kg::Device::cuda(), shapes, opt);
-  gpu.load_state_dict(cpu.state_dict(), false);
-  auto got = gpu.forward(inputs);
-  EXPECT_EQ(got.size(), want.size());
-  for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
-    EXPECT_TRUE(all_written(got[i])) << "GPU output " << i << " has elements the kernel never wrote";
-    EXPECT_TRUE(all_close(got[i], want[i], rtol, atol)) << "GPU output " << i << " differs from the CPU";
-    record_max_rel_err(got[i], want[i]);
+  // The op's own kernels, then the vendor libraries where the op describes a library call.
+  for (bool vendor : {false, true}) {
+    opt.vendor_libraries = vendor;
+    const char* path = vendor ? " (vendor libraries on)" : " (own kernels)";
+    kg::LoadedModel gpu = model.load(kg::Device::cuda(), shapes, opt);
+    gpu.load_state_dict(cpu.state_dict(), false);
+    auto got = gpu.forward(inputs);
+    EXPECT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < got.size() && i < want.size(); ++i) {
+      EXPECT_TRUE(all_written(got[i]))
+          << "GPU output " << i << path << " has elements the kernel never wrote";
+      EXPECT_TRUE(all_close(got[i], want[i], rtol, atol))
+          << "GPU output " << i << path << " differs from the CPU";
+      record_max_rel_err(got[i], want[i]);
+    }
   }
   return true;
 }

@@ -67,14 +67,15 @@ std::vector<std::pair<std::string, kg::Tensor>> match_input_file(const ModelSour
   std::vector<std::string> names;
   for (const auto& kv : tensors) names.push_back(kv.first);
   if (inputs.size() == 1)
-    throw kg::Error(kg::util::cat("input file '", path, "' has ", tensors.size(), " tensors (", kg::util::join(names, ", "),
-                                  "); expected one tensor or one named '", inputs[0].name, "'"));
+    throw kg::Error(kg::util::cat("input file '", path, "' has ", tensors.size(), " tensors (",
+                                  kg::util::join(names, ", "), "); expected one tensor or one named '",
+                                  inputs[0].name, "'"));
   std::vector<std::string> input_names;
   for (const auto& in : inputs) input_names.push_back(in.name);
-  throw kg::Error(kg::util::cat("input file '", path, "' has no tensor named '", kg::util::join(missing, "' or '"),
-                                "' (its tensors: ", names.empty() ? std::string("none") : kg::util::join(names, ", "),
-                                "); ", source.name(), "'s inputs ", kg::util::join(input_names, ", "),
-                                " are matched by name"));
+  throw kg::Error(kg::util::cat(
+      "input file '", path, "' has no tensor named '", kg::util::join(missing, "' or '"),
+      "' (its tensors: ", names.empty() ? std::string("none") : kg::util::join(names, ", "), "); ",
+      source.name(), "'s inputs ", kg::util::join(input_names, ", "), " are matched by name"));
 }
 
 // The inputs of `kgraph run`, in the model's input order: read from a safetensors file or drawn
@@ -194,9 +195,14 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
   if (!args.dims.empty()) binding = source.bind(args.dims);
   out << "model " << args.model << "\n" << model.summary();
 
+  const kg::Device device = kg::Device::parse(args.device);
+  if (!binding && device.kind != kg::Device::Kind::Cpu)
+    throw kg::Error("inspect --device " + args.device + " needs --batch or --dim: the sizes to load for");
   if (binding) {
-    kg::LoadedModel loaded = model.load(kg::Device::cpu(), source.shapes(*binding));
-    out << "\nloaded on cpu for " << binding->to_string() << ":\n";
+    kg::LoadOptions options;
+    options.profile = device.kind == kg::Device::Kind::Cuda;
+    kg::LoadedModel loaded = model.load(device, source.shapes(*binding), options);
+    out << "\nloaded on " << device.to_string() << " for " << binding->to_string() << ":\n";
     const auto in_shapes = loaded.input_shapes();
     for (std::size_t i = 0; i < source.inputs().size(); ++i)
       out << "  input " << source.inputs()[i].name << ": " << kg::sizes_to_string(in_shapes.at(i)) << " "
@@ -207,6 +213,20 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
       out << "  output " << names[i] << ": " << kg::sizes_to_string(shapes.at(i)) << " "
           << kg::dtype_name(output_dtype(model, i)) << "\n";
     out << "memory plan: " << loaded.memory_plan().to_string() << "\n";
+    if (options.profile) {
+      // One run on zeros (the second one: the first also warms the caches), node by node.
+      std::vector<kg::Tensor> zeros;
+      for (const auto& shape : loaded.input_shapes())
+        zeros.push_back(kg::Tensor::zeros(source.inputs().at(zeros.size()).dtype, shape));
+      for (int r = 0; r < 2; ++r) loaded.forward(zeros);
+      out << "tactics (one run, each node timed alone):\n";
+      double total = 0;
+      for (const auto& t : loaded.profile()) {
+        out << "  " << t.node << "  " << t.op << "  " << t.kernel << "  " << format_ms(t.ms) << "\n";
+        total += t.ms;
+      }
+      out << "  total " << format_ms(total) << "\n";
+    }
   }
 
   if (!args.dot_path.empty()) {
@@ -237,6 +257,10 @@ void run(const RunArgs& args, std::ostream& out) {
   kg::LoadOptions options;
   options.seed = args.seed;
   options.checked = args.checked;
+  options.tf32 = args.tf32;
+  options.vendor_libraries = !args.no_vendor;
+  options.tune = args.tune;
+  options.cuda_graph = !args.no_cuda_graph;
   std::optional<kg::LoadedModel> loaded_or;
   try {
     loaded_or.emplace(model.load(device, input_shapes, options));
@@ -260,22 +284,30 @@ void run(const RunArgs& args, std::ostream& out) {
   out << "weights: " << weights_description << "\n";
 
   std::vector<kg::Tensor> outputs;
-  std::vector<double> times;
+  std::vector<double> times, device_times;
   for (int r = 0; r < args.runs; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
     outputs = loaded.forward(inputs);
     const auto t1 = std::chrono::steady_clock::now();
     times.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    device_times.push_back(loaded.last_device_ms());
   }
   const auto names = loaded.output_names();
   for (std::size_t i = 0; i < outputs.size(); ++i) print_output(out, names.at(i), outputs[i]);
 
-  std::vector<double> sorted = times;
-  std::sort(sorted.begin(), sorted.end());
-  const std::size_t n = sorted.size();
-  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  out << "time: median " << format_ms(median) << " over " << n << (n == 1 ? " run" : " runs") << " (min "
-      << format_ms(sorted.front()) << ", max " << format_ms(sorted.back()) << ")\n";
+  auto report = [&](const char* what, std::vector<double> sorted) {
+    std::sort(sorted.begin(), sorted.end());
+    const std::size_t n = sorted.size();
+    const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    out << what << ": median " << format_ms(median) << " over " << n << (n == 1 ? " run" : " runs")
+        << " (min " << format_ms(sorted.front()) << ", max " << format_ms(sorted.back()) << ")\n";
+  };
+  if (loaded.device().kind == kg::Device::Kind::Cuda) {
+    report("device time (CUDA events)", device_times);
+    report("time with host copies", times);
+  } else {
+    report("time", times);
+  }
 
   if (!args.output_path.empty()) {
     std::map<std::string, kg::Tensor> tensors;

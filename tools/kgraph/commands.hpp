@@ -13,10 +13,11 @@ namespace kgraph {
 // MODEL in every command is a zoo name or an ONNX file (see ModelSource::open).
 struct InspectArgs {
   std::string model;
-  DimOptions dims;                    // --batch/--dim: also load on the CPU for these sizes
-  std::string dot_path;               // write the DOT text here ("-": standard output)
-  std::string render_path;            // render the graph to this .svg/.png/.pdf
-  bool recorded = false;              // the graph as recorded (no inference fusion)
+  DimOptions dims;             // --batch/--dim: also load on the CPU for these sizes
+  std::string dot_path;        // write the DOT text here ("-": standard output)
+  std::string render_path;     // render the graph to this .svg/.png/.pdf
+  bool recorded = false;       // the graph as recorded (no inference fusion)
+  std::string device = "cpu";  // with dims: where to load; on cuda the nodes' tactics and times too
 };
 
 struct RunArgs {
@@ -29,14 +30,18 @@ struct RunArgs {
   std::uint64_t seed = 0;
   std::string output_path;
   int runs = 3;
-  bool checked = false;  // LoadOptions::checked
+  bool checked = false;        // LoadOptions::checked
+  bool tf32 = false;           // LoadOptions::tf32
+  bool no_vendor = false;      // LoadOptions::vendor_libraries off
+  bool tune = false;           // LoadOptions::tune
+  bool no_cuda_graph = false;  // LoadOptions::cuda_graph off
 };
 
 struct CompileArgs {
-  std::string model;                  // a zoo model or an ONNX file, or empty with `all`
-  std::optional<int> arch;            // compute capability (default: the GPU's, else 90)
-  DimOptions dims;                    // the sizes the launches are packed for (default batch 1)
-  bool all = false;                   // every built-in kernel file instead of a model
+  std::string model;        // a zoo model or an ONNX file, or empty with `all`
+  std::optional<int> arch;  // compute capability (default: the GPU's, else 90)
+  DimOptions dims;          // the sizes the launches are packed for (default batch 1)
+  bool all = false;         // every built-in kernel file instead of a model
 };
 
 // Lists the model zoo: name, input shape, parameter count.

@@ -48,7 +48,8 @@ CLI::Option* add_dim_option(CLI::App* command, std::vector<std::string>& values,
 }
 
 // --batch and the --dim values as DimOptions (the values are checked by the validators).
-kgraph::DimOptions dim_options(const CLI::Option* batch_opt, std::int64_t batch, const std::vector<std::string>& dims) {
+kgraph::DimOptions dim_options(const CLI::Option* batch_opt, std::int64_t batch,
+                               const std::vector<std::string>& dims) {
   kgraph::DimOptions o;
   if (*batch_opt) o.batch = batch;
   for (const auto& d : dims) o.dims.push_back(kgraph::parse_dim(d));
@@ -78,12 +79,13 @@ int main(int argc, char** argv) {
   std::vector<std::string> inspect_dims;
   CLI::App* inspect = app.add_subcommand("inspect", "Print a model's graph: nodes, shapes, parameters");
   inspect->add_option("MODEL", ia.model, kModelHelp)->required();
-  CLI::Option* inspect_batch_opt = inspect
-                                       ->add_option("--batch", inspect_batch,
-                                                    "Also load on the CPU for this batch size (the dims named "
-                                                    "batch) and print the concrete shapes and the memory plan")
-                                       ->check(kgraph_cli::positive_integer)
-                                       ->option_text("N");
+  CLI::Option* inspect_batch_opt =
+      inspect
+          ->add_option("--batch", inspect_batch,
+                       "Also load on the CPU for this batch size (the dims named "
+                       "batch) and print the concrete shapes and the memory plan")
+          ->check(kgraph_cli::positive_integer)
+          ->option_text("N");
   add_dim_option(inspect, inspect_dims, "; also loads on the CPU, like --batch (whose default is then 1)");
   inspect
       ->add_option("--dot", ia.dot_path,
@@ -93,6 +95,11 @@ int main(int argc, char** argv) {
       ->option_text("FILE");
   inspect->add_flag("--recorded", ia.recorded,
                     "Show the graph as recorded, before the inference fusion passes");
+  inspect
+      ->add_option("--device", ia.device,
+                   "With --batch or --dim, load there: cpu (the default), cuda, cuda:N or auto; on cuda also "
+                   "run once and print each node's tactic (kernel or vendor library) and time")
+      ->option_text("DEVICE");
 
   kgraph::RunArgs ra;
   std::int64_t run_batch = 0;
@@ -100,27 +107,30 @@ int main(int argc, char** argv) {
   CLI::App* run = app.add_subcommand("run", "Load a model, run it and print its outputs and time");
   run->add_option("MODEL", ra.model, kModelHelp)->required();
   run->add_option("--device", ra.device, "cpu (the default), cuda, cuda:N or auto")->option_text("DEVICE");
-  run->add_option("--weights", ra.weights_path,
-                  "Load parameters from a safetensors file, by name (dotted names; an ONNX file's initializer "
-                  "names)")
+  run->add_option(
+         "--weights", ra.weights_path,
+         "Load parameters from a safetensors file, by name (dotted names; an ONNX file's initializer "
+         "names)")
       ->option_text("FILE");
   CLI::Option* input_opt =
-      run->add_option("--input", ra.input_path,
-                      "Inputs from a safetensors file, matched by input name (other tensors are ignored; "
-                      "a single-input model also takes a file's only tensor); their shapes set the dynamic dims")
+      run->add_option(
+             "--input", ra.input_path,
+             "Inputs from a safetensors file, matched by input name (other tensors are ignored; "
+             "a single-input model also takes a file's only tensor); their shapes set the dynamic dims")
           ->option_text("FILE");
-  CLI::Option* random_opt =
-      run->add_flag("--random", ra.random,
-                    "Random inputs (the default without --input): floats uniform in [-1, 1), integers and bools "
-                    "from {0, 1} (valid token ids for any vocabulary, and a valid mask)");
+  CLI::Option* random_opt = run->add_flag(
+      "--random", ra.random,
+      "Random inputs (the default without --input): floats uniform in [-1, 1), integers and bools "
+      "from {0, 1} (valid token ids for any vocabulary, and a valid mask)");
   input_opt->excludes(random_opt);
   CLI::Option* run_batch_opt =
       run->add_option("--batch", run_batch, "Size of the dims named batch (default 1, or the input file's)")
           ->check(kgraph_cli::positive_integer)
           ->option_text("N");
   add_dim_option(run, run_dims, "; with --input it must agree with the file");
-  run->add_option("--seed", ra.seed,
-                  "Seed of the random inputs and of a zoo model's default parameter initialisation (default 0)")
+  run->add_option(
+         "--seed", ra.seed,
+         "Seed of the random inputs and of a zoo model's default parameter initialisation (default 0)")
       ->option_text("S");
   run->add_option("--output", ra.output_path, "Write the outputs to a safetensors file, by output name")
       ->option_text("FILE");
@@ -130,6 +140,16 @@ int main(int argc, char** argv) {
   run->add_flag("--checked", ra.checked,
                 "Checked mode: every kernel's writes verified (cpu: emulated with guard pages; cuda: guard "
                 "canaries and poisoned outputs). Slow; finds a broken op inside the model");
+  run->add_flag("--tf32", ra.tf32, "cuda: f32 matrix products and convolutions may use TF32 tensor cores");
+  run->add_flag(
+      "--no-vendor", ra.no_vendor,
+      "cuda: run every op on kernelgraph's own kernels, not cuBLASLt or cuDNN (also KG_NO_VENDOR=1)");
+  run->add_flag(
+      "--tune", ra.tune,
+      "cuda: time the library's algorithms and the op's own kernels per node at load, keep the fastest");
+  run->add_flag("--no-cuda-graph", ra.no_cuda_graph,
+                "cuda: launch every kernel on every run instead of "
+                "replaying a captured CUDA graph");
 
   kgraph::CompileArgs ca;
   int compile_arch = 0;
@@ -156,8 +176,9 @@ int main(int argc, char** argv) {
   // KG_NO_FUSION, which every Model made in this process reads), for comparison.
   bool no_fusion = false;
   for (CLI::App* c : {inspect, run, compile, train})
-    c->add_flag("--no-fusion", no_fusion,
-                "Skip the fusion passes (elementwise groups, convolution epilogues): every node is its own kernel");
+    c->add_flag(
+        "--no-fusion", no_fusion,
+        "Skip the fusion passes (elementwise groups, convolution epilogues): every node is its own kernel");
 
   try {
     app.parse(argc, argv);

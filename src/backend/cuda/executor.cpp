@@ -2,8 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <optional>
+#include <variant>
 
 #include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
@@ -13,6 +18,7 @@
 #ifdef KG_HAVE_CUDA
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/trainer.hpp"
+#include "backend/cuda/vendor.hpp"
 #include "backend/poison.hpp"
 #include "lower/launch_plan.hpp"
 #include "plan/plan_builder.hpp"
@@ -26,7 +32,7 @@ namespace kg::cuda {
 bool available() { return false; }
 
 std::unique_ptr<backend::Executor> make_executor(int, const Graph&, const lower::LoweredGraph&, plan::Plan&,
-                                        const LoadOptions&) {
+                                                 const LoadOptions&) {
   throw Error("device cuda: this build has no CUDA path (configured without the CUDA toolkit)");
 }
 
@@ -42,7 +48,8 @@ constexpr std::size_t kGuardBytes = 1 << 16;
 // The plan against the device's free memory, before anything of the model is allocated on it
 // (unless KG_NO_MEMORY_CHECK=1): the arena block, the inputs, the parameters and, for training,
 // the parameter gradients the trainer allocates.
-void check_device_memory(const Context& ctx, const Graph& graph, const plan::Plan& plan, std::size_t arena_block) {
+void check_device_memory(const Context& ctx, const Graph& graph, const plan::Plan& plan,
+                         std::size_t arena_block) {
   if (util::memory_check_disabled()) return;
   auto add = [](std::uint64_t& sum, std::uint64_t b) {  // saturating: a sum past 2^64 fits no GPU
     sum = util::checked_add(sum, b).value_or(std::numeric_limits<std::uint64_t>::max());
@@ -55,11 +62,28 @@ void check_device_memory(const Context& ctx, const Graph& graph, const plan::Pla
   if (plan.training.enabled)
     for (const auto& b : plan.training.steps)
       for (std::size_t p = 0; p < b.want_param.size(); ++p)
-        if (b.want_param[p]) add(need.gradients, plan.steps[static_cast<std::size_t>(b.step)].params[p].nbytes());
+        if (b.want_param[p])
+          add(need.gradients, plan.steps[static_cast<std::size_t>(b.step)].params[p].nbytes());
   const auto info = ctx.memory_info();
   if (auto e = plan::device_memory_shortfall(need, info.free, info.total, util::cat("cuda:", ctx.index()),
                                              plan::describe_inputs(plan, graph)))
     throw Error(*e);
+}
+
+// Once per process and library: why its calls run on our own kernels instead.
+void note_unavailable(const char* library, const std::string& reason, const char* what) {
+  static std::mutex mu;
+  static std::vector<std::string> noted;
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::find(noted.begin(), noted.end(), library) != noted.end()) return;
+  noted.emplace_back(library);
+  std::fprintf(stderr, "kernelgraph: %s is not available (%s); %s run on kernelgraph's own kernels\n",
+               library, reason.c_str(), what);
+}
+
+bool vendor_disabled_by_env() {
+  const char* v = std::getenv("KG_NO_VENDOR");
+  return v && *v && std::string(v) != "0";
 }
 
 class GpuExecutor final : public backend::Executor {
@@ -69,6 +93,9 @@ class GpuExecutor final : public backend::Executor {
   ~GpuExecutor() override;
   std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
                           std::vector<NodeTime>* profile) override;
+  std::vector<DeviceTensor> run_device(const std::vector<DeviceTensor>& inputs, bool training,
+                                       std::uint64_t seed, std::vector<NodeTime>* profile) override;
+  double last_device_ms() const override;
   void upload_params() override;
   void download_params() override;
   void backward(bool accumulate_params, std::uint64_t seed, bool training,
@@ -92,7 +119,20 @@ class GpuExecutor final : public backend::Executor {
     std::vector<CUfunction> fns;  // per launch
     std::vector<DeviceBuffer> params;
     std::vector<std::vector<void*> > kparams;  // per launch, into lp_.steps[i].launches[l].args
+    // The vendor-library tactic, when chosen: the planned call, then the epilogue launches.
+    std::unique_ptr<VendorPlan> vendor;
+    std::vector<CUfunction> epilogue_fns;
+    std::vector<std::vector<void*> > epilogue_kparams;
   };
+  // How library calls are planned (tf32, tuning, the workspace limit), or nothing when they are off.
+  std::optional<VendorOptions> vendor_options() const;
+  // Chooses, for every step with a library call, the vendor library or the op's kernels.
+  void plan_vendor_calls();
+  // Median device time in ms of `reps` runs of step i as it is set up now.
+  double time_step(std::size_t i, int reps);
+  // Input copies (when given), the launches of a run and the events around them.
+  void execute(bool training, std::uint64_t seed, std::vector<NodeTime>* profile,
+               const std::vector<DeviceTensor>* device_inputs);
   DevicePtr value_ptr(int node) const;
   void bind_launches(std::size_t i);
   void launch_step(std::size_t i);
@@ -124,10 +164,13 @@ class GpuExecutor final : public backend::Executor {
   bool any_run_dependent_ = false;
   bool packed_training_ = false;  // the mode the run-dependent launches are packed for
   std::unique_ptr<Trainer> trainer_;
+  DeviceBuffer workspace_;  // shared by the vendor calls, which run one after another
+  CUevent start_ = nullptr, stop_ = nullptr;
+  bool timed_ = false;  // the events hold a run
 };
 
-GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
-                         plan::Plan& plan, const LoadOptions& options)
+GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGraph& lowered, plan::Plan& plan,
+                         const LoadOptions& options)
     : ctx_(Context::get(device)), graph_(graph), plan_(plan), options_(options) {
   lp_ = lower::size_launches(graph, lowered, plan);
   guard_ = options.checked ? kGuardBytes : 0;
@@ -161,19 +204,101 @@ GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGra
   }
   steps_ = std::move(ordered);
   for (std::size_t i = 0; i < steps_.size(); ++i) bind_launches(i);
+  const Driver& d = ctx_.driver();
+  d.check(d.cuEventCreate(&start_, CU_EVENT_DEFAULT), "cuEventCreate");
+  d.check(d.cuEventCreate(&stop_, CU_EVENT_DEFAULT), "cuEventCreate");
+  plan_vendor_calls();
   for (const auto& e : lowered.executables)
     if (!e.view && e.lowered && !e.runtime_op->supports_train_mode())
       eval_only_.push_back(graph.node(e.node).label());
   for (const auto& sl : lp_.steps) any_run_dependent_ = any_run_dependent_ || sl.depends_on_run;
   if (plan.training.enabled)
     trainer_ = std::make_unique<Trainer>(ctx_, graph, lowered, plan, arena_, input_ptrs_, param_ptrs,
-                                         options.checked);
+                                         options.checked, vendor_options());
 }
 
 GpuExecutor::~GpuExecutor() {
   const Driver& d = ctx_.driver();
   if (graph_exec_) d.cuGraphExecDestroy(graph_exec_);
   if (graph_handle_) d.cuGraphDestroy(graph_handle_);
+  if (start_) d.cuEventDestroy(start_);
+  if (stop_) d.cuEventDestroy(stop_);
+}
+
+std::optional<VendorOptions> GpuExecutor::vendor_options() const {
+  // Checked mode is there to check the op's own kernels.
+  if (!options_.vendor_libraries || options_.checked || vendor_disabled_by_env()) return std::nullopt;
+  VendorOptions vo;
+  vo.tf32 = options_.tf32;
+  vo.tune = options_.tune;
+  // The fastest algorithms of large convolutions want large workspaces (hundreds of MB at batch
+  // 256): up to 1 GiB, and never more than an eighth of what the device has free after the plan.
+  vo.max_workspace_bytes = std::min<std::size_t>(std::size_t{1} << 30, ctx_.memory_info().free / 8);
+  return vo;
+}
+
+void GpuExecutor::plan_vendor_calls() {
+  const std::optional<VendorOptions> options = vendor_options();
+  if (!options) return;
+  const VendorOptions& vo = *options;
+  std::size_t workspace = 0;
+  std::vector<std::size_t> chosen;
+  for (std::size_t i = 0; i < steps_.size(); ++i) {
+    const auto& sl = lp_.steps[i];
+    if (!sl.library) continue;
+    std::unique_ptr<VendorPlan> p;
+    if (const auto* g = std::get_if<GemmCall>(&sl.library->call)) {
+      const BlasLt* lib = BlasLt::get();
+      if (!lib) {
+        note_unavailable("cuBLASLt", BlasLt::unavailable_reason(), "matrix products");
+        continue;
+      }
+      p = lib->plan(*g, vo, ctx_.stream(), sl.label);
+    } else if (const auto* c = std::get_if<Conv2dCall>(&sl.library->call)) {
+      const Dnn* lib = Dnn::get();
+      if (!lib) {
+        note_unavailable("cuDNN", Dnn::unavailable_reason(), "convolutions");
+        continue;
+      }
+      p = lib->plan(*c, vo, ctx_.stream(), sl.label);
+    }
+    if (!p) continue;
+    Step& st = steps_[i];
+    st.vendor = std::move(p);
+    for (const auto& L : sl.epilogue) {
+      st.epilogue_fns.push_back(ctx_.function(sl.module.ptx, L.ptx_entry, sl.label));
+      st.epilogue_kparams.push_back(L.launch.args.kernel_params());
+    }
+    workspace = std::max(workspace, st.vendor->workspace_bytes());
+    chosen.push_back(i);
+  }
+  if (workspace) workspace_ = DeviceBuffer(ctx_, workspace);
+  if (!options_.tune) return;
+  // Measured on the model's own buffers: the library (with its epilogue) against the op's kernels.
+  for (std::size_t i : chosen) {
+    Step& st = steps_[i];
+    const double vendor_ms = time_step(i, 5);
+    auto plan = std::move(st.vendor);
+    const double own_ms = time_step(i, 5);
+    if (vendor_ms <= own_ms) st.vendor = std::move(plan);
+  }
+}
+
+double GpuExecutor::time_step(std::size_t i, int reps) {
+  const Driver& d = ctx_.driver();
+  launch_step(i);  // warm-up
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    d.check(d.cuEventRecord(start_, ctx_.stream()), "cuEventRecord");
+    launch_step(i);
+    d.check(d.cuEventRecord(stop_, ctx_.stream()), "cuEventRecord");
+    d.check(d.cuEventSynchronize(stop_), "cuEventSynchronize");
+    float t = 0;
+    d.check(d.cuEventElapsedTime(&t, start_, stop_), "cuEventElapsedTime");
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
 }
 
 DevicePtr GpuExecutor::value_ptr(int node) const {
@@ -193,6 +318,16 @@ void GpuExecutor::bind_launches(std::size_t i) {
 
 void GpuExecutor::launch_step(std::size_t i) {
   auto& sl = lp_.steps[i];
+  if (const Step& st = steps_[i]; st.vendor) {
+    st.vendor->run(ctx_.stream(), workspace_.ptr(), sl.label);
+    for (std::size_t l = 0; l < sl.epilogue.size(); ++l) {
+      const Launch& L = sl.epilogue[l].launch;
+      ctx_.launch(st.epilogue_fns[l], L.grid, L.block, L.shared_bytes,
+                  const_cast<void**>(st.epilogue_kparams[l].data()),
+                  util::cat(sl.label, " kernel '", sl.module.name, "' entry '", sl.epilogue[l].entry, "'"));
+    }
+    return;
+  }
   for (std::size_t l = 0; l < sl.launches.size(); ++l) {
     const Launch& L = sl.launches[l].launch;
     ctx_.launch(steps_[i].fns[l], L.grid, L.block, L.shared_bytes, steps_[i].kparams[l].data(),
@@ -231,11 +366,11 @@ void GpuExecutor::launch_checked(std::size_t i) {
   const std::size_t s_lo = guard_ + sl.scratch_offset, s_hi = s_lo + sl.scratch_bytes;
   // The first changed byte outside the output and the scratch: memcmp over the ranges between
   // them, then the byte within the first range that differs.
-  std::vector<std::pair<std::size_t, std::size_t>> allowed;
+  std::vector<std::pair<std::size_t, std::size_t> > allowed;
   if (in_arena) allowed.emplace_back(out_lo, out_hi);
   if (sl.scratch_bytes) allowed.emplace_back(s_lo, s_hi);
   std::sort(allowed.begin(), allowed.end());
-  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  std::vector<std::pair<std::size_t, std::size_t> > ranges;
   std::size_t from = 0;
   for (const auto& [lo, hi] : allowed) {
     if (lo > from) ranges.emplace_back(from, lo);
@@ -308,13 +443,8 @@ bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {
   return true;
 }
 
-std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
-                                     std::vector<NodeTime>* profile) {
-  if (training && !eval_only_.empty())
-    throw Error(eval_only_.front() +
-                " cuda: this op's kernels implement inference behaviour only; a train-mode run "
-                "(set_training(true)) needs it on the cpu device");
-  ctx_.make_current();
+void GpuExecutor::execute(bool training, std::uint64_t seed, std::vector<NodeTime>* profile,
+                          const std::vector<DeviceTensor>* device_inputs) {
   const Driver& d = ctx_.driver();
   if (repack_for_run(training, seed) && graph_exec_) {  // the captured graph holds the old arguments
     d.cuGraphExecDestroy(graph_exec_);
@@ -322,8 +452,16 @@ std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool tra
     graph_exec_ = nullptr;
     graph_handle_ = nullptr;
   }
-  for (std::size_t k = 0; k < inputs.size(); ++k)
-    ctx_.upload_async(inputs_[k].ptr(), inputs[k].raw(), inputs[k].nbytes());
+  timed_ = false;
+  d.check(d.cuEventRecord(start_, ctx_.stream()), "cuEventRecord");
+  if (device_inputs)
+    for (std::size_t k = 0; k < device_inputs->size(); ++k) {
+      const DeviceTensor& t = (*device_inputs)[k];
+      const std::size_t bytes = static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype);
+      if (bytes && t.ptr != inputs_[k].ptr())
+        d.check(d.cuMemcpyDtoDAsync(inputs_[k].ptr(), t.ptr, bytes, ctx_.stream()),
+                "forward_device: input copy");
+    }
   if (options_.poison_buffers) ctx_.fill_bytes_async(arena_, 0xFF, lp_.arena_bytes);
   if (profile) {
     for (std::size_t i = 0; i < steps_.size(); ++i) {
@@ -338,7 +476,8 @@ std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool tra
       const Node& n = graph_.node(sl.node);
       profile->push_back(
           {n.name, n.op_name(),
-           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+           steps_[i].vendor ? steps_[i].vendor->describe() : sl.module.name});
     }
   } else if (options_.cuda_graph && !options_.checked && !(training && any_run_dependent_)) {
     if (!graph_exec_) {
@@ -359,6 +498,20 @@ std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool tra
   } else {
     launch_all();
   }
+  d.check(d.cuEventRecord(stop_, ctx_.stream()), "cuEventRecord");
+  timed_ = true;
+}
+
+std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
+                                     std::vector<NodeTime>* profile) {
+  if (training && !eval_only_.empty())
+    throw Error(eval_only_.front() +
+                " cuda: this op's kernels implement inference behaviour only; a train-mode run "
+                "(set_training(true)) needs it on the cpu device");
+  ctx_.make_current();
+  for (std::size_t k = 0; k < inputs.size(); ++k)
+    ctx_.upload_async(inputs_[k].ptr(), inputs[k].raw(), inputs[k].nbytes());
+  execute(training, seed, profile, nullptr);
   std::vector<Tensor> outs;
   for (int o : plan_.outputs) {
     const auto& v = plan_.values[static_cast<std::size_t>(o)];
@@ -368,6 +521,32 @@ std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool tra
   }
   ctx_.synchronize();
   return outs;
+}
+
+std::vector<DeviceTensor> GpuExecutor::run_device(const std::vector<DeviceTensor>& inputs, bool training,
+                                                  std::uint64_t seed, std::vector<NodeTime>* profile) {
+  if (training && !eval_only_.empty())
+    throw Error(eval_only_.front() +
+                " cuda: this op's kernels implement inference behaviour only; a train-mode run "
+                "(set_training(true)) needs it on the cpu device");
+  ctx_.make_current();
+  execute(training, seed, profile, &inputs);
+  std::vector<DeviceTensor> outs;
+  for (int o : plan_.outputs) {
+    const auto& v = plan_.values[static_cast<std::size_t>(o)];
+    outs.push_back({value_ptr(o), v.shape, v.dtype});
+  }
+  ctx_.synchronize();
+  return outs;
+}
+
+double GpuExecutor::last_device_ms() const {
+  if (!timed_) return 0;
+  const Driver& d = ctx_.driver();
+  d.check(d.cuEventSynchronize(stop_), "cuEventSynchronize");
+  float ms = 0;
+  d.check(d.cuEventElapsedTime(&ms, start_, stop_), "cuEventElapsedTime");
+  return ms;
 }
 
 void GpuExecutor::upload_params() {
@@ -389,8 +568,9 @@ void GpuExecutor::download_params() {
 
 }  // namespace
 
-std::unique_ptr<backend::Executor> make_executor(int device, const Graph& graph, const lower::LoweredGraph& lowered,
-                                        plan::Plan& plan, const LoadOptions& options) {
+std::unique_ptr<backend::Executor> make_executor(int device, const Graph& graph,
+                                                 const lower::LoweredGraph& lowered, plan::Plan& plan,
+                                                 const LoadOptions& options) {
   return std::make_unique<GpuExecutor>(device, graph, lowered, plan, options);
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <variant>
 
 #include "compile/compiler.hpp"
 #include "compile/embedded_sources.hpp"
@@ -19,9 +20,9 @@ namespace {
 constexpr unsigned kThreads = 256;
 }  // namespace
 
-Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered,
-                 const plan::Plan& plan, DevicePtr arena, std::vector<DevicePtr> inputs,
-                 std::vector<std::vector<DevicePtr>> params, bool checked)
+Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const plan::Plan& plan,
+                 DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params,
+                 bool checked, std::optional<VendorOptions> vendor)
     : ctx_(ctx), graph_(graph), plan_(plan), arena_(arena), params_(std::move(params)), checked_(checked) {
   const plan::TrainingPlan& tp = plan.training;
   // Runtime kernels.
@@ -97,6 +98,7 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
       for (const auto& L :
            lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward"))
         bw.fns[L.ptx_entry] = ctx_.function(bw.module.ptx, L.ptx_entry, bw.label);
+      if (vendor) plan_library(bw, *vendor);
     } catch (const Error& err) {
       throw lower::labelled(bw.label, err);
     } catch (const std::exception& err) {
@@ -104,6 +106,51 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
     }
     steps_.push_back(std::move(bw));
   }
+  std::size_t workspace = 0;
+  for (const auto& bw : steps_)
+    for (const auto& lib : bw.library)
+      for (const auto& p : lib.plans) workspace = std::max(workspace, p->workspace_bytes());
+  if (workspace) workspace_ = DeviceBuffer(ctx_, workspace);
+}
+
+void Trainer::plan_library(Backward& bw, const VendorOptions& vendor) {
+  LaunchTensors& t = bw.tensors;
+  std::vector<Backward::Library> paths;
+  for (const auto* grads : {&bw.direct_param_grads, &bw.temp_param_grads}) {
+    for (std::size_t p = 0; p < t.grad_params.size(); ++p) t.grad_params[p].ptr = (*grads)[p];
+    const auto described = bw.rt->backward_library_calls(t);
+    if (!described) break;
+    Backward::Library lib;
+    for (const LibraryCall& call : described->calls) {
+      std::unique_ptr<VendorPlan> p;
+      if (const auto* g = std::get_if<GemmCall>(&call.call)) {
+        if (const BlasLt* l = BlasLt::get()) p = l->plan(*g, vendor, ctx_.stream(), bw.label);
+      } else if (const auto* c = std::get_if<Conv2dCall>(&call.call)) {
+        if (const Dnn* l = Dnn::get()) p = l->plan(*c, vendor, ctx_.stream(), bw.label);
+      }
+      if (!p) break;
+      lib.plans.push_back(std::move(p));
+      lib.epilogues.push_back(
+          call.epilogue.empty()
+              ? std::vector<lower::CheckedLaunch>{}
+              : lower::check_launches(bw.module, call.epilogue, bw.label, "backward library-call epilogue"));
+    }
+    if (lib.plans.size() != described->calls.size()) break;  // a call no library takes: the launches serve
+    if (!described->launches.empty())
+      lib.launches = lower::check_launches(bw.module, described->launches, bw.label, "backward");
+    paths.push_back(std::move(lib));
+  }
+  for (std::size_t p = 0; p < t.grad_params.size(); ++p) t.grad_params[p].ptr = bw.direct_param_grads[p];
+  if (paths.size() == 2) bw.library = std::move(paths);
+}
+
+void Trainer::launch_checked(Backward& bw, const lower::CheckedLaunch& L) {
+  auto f = bw.fns.find(L.ptx_entry);
+  if (f == bw.fns.end())
+    f = bw.fns.emplace(L.ptx_entry, ctx_.function(bw.module.ptx, L.ptx_entry, bw.label)).first;
+  auto kp = L.launch.args.kernel_params();
+  ctx_.launch(f->second, L.launch.grid, L.launch.block, L.launch.shared_bytes, kp.data(),
+              util::cat(bw.label, " kernel '", bw.module.name, "' entry '", L.entry, "'"));
 }
 
 void Trainer::launch_1d(CUfunction f, std::int64_t n, void** params, const std::string& label) {
@@ -146,14 +193,17 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
     t.seed = plan::node_seed(seed, b.node);
     t.training = training;
     try {
-      for (const auto& L :
-           lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward")) {
-        auto f = bw.fns.find(L.ptx_entry);
-        if (f == bw.fns.end())
-          f = bw.fns.emplace(L.ptx_entry, ctx_.function(bw.module.ptx, L.ptx_entry, bw.label)).first;
-        auto kp = L.launch.args.kernel_params();
-        ctx_.launch(f->second, L.launch.grid, L.launch.block, L.launch.shared_bytes, kp.data(),
-                    util::cat(bw.label, " kernel '", bw.module.name, "' entry '", L.entry, "'"));
+      if (!bw.library.empty()) {
+        const Backward::Library& lib = bw.library[accumulate_params ? 1 : 0];
+        for (std::size_t c = 0; c < lib.plans.size(); ++c) {
+          lib.plans[c]->run(ctx_.stream(), workspace_.ptr(), bw.label);
+          for (const auto& L : lib.epilogues[c]) launch_checked(bw, L);
+        }
+        for (const auto& L : lib.launches) launch_checked(bw, L);
+      } else {
+        for (const auto& L :
+             lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward"))
+          launch_checked(bw, L);
       }
       if (checked_) ctx_.synchronize(bw.label);
     } catch (const Error& err) {
@@ -173,9 +223,12 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
               bw.label + " parameter gradient sum");
     if (profile) {
       ctx_.synchronize();
+      std::string kernel = bw.module.name;
+      if (!bw.library.empty())
+        for (const auto& p : bw.library[0].plans) kernel += "; " + p->describe();
       profile->push_back(
           {n.name, n.op_name() + " (backward)",
-           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()});
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(), kernel});
     }
   }
 }

@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "backend/cuda/context.hpp"
+#include "backend/cuda/vendor.hpp"
 #include "kg/model.hpp"
 #include "lower/launch_plan.hpp"
 #include "lower/lowering.hpp"
@@ -21,9 +23,11 @@ class Trainer {
  public:
   // Compiles every backward source for the device, checks entries and blocks, and allocates
   // gradients. `params[s]` are the device addresses of plan.steps[s]'s parameters.
+  // With `vendor`, an op whose backward describes library calls runs them (cuBLASLt, cuDNN) when
+  // every call can be planned.
   Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const plan::Plan& plan,
           DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params,
-          bool checked);
+          bool checked, std::optional<VendorOptions> vendor);
 
   void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile);
   void zero_grad();
@@ -43,7 +47,18 @@ class Trainer {
     DeviceBuffer scratch;
     LaunchTensors tensors;  // addresses; parameter gradients filled per run
     std::vector<DevicePtr> direct_param_grads, temp_param_grads;
+    // The vendor-library path, planned for the parameter gradients written directly [0] and into
+    // the temporaries that are then added [1]; empty when the op runs its backward launches.
+    struct Library {
+      std::vector<std::unique_ptr<VendorPlan>> plans;
+      std::vector<std::vector<lower::CheckedLaunch>> epilogues;  // per call
+      std::vector<lower::CheckedLaunch> launches;
+    };
+    std::vector<Library> library;
   };
+  // Plans bw's library path for both parameter-gradient addresses, or leaves it empty.
+  void plan_library(Backward& bw, const VendorOptions& vendor);
+  void launch_checked(Backward& bw, const lower::CheckedLaunch& L);
   void add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::string& label);
   void launch_1d(CUfunction f, std::int64_t n, void** params, const std::string& label);
 
@@ -57,6 +72,7 @@ class Trainer {
   std::vector<std::vector<DevicePtr>> params_;
   bool checked_ = false;  // synchronise after each backward step, so a fault names its op
   CUfunction fill_ = nullptr, add_ = nullptr, sgd_ = nullptr, adamw_ = nullptr;
+  DeviceBuffer workspace_;  // shared by the library calls
 };
 
 }  // namespace kg::cuda

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "backend/emu/host_jit.hpp"
+#include "backend/emu/library_reference.hpp"
 #include "compile/compiler.hpp"
 #include "kg/error.hpp"
 #include "lower/launch_plan.hpp"
@@ -73,8 +74,8 @@ void check_args(const KernelEntry& k, const lower::ArgPack& pack, const std::str
   for (std::size_t i = 0; i < n; ++i)
     if (!compatible(args[i].kind(), args[i].data().size(), k.params[i].info))
       throw Error(util::cat(label, " pack_args: ", arg_name(k, i), " is ", type_text(k.params[i]),
-                            " in the kernel '", k.entry, "' but ", KernelArg::kind_name(args[i].kind()),
-                            " (", args[i].data().size(), " bytes) was visited"));
+                            " in the kernel '", k.entry, "' but ", KernelArg::kind_name(args[i].kind()), " (",
+                            args[i].data().size(), " bytes) was visited"));
   if (args.size() < k.params.size())
     throw Error(util::cat(label, " pack_args: the kernel '", k.entry, "' takes ", k.params.size(),
                           " arguments but ", args.size(), " were visited; missing ", arg_name(k, args.size()),
@@ -374,7 +375,9 @@ void launch(const std::string& name, const std::string& source, const std::strin
 }
 
 std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inputs,
-                              const std::map<std::string, Tensor>& params, bool checked) {
+                              const std::map<std::string, Tensor>& params, bool checked, bool library_calls,
+                              int* library_steps) {
+  if (library_steps) *library_steps = 0;
   const Graph& graph = model.graph();
   const auto& graph_inputs = graph.inputs();
   if (inputs.size() != graph_inputs.size())
@@ -392,7 +395,8 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
   for (const auto& o : model.outputs()) outs.push_back(o.second);
   const auto bound = plan::bind_shapes(graph, model.live_nodes(), shapes);
   plan::Plan plan = plan::build_plan(graph, model.live_nodes(), outs, bound, 0);
-  const lower::LoweredGraph lowered = lower::lower_model(model, lower::LowerTarget{bound.node_shapes, 0, true});
+  const lower::LoweredGraph lowered =
+      lower::lower_model(model, lower::LowerTarget{bound.node_shapes, 0, true});
   lower::LaunchPlan lp = lower::size_launches(graph, lowered, plan);
 
   // Parameters by name.
@@ -470,9 +474,17 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
       if (sl.scratch_bytes)
         o.buffers.push_back({arena.address() + sl.scratch_offset, sl.scratch_bytes, "scratch"});
     }
+    if (library_calls && sl.library) {
+      run_library_reference(*sl.library, sl.label);
+      if (library_steps) ++*library_steps;
+      for (const auto& L : sl.epilogue)
+        run_kernel(mod->find(L.entry, sl.label), L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                   L.launch.args, o, sl.label);
+      continue;
+    }
     for (const auto& L : sl.launches)
-      run_kernel(mod->find(L.entry, sl.label), L.launch.grid, L.launch.block, L.launch.shared_bytes, L.launch.args, o,
-                 sl.label);
+      run_kernel(mod->find(L.entry, sl.label), L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                 L.launch.args, o, sl.label);
   }
 
   std::vector<Tensor> results;

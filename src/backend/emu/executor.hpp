@@ -48,8 +48,12 @@ void launch(const std::string& name, const std::string& source, const std::strin
 // Lowers `model`, sizes its launches for the shapes of `inputs`, places the arena, inputs and
 // parameters in host memory (the arena filled with 0xFF bytes: NaN for floats) and runs every
 // launch through the emulator. `params` replace parameters by full dotted name (the others keep
-// their initialisation with seed 0). Returns the model's outputs.
+// their initialisation with seed 0). With `library_calls`, an op that describes a vendor-library
+// call runs that path instead of its launches, as on a GPU with the libraries: the call by its
+// definition (run_library_reference), then the op's epilogue launches emulated; `library_steps`,
+// when given, gets the number of ops that did. Returns the model's outputs.
 std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inputs,
-                              const std::map<std::string, Tensor>& params, bool checked);
+                              const std::map<std::string, Tensor>& params, bool checked,
+                              bool library_calls = false, int* library_steps = nullptr);
 
 }  // namespace kg::emu

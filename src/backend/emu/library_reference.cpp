@@ -1,0 +1,130 @@
+#include "backend/emu/library_reference.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <variant>
+#include <vector>
+
+#include "kg/error.hpp"
+#include "util/str.hpp"
+
+namespace kg::emu {
+namespace {
+
+template <class T>
+T* at(DevicePtr p) {
+  return reinterpret_cast<T*>(static_cast<std::uintptr_t>(p));
+}
+
+template <class T>
+void gemm(const GemmCall& g) {
+  const T *a = at<T>(g.a), *b = at<T>(g.b), *bias = at<T>(g.bias);
+  T* c = at<T>(g.c);
+  for (std::int64_t i = 0; i < g.batch; ++i)
+    for (std::int64_t r = 0; r < g.m; ++r)
+      for (std::int64_t col = 0; col < g.n; ++col) {
+        double s = 0;
+        for (std::int64_t k = 0; k < g.k; ++k) {
+          const T av = g.trans_a ? a[i * g.stride_a + k * g.lda + r] : a[i * g.stride_a + r * g.lda + k];
+          const T bv = g.trans_b ? b[i * g.stride_b + col * g.ldb + k] : b[i * g.stride_b + k * g.ldb + col];
+          s += static_cast<double>(av) * static_cast<double>(bv);
+        }
+        if (bias) s += static_cast<double>(bias[col]);
+        if (g.relu) s = std::max(s, 0.0);
+        c[i * g.stride_c + r * g.ldc + col] = static_cast<T>(s);
+      }
+}
+
+// Calls f(n, o, oh, ow, ci, ih, iw, kh, kw) for every product term of the convolution `c`.
+template <class F>
+void for_each_term(const Conv2dCall& c, F&& f) {
+  const std::int64_t cg = c.in_channels / c.groups, og = c.out_channels / c.groups;
+  for (std::int64_t n = 0; n < c.batch; ++n)
+    for (std::int64_t o = 0; o < c.out_channels; ++o) {
+      const std::int64_t first = o / og * cg;
+      for (std::int64_t oh = 0; oh < c.out_height; ++oh)
+        for (std::int64_t ow = 0; ow < c.out_width; ++ow)
+          for (std::int64_t ci = 0; ci < cg; ++ci)
+            for (std::int64_t kh = 0; kh < c.kernel_h; ++kh) {
+              const std::int64_t ih = oh * c.stride_h - c.pad_h + kh * c.dilation_h;
+              if (ih < 0 || ih >= c.height) continue;
+              for (std::int64_t kw = 0; kw < c.kernel_w; ++kw) {
+                const std::int64_t iw = ow * c.stride_w - c.pad_w + kw * c.dilation_w;
+                if (iw < 0 || iw >= c.width) continue;
+                f(n, o, oh, ow, ci, first + ci, ih, iw, kh, kw);
+              }
+            }
+    }
+}
+
+// The forward, or one of its backward passes (Conv2dCall::Pass), with f64 sums.
+template <class T>
+void conv(const Conv2dCall& c) {
+  T *x = at<T>(c.x), *w = at<T>(c.w), *y = at<T>(c.y);
+  const T* bias = at<T>(c.bias);
+  const std::int64_t cg = c.in_channels / c.groups;
+  auto xi = [&](std::int64_t n, std::int64_t ch, std::int64_t ih, std::int64_t iw) {
+    return ((n * c.in_channels + ch) * c.height + ih) * c.width + iw;
+  };
+  auto wi = [&](std::int64_t o, std::int64_t ci, std::int64_t kh, std::int64_t kw) {
+    return ((o * cg + ci) * c.kernel_h + kh) * c.kernel_w + kw;
+  };
+  auto yi = [&](std::int64_t n, std::int64_t o, std::int64_t oh, std::int64_t ow) {
+    return ((n * c.out_channels + o) * c.out_height + oh) * c.out_width + ow;
+  };
+  using Pass = Conv2dCall::Pass;
+  const std::int64_t outputs = c.pass == Pass::Forward ? c.batch * c.out_channels * c.out_height * c.out_width
+                               : c.pass == Pass::BackwardData ? c.batch * c.in_channels * c.height * c.width
+                                                              : c.out_channels * cg * c.kernel_h * c.kernel_w;
+  std::vector<double> sum(static_cast<std::size_t>(outputs), 0.0);
+  for_each_term(c, [&](std::int64_t n, std::int64_t o, std::int64_t oh, std::int64_t ow, std::int64_t ci,
+                       std::int64_t ch, std::int64_t ih, std::int64_t iw, std::int64_t kh, std::int64_t kw) {
+    switch (c.pass) {
+      case Pass::Forward:
+        sum[static_cast<std::size_t>(yi(n, o, oh, ow))] +=
+            static_cast<double>(x[xi(n, ch, ih, iw)]) * static_cast<double>(w[wi(o, ci, kh, kw)]);
+        break;
+      case Pass::BackwardData:
+        sum[static_cast<std::size_t>(xi(n, ch, ih, iw))] +=
+            static_cast<double>(y[yi(n, o, oh, ow)]) * static_cast<double>(w[wi(o, ci, kh, kw)]);
+        break;
+      case Pass::BackwardFilter:
+        sum[static_cast<std::size_t>(wi(o, ci, kh, kw))] +=
+            static_cast<double>(y[yi(n, o, oh, ow)]) * static_cast<double>(x[xi(n, ch, ih, iw)]);
+        break;
+    }
+  });
+  T* out = c.pass == Pass::Forward ? y : c.pass == Pass::BackwardData ? x : w;
+  const std::int64_t hwo = c.out_height * c.out_width;
+  for (std::int64_t i = 0; i < outputs; ++i) {
+    double v = sum[static_cast<std::size_t>(i)];
+    if (c.pass == Pass::Forward && bias) v += static_cast<double>(bias[(i / hwo) % c.out_channels]);
+    out[i] = static_cast<T>(v);
+  }
+}
+
+}  // namespace
+
+void run_library_reference(const LibraryCall& call, const std::string& label) {
+  std::visit(
+      [&](const auto& c) {
+        using Call = std::decay_t<decltype(c)>;
+        auto run = [&](auto zero) {
+          using T = decltype(zero);
+          if constexpr (std::is_same_v<Call, GemmCall>)
+            gemm<T>(c);
+          else
+            conv<T>(c);
+        };
+        if (c.dtype == DType::F32)
+          run(float{});
+        else if (c.dtype == DType::F64)
+          run(double{});
+        else
+          throw Error(util::cat(label, " the emulator's library reference takes f32 and f64 calls, not ",
+                                dtype_name(c.dtype)));
+      },
+      call.call);
+}
+
+}  // namespace kg::emu

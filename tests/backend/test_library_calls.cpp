@@ -1,0 +1,441 @@
+// Vendor-library calls (RuntimeOp::library_call): what the built-in GEMM and convolution ops
+// describe, computed by its definition over host addresses (the emulator's library reference)
+// and compared with the ops' CPU forward; forward_device on the cpu; and, on a machine with a GPU, whole
+// models with cuBLASLt and cuDNN against the CPU (TF32 off and on, tuned, turned off, on device buffers).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "backend/cuda/context.hpp"
+#include "backend/emu/library_reference.hpp"
+#include "kg/kg.hpp"
+#include "kg/models.hpp"
+#include "lower/lowering.hpp"
+#include "support/test_util.hpp"
+
+using kg_test::all_close;
+using kg_test::expect_error;
+using kg_test::fresh_seed;
+using kg_test::random_tensor;
+
+namespace {
+
+using BuildFn = std::function<kg::SymTensor(const kg::SymTensor&)>;
+
+// A one-op model over an input of `shape` (batch dim dynamic).
+kg::Model one_op_model(const std::vector<std::int64_t>& shape, const BuildFn& build,
+                       kg::LoweringMode mode = kg::LoweringMode::Inference) {
+  auto g = kg::Graph::create();
+  kg::Shape s = kg::Shape::of(shape);
+  s[0] = kg::Dim::named("batch");
+  kg::SymTensor x = g->input(kg::DType::F32, s, "x");
+  return kg::Model(g, {build(x)}, mode);
+}
+
+kg::DevicePtr host(const kg::Tensor& t) {
+  return static_cast<kg::DevicePtr>(reinterpret_cast<std::uintptr_t>(t.raw()));
+}
+
+// Loads `model` on the cpu for `input`, then asks its only op node for a library call over host
+// buffers holding the same input and parameters. Returns the call (run by the reference into
+// `out`, a NaN-filled output) and the CPU forward's output.
+struct Described {
+  std::optional<kg::LibraryCall> call;
+  kg::Tensor out, want;
+};
+Described describe_and_run(const kg::Model& model, const kg::Tensor& input) {
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {input.shape()});
+  Described d;
+  d.want = cpu.forward({input}).at(0);
+  kg::lower::LowerTarget target;
+  target.concrete.resize(model.graph().nodes().size());
+  target.concrete[static_cast<std::size_t>(model.graph().inputs()[0])] = input.shape();
+  const int out_node = model.outputs().at(0).second;
+  target.concrete[static_cast<std::size_t>(out_node)] = d.want.shape();
+  const auto lowered = kg::lower::lower_model(model, target);
+  const kg::lower::Executable* e = nullptr;
+  for (const auto& x : lowered.executables)
+    if (x.node == out_node) e = &x;
+  EXPECT_NE(e, nullptr);
+  if (!e) return d;
+  const kg::Node& n = model.graph().node(out_node);
+  std::vector<kg::Tensor> params;
+  kg::LaunchTensors t;
+  t.inputs.push_back({host(input), input.shape(), input.dtype()});
+  for (const auto& p : n.params) {
+    params.push_back(cpu.parameter(p.name));
+    t.params.push_back({host(params.back()), params.back().shape(), params.back().dtype()});
+  }
+  d.out = kg::Tensor::empty(d.want.dtype(), d.want.shape());
+  float* o = d.out.data<float>();
+  std::fill(o, o + d.out.numel(), NAN);
+  t.output = {host(d.out), d.out.shape(), d.out.dtype()};
+  d.call = e->runtime_op->library_call(t);
+  if (d.call) kg::emu::run_library_reference(*d.call, "[test]");
+  return d;
+}
+
+TEST(LibraryCall, LinearIsOneGemmWithItsBias) {
+  std::mt19937_64 rng(fresh_seed());
+  for (bool bias : {true, false}) {
+    SCOPED_TRACE(bias ? "bias" : "no bias");
+    const kg::Tensor x = random_tensor(rng, kg::DType::F32, {3, 5, 7});
+    const Described d = describe_and_run(
+        one_op_model(x.shape(), [&](const kg::SymTensor& v) { return kg::nn::linear(v, 6, "fc", bias); }), x);
+    ASSERT_TRUE(d.call.has_value());
+    const auto& g = std::get<kg::GemmCall>(d.call->call);
+    EXPECT_EQ(g.m, 15);
+    EXPECT_EQ(g.batch, 1);
+    EXPECT_EQ(g.bias != 0, bias);
+    EXPECT_TRUE(d.call->epilogue.empty());
+    EXPECT_TRUE(all_close(d.out, d.want, 1e-5, 1e-6));
+  }
+}
+
+TEST(LibraryCall, MatmulBatchesBroadcastsAndMerges) {
+  std::mt19937_64 rng(fresh_seed());
+  struct Case {
+    std::vector<std::int64_t> a, b;
+    std::int64_t batch;  // of the described call; 0: none described
+  };
+  // Both operands are model inputs.
+  const std::vector<Case> cases = {
+      {{4, 3, 5}, {5, 2}, 1},        // B shared: one GEMM of 12 rows
+      {{4, 3, 5}, {4, 5, 2}, 4},     // a strided batch
+      {{4, 3, 5}, {1, 5, 2}, 4},     // B broadcast over the batch: a batch with stride 0 for B
+      {{2, 3, 5}, {5}, 1},           // a 1-D B: one column
+      {{2, 3, 4, 5}, {3, 5, 2}, 0},  // B broadcast over the outer dim only: two levels, the kernel's
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(kg::sizes_to_string(c.a) + " x " + kg::sizes_to_string(c.b));
+    auto g = kg::Graph::create();
+    kg::Shape sa = kg::Shape::of(c.a);
+    sa[0] = kg::Dim::named("batch");
+    kg::SymTensor a = g->input(kg::DType::F32, sa, "a");
+    kg::SymTensor b = g->input(kg::DType::F32, kg::Shape::of(c.b), "b");
+    kg::Model model(g, {kg::matmul(a, b, "mm")});
+    const kg::Tensor ta = random_tensor(rng, kg::DType::F32, c.a),
+                     tb = random_tensor(rng, kg::DType::F32, c.b);
+    kg::LoadedModel cpu = model.load(kg::Device::cpu(), {c.a, c.b});
+    const kg::Tensor want = cpu.forward({ta, tb}).at(0);
+    kg::lower::LowerTarget target;
+    target.concrete.resize(model.graph().nodes().size());
+    target.concrete[static_cast<std::size_t>(model.graph().inputs()[0])] = c.a;
+    target.concrete[static_cast<std::size_t>(model.graph().inputs()[1])] = c.b;
+    const int out_node = model.outputs().at(0).second;
+    target.concrete[static_cast<std::size_t>(out_node)] = want.shape();
+    const auto lowered = kg::lower::lower_model(model, target);
+    ASSERT_EQ(lowered.executables.size(), 1u);
+    kg::Tensor out = kg::Tensor::empty(kg::DType::F32, want.shape());
+    std::fill(out.data<float>(), out.data<float>() + out.numel(), NAN);
+    kg::LaunchTensors t;
+    t.inputs = {{host(ta), c.a, kg::DType::F32}, {host(tb), c.b, kg::DType::F32}};
+    t.output = {host(out), want.shape(), kg::DType::F32};
+    const auto call = lowered.executables[0].runtime_op->library_call(t);
+    if (c.batch == 0) {
+      EXPECT_FALSE(call.has_value());
+      continue;
+    }
+    ASSERT_TRUE(call.has_value());
+    EXPECT_EQ(std::get<kg::GemmCall>(call->call).batch, c.batch);
+    kg::emu::run_library_reference(*call, "[test]");
+    EXPECT_TRUE(all_close(out, want, 1e-5, 1e-6));
+  }
+}
+
+TEST(LibraryCall, ConvolutionDescribesTheConvolutionAndLeavesTheBiasToItsEpilogue) {
+  std::mt19937_64 rng(fresh_seed());
+  struct Case {
+    std::vector<std::int64_t> x;
+    std::int64_t out;
+    kg::Size2 kernel;
+    kg::nn::Conv2dOptions o;
+  };
+  const std::vector<Case> cases = {
+      {{2, 3, 9, 8}, 4, 3, {1, 1, 1, 1, false}},
+      {{1, 4, 11, 11}, 6, 5, {2, 2, 1, 2, true}},
+      {{2, 4, 7, 9}, 4, {3, 1}, {1, {1, 0}, 2, 4, true}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(kg::sizes_to_string(c.x));
+    const kg::Tensor x = random_tensor(rng, kg::DType::F32, c.x);
+    const Described d = describe_and_run(
+        one_op_model(c.x,
+                     [&](const kg::SymTensor& v) { return kg::nn::conv2d(v, c.out, c.kernel, c.o, "conv"); }),
+        x);
+    ASSERT_TRUE(d.call.has_value());
+    const auto& conv = std::get<kg::Conv2dCall>(d.call->call);
+    EXPECT_EQ(conv.bias, 0u);
+    EXPECT_EQ(d.call->epilogue.size(), c.o.bias ? 1u : 0u);
+    if (c.o.bias) {
+      // The library's part is the convolution without the bias: the output less the bias.
+      const kg::Model model = one_op_model(
+          c.x, [&](const kg::SymTensor& v) { return kg::nn::conv2d(v, c.out, c.kernel, c.o, "conv"); });
+      kg::LoadedModel cpu = model.load(kg::Device::cpu(), {c.x});
+      const kg::Tensor b = cpu.parameter("conv.bias");
+      kg::Tensor want = d.want.clone();
+      const std::int64_t hw = want.shape()[2] * want.shape()[3];
+      for (std::int64_t i = 0; i < want.numel(); ++i)
+        want.data<float>()[i] -= b.data<float>()[(i / hw) % c.out];
+      EXPECT_TRUE(all_close(d.out, want, 1e-4, 1e-5));
+    } else {
+      EXPECT_TRUE(all_close(d.out, d.want, 1e-5, 1e-6));
+    }
+  }
+}
+
+// dL/dW from the CPU's backward and dL/dx by the adjoint identity <dx, v> = <dy, A v> (A the op
+// without its bias, run by the CPU forward) against the op's backward library calls computed by
+// their definition: the calls overwrite dx and dW; the bias gradient stays a launch of its own.
+TEST(LibraryCall, ConvolutionAndLinearBackwardsAreTheirGradients) {
+  std::mt19937_64 rng(fresh_seed());
+  struct Case {
+    const char* name;
+    std::vector<std::int64_t> x;
+    BuildFn op;
+  };
+  const std::vector<Case> cases = {
+      {"conv",
+       {2, 4, 7, 6},
+       [](const kg::SymTensor& v) {
+         return kg::nn::conv2d(v, 6, 3, {2, 1, 1, 2, true}, "op");
+       }},
+      {"linear", {5, 7}, [](const kg::SymTensor& v) { return kg::nn::linear(v, 3, "op", true); }},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const kg::Tensor x = random_tensor(rng, kg::DType::F32, c.x);
+    const kg::Model plain = one_op_model(c.x, c.op);
+    kg::LoadedModel fwd = plain.load(kg::Device::cpu(), {c.x});
+    const kg::Tensor y = fwd.forward({x}).at(0);
+    const kg::Tensor target = random_tensor(rng, kg::DType::F32, y.shape());
+    // Training: mse_loss(op(x), target), the same parameters.
+    auto g = kg::Graph::create();
+    kg::Shape sx = kg::Shape::of(c.x), sy = kg::Shape::of(y.shape());
+    sx[0] = sy[0] = kg::Dim::named("batch");
+    const kg::SymTensor xin = g->input(kg::DType::F32, sx, "x"), tin = g->input(kg::DType::F32, sy, "t");
+    const kg::Model train(g, {kg::mse_loss(c.op(xin), tin, "loss")}, kg::LoweringMode::Training);
+    kg::LoadedModel tm = train.load(kg::Device::cpu(), {c.x, y.shape()});
+    tm.load_state_dict(fwd.state_dict());
+    tm.forward({x, target});
+    tm.backward();
+    const kg::Tensor dw_ref = tm.grad("op.weight");
+    // dL/dy of the mean squared error.
+    kg::Tensor dy = kg::Tensor::empty(kg::DType::F32, y.shape());
+    for (std::int64_t i = 0; i < y.numel(); ++i)
+      dy.data<float>()[i] =
+          static_cast<float>(2.0 * (y.item(i) - target.item(i)) / static_cast<double>(y.numel()));
+
+    kg::lower::LowerTarget lt;
+    lt.concrete.resize(plain.graph().nodes().size());
+    lt.concrete[static_cast<std::size_t>(plain.graph().inputs()[0])] = c.x;
+    const int node = plain.outputs().at(0).second;
+    lt.concrete[static_cast<std::size_t>(node)] = y.shape();
+    const auto lowered = kg::lower::lower_model(plain, lt);
+    ASSERT_EQ(lowered.executables.size(), 1u);
+    const kg::Tensor w = fwd.parameter("op.weight"), b = fwd.parameter("op.bias");
+    kg::Tensor dx = kg::Tensor::empty(kg::DType::F32, c.x), dw = kg::Tensor::empty(kg::DType::F32, w.shape()),
+               db = kg::Tensor::empty(kg::DType::F32, b.shape());
+    for (kg::Tensor* t : {&dx, &dw, &db}) std::fill(t->data<float>(), t->data<float>() + t->numel(), NAN);
+    kg::LaunchTensors t;
+    t.inputs = {{host(x), c.x, kg::DType::F32}};
+    t.params = {{host(w), w.shape(), kg::DType::F32}, {host(b), b.shape(), kg::DType::F32}};
+    t.output = {0, y.shape(), kg::DType::F32};
+    t.grad_output = {host(dy), y.shape(), kg::DType::F32};
+    t.grad_inputs = {{host(dx), c.x, kg::DType::F32}};
+    t.grad_params = {{host(dw), w.shape(), kg::DType::F32}, {host(db), b.shape(), kg::DType::F32}};
+    const auto described = lowered.executables[0].runtime_op->backward_library_calls(t);
+    ASSERT_TRUE(described.has_value());
+    ASSERT_EQ(described->calls.size(), 2u);
+    EXPECT_EQ(described->launches.size(), 1u);  // the bias gradient
+    for (const auto& call : described->calls) kg::emu::run_library_reference(call, "[test]");
+    EXPECT_TRUE(all_close(dw, dw_ref, 1e-4, 1e-6));
+    // <dx, v> = <dy, A v>.
+    const kg::Tensor v = random_tensor(rng, kg::DType::F32, c.x);
+    auto state = fwd.state_dict();
+    state["op.bias"] = kg::Tensor::zeros(kg::DType::F32, b.shape());
+    fwd.load_state_dict(state);
+    const kg::Tensor av = fwd.forward({v}).at(0);
+    double lhs = 0, rhs = 0, scale = 0;
+    for (std::int64_t i = 0; i < v.numel(); ++i) {
+      lhs += dx.item(i) * v.item(i);
+      scale += std::abs(dx.item(i) * v.item(i));
+    }
+    for (std::int64_t i = 0; i < av.numel(); ++i) rhs += dy.item(i) * av.item(i);
+    EXPECT_NEAR(lhs, rhs, 1e-5 * scale + 1e-9);
+    // Gradients nobody wants get no call.
+    t.grad_inputs[0].ptr = 0;
+    t.grad_params[1].ptr = 0;
+    const auto fewer = lowered.executables[0].runtime_op->backward_library_calls(t);
+    ASSERT_TRUE(fewer.has_value());
+    EXPECT_EQ(fewer->calls.size(), 1u);
+    EXPECT_TRUE(fewer->launches.empty());
+  }
+}
+
+TEST(ForwardDevice, CpuReadsHostAddressesInPlace) {
+  std::mt19937_64 rng(fresh_seed());
+  kg::Model model = kg::models::build("lenet5");
+  kg::LoadedModel m = model.load(kg::Device::cpu(), {kg::models::input_shape("lenet5", 3)});
+  const kg::Tensor x = random_tensor(rng, kg::DType::F32, kg::models::input_shape("lenet5", 3));
+  const kg::Tensor want = m.forward({x}).at(0);
+  const auto outs = m.forward_device({{host(x), x.shape(), x.dtype()}});
+  ASSERT_EQ(outs.size(), 1u);
+  EXPECT_EQ(outs[0].shape, want.shape());
+  const kg::Tensor got = kg::Tensor::wrap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(outs[0].ptr)),
+                                          outs[0].dtype, outs[0].shape);
+  EXPECT_TRUE(all_close(got, want, 0, 0));
+  EXPECT_GE(m.last_device_ms(), 0.0);
+  // Bad calls name what is wrong.
+  expect_error([&] { m.forward_device({}); }, {"forward_device", "1 input(s)", "0 tensor(s)"});
+  expect_error(
+      [&] {
+        m.forward_device({{host(x), {3, 1, 28, 27}, kg::DType::F32}});
+      },
+      {"forward_device", "was loaded as [3, 1, 28, 28]", "[3, 1, 28, 27]"});
+  expect_error([&] { m.forward_device({{0, x.shape(), x.dtype()}}); }, {"forward_device", "null address"});
+}
+
+// ---- on a machine with a GPU ----
+
+#define SKIP_WITHOUT_GPU() \
+  if (!kg::Device::cuda_available()) GTEST_SKIP() << "no CUDA GPU on this machine"
+
+// A small residual CNN (convolutions with BatchNorm, a residual add, ReLU, pooling, a linear head):
+// in inference its convolutions become fused ones with epilogues.
+kg::Model small_cnn() {
+  auto g = kg::Graph::create();
+  kg::SymTensor x = g->input(kg::DType::F32, {kg::Dim::named("batch"), 3, 32, 32}, "x");
+  kg::SymTensor h =
+      kg::relu(kg::nn::batch_norm2d(kg::nn::conv2d(x, 16, 3, {1, 1, 1, 1, false}, "c1"), "bn1"));
+  kg::SymTensor r = kg::nn::batch_norm2d(kg::nn::conv2d(h, 16, 3, {1, 1, 1, 1, false}, "c2"), "bn2");
+  h = kg::relu(kg::add(r, h));
+  h = kg::nn::conv2d(h, 32, 3, {2, 1, 1, 1, true}, "c3");
+  h = kg::relu(h);
+  h = kg::flatten(kg::max_pool2d(h, 2));
+  return kg::Model(g, {kg::nn::linear(h, 10, "fc")});
+}
+
+std::map<std::string, kg::Tensor> random_state(const kg::LoadedModel& m, std::mt19937_64& rng) {
+  std::map<std::string, kg::Tensor> w;
+  for (const auto& p : m.parameters()) {
+    if (!kg::is_floating(p.dtype)) continue;  // BatchNorm's batch counter
+    const bool var = p.name.find("running_var") != std::string::npos;
+    w.emplace(p.name, var ? random_tensor(rng, p.dtype, p.shape, 0.5, 1.5)
+                          : random_tensor(rng, p.dtype, p.shape, -0.5, 0.5));
+  }
+  return w;
+}
+
+TEST(LibraryCallGpu, CnnWithVendorLibrariesMatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  const kg::Model model = small_cnn();
+  const std::vector<std::int64_t> shape{4, 3, 32, 32};
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {shape});
+  const auto w = random_state(cpu, rng);
+  cpu.load_state_dict(w, false);
+  const kg::Tensor x = random_tensor(rng, kg::DType::F32, shape);
+  const kg::Tensor want = cpu.forward({x}).at(0);
+  struct Mode {
+    const char* name;
+    bool vendor, tf32, tune, graph;
+    double rtol;
+  };
+  for (const Mode& md :
+       {Mode{"own kernels", false, false, false, true, 1e-4}, Mode{"vendor", true, false, false, true, 1e-4},
+        Mode{"vendor, eager", true, false, false, false, 1e-4},
+        Mode{"vendor, tuned", true, false, true, true, 1e-4},
+        Mode{"vendor, tf32", true, true, false, true, 3e-2}}) {
+    SCOPED_TRACE(md.name);
+    kg::LoadOptions o;
+    o.vendor_libraries = md.vendor;
+    o.tf32 = md.tf32;
+    o.tune = md.tune;
+    o.cuda_graph = md.graph;
+    o.poison_buffers = true;
+    kg::LoadedModel gpu = model.load(kg::Device::cuda(), {shape}, o);
+    gpu.load_state_dict(w, false);
+    for (int run = 0; run < 2; ++run) {
+      const kg::Tensor got = gpu.forward({x}).at(0);
+      EXPECT_TRUE(all_close(got, want, md.rtol, md.rtol * 0.1));
+      EXPECT_GT(gpu.last_device_ms(), 0.0);
+    }
+  }
+}
+
+TEST(LibraryCallGpu, TrainingGradientsWithVendorLibrariesMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  auto g = kg::Graph::create();
+  const kg::SymTensor x = g->input(kg::DType::F32, {kg::Dim::named("batch"), 3, 12, 12}, "x");
+  const kg::SymTensor t = g->input(kg::DType::F32, {kg::Dim::named("batch"), 5}, "t");
+  kg::SymTensor h = kg::relu(kg::nn::conv2d(x, 8, 3, {1, 1, 1, 1, true}, "c1"));
+  h = kg::relu(kg::nn::conv2d(h, 8, 3, {2, 1, 1, 2, true}, "c2"));
+  const kg::SymTensor y = kg::nn::linear(kg::flatten(h), 5, "fc");
+  const kg::Model model(g, {kg::mse_loss(y, t, "loss")}, kg::LoweringMode::Training);
+  const std::vector<std::vector<std::int64_t>> shapes{{6, 3, 12, 12}, {6, 5}};
+  const kg::Tensor xv = random_tensor(rng, kg::DType::F32, shapes[0]),
+                   tv = random_tensor(rng, kg::DType::F32, shapes[1]);
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), shapes);
+  cpu.forward({xv, tv});
+  cpu.backward();
+  const auto want = cpu.gradients();
+  for (bool vendor : {false, true}) {
+    SCOPED_TRACE(vendor ? "vendor libraries" : "own kernels");
+    kg::LoadOptions o;
+    o.vendor_libraries = vendor;
+    kg::LoadedModel gpu = model.load(kg::Device::cuda(), shapes, o);
+    gpu.load_state_dict(cpu.state_dict());
+    for (bool accumulate : {false, true}) {  // the second backward adds into the first's gradients
+      gpu.forward({xv, tv});
+      gpu.backward();
+      const auto got = gpu.gradients();
+      ASSERT_EQ(got.size(), want.size());
+      for (const auto& [name, w] : want) {
+        SCOPED_TRACE(name);
+        kg::Tensor expect = w.clone();
+        if (accumulate)
+          for (std::int64_t i = 0; i < expect.numel(); ++i) expect.data<float>()[i] *= 2;
+        EXPECT_TRUE(all_close(got.at(name), expect, 1e-4, 1e-6));
+      }
+    }
+  }
+}
+
+TEST(LibraryCallGpu, ForwardDeviceReadsAndReturnsDeviceBuffers) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  const kg::Model model = small_cnn();
+  const std::vector<std::int64_t> shape{2, 3, 32, 32};
+  kg::LoadedModel gpu = model.load(kg::Device::cuda(), {shape});
+  const kg::Tensor x = random_tensor(rng, kg::DType::F32, shape);
+  const kg::Tensor want = gpu.forward({x}).at(0);
+  kg::cuda::Context& ctx = kg::cuda::Context::get(0);
+  kg::cuda::DeviceBuffer dx(ctx, x.nbytes());
+  ctx.upload(dx.ptr(), x.raw(), x.nbytes());
+  const auto outs = gpu.forward_device({{dx.ptr(), shape, kg::DType::F32}});
+  ASSERT_EQ(outs.size(), 1u);
+  kg::Tensor got = kg::Tensor::empty(outs[0].dtype, outs[0].shape);
+  ctx.download(got.raw(), outs[0].ptr, got.nbytes());
+  EXPECT_TRUE(all_close(got, want, 0, 0));
+  EXPECT_GT(gpu.last_device_ms(), 0.0);
+}
+
+TEST(LibraryCallGpu, TurnedOffByTheEnvironment) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  const kg::Model model = small_cnn();
+  const std::vector<std::int64_t> shape{2, 3, 32, 32};
+  const kg::Tensor x = random_tensor(rng, kg::DType::F32, shape);
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {shape});
+  const kg::Tensor want = cpu.forward({x}).at(0);
+  ::setenv("KG_NO_VENDOR", "1", 1);
+  kg::LoadedModel gpu = model.load(kg::Device::cuda(), {shape});
+  ::unsetenv("KG_NO_VENDOR");
+  gpu.load_state_dict(cpu.state_dict(), false);
+  EXPECT_TRUE(all_close(gpu.forward({x}).at(0), want, 1e-4, 1e-5));
+}
+
+}  // namespace
