@@ -2,12 +2,21 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "kg/error.hpp"
+#include "kg/runtime_op.hpp"
+#include "kg/tensor.hpp"
+#if defined(KG_HAVE_CUDA)
+#include "backend/cuda/context.hpp"  // private: events and copies on the models' stream
+#endif
 
 namespace kg_bench {
 
@@ -46,6 +55,95 @@ inline Timing summarise(std::vector<double> ms) {
   t.min = ms.front();
   t.p90 = ms[std::min(n - 1, static_cast<std::size_t>(std::ceil(0.9 * static_cast<double>(n))) - 1)];
   return t;
+}
+
+// Device time of the work issued between start() and stop_ms(): CUDA events on the stream that
+// loaded models on device `device` use (so idle gaps while the host prepares the next launch count
+// too), or the wall time on the cpu.
+class StreamTimer {
+ public:
+  StreamTimer(bool cuda, int device) : cuda_(cuda), device_(device) {
+    if (!cuda_) return;
+#if defined(KG_HAVE_CUDA)
+    auto& ctx = kg::cuda::Context::get(device_);
+    ctx.make_current();
+    const auto& d = ctx.driver();
+    d.check(d.cuEventCreate(&start_, CU_EVENT_DEFAULT), "cuEventCreate");
+    d.check(d.cuEventCreate(&end_, CU_EVENT_DEFAULT), "cuEventCreate");
+#else
+    throw kg::Error("StreamTimer: this build has no CUDA path");
+#endif
+  }
+  ~StreamTimer() {
+#if defined(KG_HAVE_CUDA)
+    if (!cuda_) return;
+    const auto& d = kg::cuda::Context::get(device_).driver();
+    if (start_) d.cuEventDestroy(start_);
+    if (end_) d.cuEventDestroy(end_);
+#endif
+  }
+  StreamTimer(const StreamTimer&) = delete;
+  StreamTimer& operator=(const StreamTimer&) = delete;
+
+  void start() {
+    t0_ = std::chrono::steady_clock::now();
+#if defined(KG_HAVE_CUDA)
+    if (cuda_) {
+      auto& ctx = kg::cuda::Context::get(device_);
+      ctx.make_current();
+      ctx.driver().check(ctx.driver().cuEventRecord(start_, ctx.stream()), "cuEventRecord");
+    }
+#endif
+  }
+  // Waits for the work and returns its time in ms.
+  double stop_ms() {
+#if defined(KG_HAVE_CUDA)
+    if (cuda_) {
+      auto& ctx = kg::cuda::Context::get(device_);
+      ctx.make_current();
+      const auto& d = ctx.driver();
+      d.check(d.cuEventRecord(end_, ctx.stream()), "cuEventRecord");
+      d.check(d.cuEventSynchronize(end_), "cuEventSynchronize");
+      float ms = 0;
+      d.check(d.cuEventElapsedTime(&ms, start_, end_), "cuEventElapsedTime");
+      return ms;
+    }
+#endif
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  bool cuda_;
+  int device_;
+  std::chrono::steady_clock::time_point t0_;
+#if defined(KG_HAVE_CUDA)
+  CUevent start_ = nullptr, end_ = nullptr;
+#endif
+};
+
+// A host copy of a tensor in device memory (LoadedModel::forward_device's outputs): from device
+// `device` when `cuda`, else `t.ptr` is a host address. Waits for earlier work on the stream.
+inline kg::Tensor to_host(const kg::DeviceTensor& t, bool cuda, int device) {
+  kg::Tensor out = kg::Tensor::empty(t.dtype, t.shape);
+  if (out.nbytes() == 0) return out;
+  if (!cuda) {
+    std::memcpy(out.raw(), reinterpret_cast<const void*>(static_cast<std::uintptr_t>(t.ptr)), out.nbytes());
+    return out;
+  }
+#if defined(KG_HAVE_CUDA)
+  auto& ctx = kg::cuda::Context::get(device);
+  ctx.download(out.raw(), t.ptr, out.nbytes());
+  return out;
+#else
+  (void)device;
+  throw kg::Error("to_host: this build has no CUDA path");
+#endif
+}
+
+// A DeviceTensor for a host tensor on the cpu (its own address): what forward_device takes there.
+inline kg::DeviceTensor host_device_tensor(kg::Tensor& t) {
+  return kg::DeviceTensor{static_cast<kg::DevicePtr>(reinterpret_cast<std::uintptr_t>(t.raw())), t.shape(),
+                          t.dtype()};
 }
 
 }  // namespace kg_bench

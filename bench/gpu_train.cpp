@@ -4,7 +4,7 @@
 //   gpu_train [--model lenet5-tanh] [--batches 256,64] [--weights W.safetensors]
 //             [--input-dir DIR] [--output-dir DIR] [--optimizer sgd|adamw] [--lr X]
 //             [--momentum X] [--weight-decay X] [--check-steps N] [--warmup 20] [--runs 200]
-//             [--check-only] [--seed S] [--device N] [--cpu] [--profile]
+//             [--check-only] [--device-time] [--seed S] [--device N] [--cpu] [--profile]
 //
 // The model is the zoo's (kg::models::record) followed by kg::cross_entropy against integer
 // labels, lowered for training, loaded on cuda:N. One step is
@@ -21,6 +21,11 @@
 // DIR/params_b<n>.safetensors. Unless --check-only, it then continues with --warmup steps and
 // --runs timed steps and prints
 // "batch=<n> median_ms=<m> min_ms=<m> p90_ms=<m> runs=<r> load_ms=<m>".
+//
+// --device-time times the steps on the device instead (scripts/bench-gpu-models): the batch is
+// uploaded once, and a step is zero_grad(); forward_device({input, labels}); backward(); step()
+// with CUDA events recorded on the models' stream before and after it (kg_bench::StreamTimer;
+// the wall time on the cpu); the median of those times is printed, with "timing=device" added.
 // Inputs come from DIR/input_b<n>.safetensors (tensors "input" f32 and "labels" i64 or i32) when
 // --input-dir is given, else uniform in [-1, 1) with random labels; weights from --weights, else
 // the default initialisation (seed S). --cpu runs the same steps on the CPU instead: it checks
@@ -53,17 +58,18 @@ struct Args {
   std::string optimizer = "sgd";
   double lr = -1, momentum = 0.9, weight_decay = -1;  // -1: the optimiser's default
   int check_steps = 10, warmup = 20, runs = 200, device = 0;
-  bool check_only = false, cpu = false, profile = false;
+  bool check_only = false, cpu = false, profile = false, device_time = false;
   std::uint64_t seed = 0;
 };
 
 [[noreturn]] void usage(const std::string& why) {
-  std::cerr << "gpu_train: " << why << "\n"
-            << "usage: gpu_train [--model NAME] [--batches 256,64] [--weights PATH] [--input-dir DIR]\n"
-            << "                 [--output-dir DIR] [--optimizer sgd|adamw] [--lr X] [--momentum X]\n"
-            << "                 [--weight-decay X] [--check-steps N] [--warmup W] [--runs R] [--check-only]\n"
-            << "                 [--seed S] [--device N] [--cpu] [--profile]\n"
-            << "defaults: sgd lr 0.01 momentum 0.9 weight decay 0; adamw lr 0.001 weight decay 0.01\n";
+  std::cerr
+      << "gpu_train: " << why << "\n"
+      << "usage: gpu_train [--model NAME] [--batches 256,64] [--weights PATH] [--input-dir DIR]\n"
+      << "                 [--output-dir DIR] [--optimizer sgd|adamw] [--lr X] [--momentum X]\n"
+      << "                 [--weight-decay X] [--check-steps N] [--warmup W] [--runs R] [--check-only]\n"
+      << "                 [--device-time] [--seed S] [--device N] [--cpu] [--profile]\n"
+      << "defaults: sgd lr 0.01 momentum 0.9 weight decay 0; adamw lr 0.001 weight decay 0.01\n";
   std::exit(2);
 }
 
@@ -83,8 +89,11 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--check-only" || flag == "--cpu" || flag == "--profile") {
-      (flag == "--cpu" ? a.cpu : flag == "--profile" ? a.profile : a.check_only) = true;
+    if (flag == "--check-only" || flag == "--cpu" || flag == "--profile" || flag == "--device-time") {
+      (flag == "--cpu"           ? a.cpu
+       : flag == "--profile"     ? a.profile
+       : flag == "--device-time" ? a.device_time
+                                 : a.check_only) = true;
       continue;
     }
     if (flag == "--help" || flag == "-h") usage("times a training step of a zoo model on the GPU");
@@ -129,7 +138,8 @@ Args parse(int argc, char** argv) {
 kg::OptimizerOptions optimizer(const Args& a) {
   if (a.optimizer == "adamw")
     return kg::OptimizerOptions::adamw(a.lr >= 0 ? a.lr : 1e-3, a.weight_decay >= 0 ? a.weight_decay : 0.01);
-  return kg::OptimizerOptions::sgd(a.lr >= 0 ? a.lr : 0.01, a.momentum, a.weight_decay >= 0 ? a.weight_decay : 0.0);
+  return kg::OptimizerOptions::sgd(a.lr >= 0 ? a.lr : 0.01, a.momentum,
+                                   a.weight_decay >= 0 ? a.weight_decay : 0.0);
 }
 
 std::string describe(const kg::OptimizerOptions& o) {
@@ -160,7 +170,8 @@ struct Batch {
 kg::Tensor to_i64(const kg::Tensor& t, const std::string& path) {
   if (t.dtype() == kg::DType::I64) return t.clone();
   if (t.dtype() != kg::DType::I32)
-    throw kg::Error("input file '" + path + "': labels are " + std::string(kg::dtype_name(t.dtype())) + ", want i64 or i32");
+    throw kg::Error("input file '" + path + "': labels are " + std::string(kg::dtype_name(t.dtype())) +
+                    ", want i64 or i32");
   kg::Tensor out = kg::Tensor::empty(kg::DType::I64, t.shape());
   for (std::int64_t i = 0; i < t.numel(); ++i) out.data<std::int64_t>()[i] = t.data<std::int32_t>()[i];
   return out;
@@ -175,8 +186,8 @@ Batch make_batch(const Args& a, const std::vector<std::int64_t>& shape) {
       if (!tensors.count(key)) throw kg::Error("input file '" + path + "' has no tensor named '" + key + "'");
     Batch b{tensors.at("input").to(kg::DType::F32).clone(), to_i64(tensors.at("labels"), path)};
     if (b.input.shape() != shape)
-      throw kg::Error("input file '" + path + "' holds an input " + kg::sizes_to_string(b.input.shape()) + " but " +
-                      a.model + " takes " + kg::sizes_to_string(shape));
+      throw kg::Error("input file '" + path + "' holds an input " + kg::sizes_to_string(b.input.shape()) +
+                      " but " + a.model + " takes " + kg::sizes_to_string(shape));
     if (b.labels.shape() != std::vector<std::int64_t>{n})
       throw kg::Error("input file '" + path + "' holds labels " + kg::sizes_to_string(b.labels.shape()) +
                       ", want [" + std::to_string(n) + "]");
@@ -191,8 +202,8 @@ Batch make_batch(const Args& a, const std::vector<std::int64_t>& shape) {
   return b;
 }
 
-using kg_bench::Timing;
 using kg_bench::summarise;
+using kg_bench::Timing;
 
 // One training step; returns the loss of its forward.
 double train_step(kg::LoadedModel& m, const Batch& b, const kg::Device& device) {
@@ -202,6 +213,35 @@ double train_step(kg::LoadedModel& m, const Batch& b, const kg::Device& device) 
   m.step();
   if (device.kind == kg::Device::Kind::Cuda) kg::cuda::synchronize(device.index);
   return loss;
+}
+
+// The batch in device memory for forward_device: uploaded once on cuda, the host tensors on cpu.
+struct DeviceBatch {
+  kg::Tensor input, labels;  // cpu: the storage the DeviceTensors point at
+  kg::cuda::DeviceTensorBuffer input_dev, labels_dev;
+  std::vector<kg::DeviceTensor> tensors;
+
+  DeviceBatch(const Batch& b, const kg::Device& device) : input(b.input.clone()), labels(b.labels.clone()) {
+    if (device.kind == kg::Device::Kind::Cuda) {
+      input_dev = kg::cuda::DeviceTensorBuffer::from(input, device.index);
+      labels_dev = kg::cuda::DeviceTensorBuffer::from(labels, device.index);
+      tensors = {input_dev.tensor(), labels_dev.tensor()};
+    } else {
+      tensors = {kg_bench::host_device_tensor(input), kg_bench::host_device_tensor(labels)};
+    }
+  }
+};
+
+// One training step on a batch already on the device; returns its device time in ms and leaves
+// the loss (on the device) in `loss`.
+double device_step(kg::LoadedModel& m, const DeviceBatch& b, kg_bench::StreamTimer& timer,
+                   kg::DeviceTensor& loss) {
+  timer.start();
+  m.zero_grad();
+  loss = m.forward_device(b.tensors).at(0);
+  m.backward();
+  m.step();
+  return timer.stop_ms();
 }
 
 }  // namespace
@@ -225,10 +265,17 @@ int main(int argc, char** argv) {
     std::printf("weights: %s\n", a.weights.empty()
                                      ? ("default initialisation, seed " + std::to_string(a.seed)).c_str()
                                      : a.weights.c_str());
-    std::printf(
-        "timing: host clock around zero_grad + forward (input H2D, loss D2H) + backward + step + "
-        "synchronize; %d check steps, then %d warm-up steps, median of %d\n",
-        a.check_steps, a.check_only ? 0 : a.warmup, a.check_only ? 0 : a.runs);
+    if (a.device_time)
+      std::printf(
+          "timing: %s around zero_grad + forward_device (batch already on the device) + backward + step; "
+          "%d check steps (forward() from the host), then %d warm-up steps, median of %d\n",
+          a.cpu ? "wall clock" : "CUDA events", a.check_steps, a.check_only ? 0 : a.warmup,
+          a.check_only ? 0 : a.runs);
+    else
+      std::printf(
+          "timing: host clock around zero_grad + forward (input H2D, loss D2H) + backward + step + "
+          "synchronize; %d check steps, then %d warm-up steps, median of %d\n",
+          a.check_steps, a.check_only ? 0 : a.warmup, a.check_only ? 0 : a.runs);
     if (!a.output_dir.empty()) std::filesystem::create_directories(a.output_dir);
     int status = 0;
     for (std::int64_t batch : a.batches) {
@@ -250,8 +297,8 @@ int main(int argc, char** argv) {
                   a.check_steps, losses.front(), losses.back());
       for (std::size_t i = 0; i < losses.size(); ++i)
         if (!std::isfinite(losses[i])) {
-          std::fprintf(stderr, "gpu_train: batch %lld: the loss of step %zu is %g\n", static_cast<long long>(batch),
-                       i + 1, losses[i]);
+          std::fprintf(stderr, "gpu_train: batch %lld: the loss of step %zu is %g\n",
+                       static_cast<long long>(batch), i + 1, losses[i]);
           status = 1;
           break;
         }
@@ -264,13 +311,23 @@ int main(int argc, char** argv) {
       if (a.check_only) continue;
 
       double last = 0;
-      for (int i = 0; i < a.warmup; ++i) last = train_step(m, b, device);
       std::vector<double> ms;
       ms.reserve(static_cast<std::size_t>(a.runs));
-      for (int i = 0; i < a.runs; ++i) {
-        const auto t0 = std::chrono::steady_clock::now();
-        last = train_step(m, b, device);
-        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      if (a.device_time) {
+        const DeviceBatch db(b, device);
+        kg_bench::StreamTimer timer(!a.cpu, a.device);
+        kg::DeviceTensor loss;
+        for (int i = 0; i < a.warmup; ++i) device_step(m, db, timer, loss);
+        for (int i = 0; i < a.runs; ++i) ms.push_back(device_step(m, db, timer, loss));
+        last = kg_bench::to_host(loss, !a.cpu, a.device).item(0);
+      } else {
+        for (int i = 0; i < a.warmup; ++i) last = train_step(m, b, device);
+        for (int i = 0; i < a.runs; ++i) {
+          const auto t0 = std::chrono::steady_clock::now();
+          last = train_step(m, b, device);
+          ms.push_back(
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        }
       }
       if (!std::isfinite(last)) {
         std::fprintf(stderr, "gpu_train: batch %lld: the loss of the last timed step is %g\n",
@@ -278,8 +335,9 @@ int main(int argc, char** argv) {
         status = 1;
       }
       const Timing t = summarise(ms);
-      std::printf("batch=%lld median_ms=%.4f min_ms=%.4f p90_ms=%.4f runs=%d load_ms=%.1f\n",
-                  static_cast<long long>(batch), t.median, t.min, t.p90, a.runs, load_ms);
+      std::printf("batch=%lld median_ms=%.4f min_ms=%.4f p90_ms=%.4f runs=%d load_ms=%.1f%s\n",
+                  static_cast<long long>(batch), t.median, t.min, t.p90, a.runs, load_ms,
+                  a.device_time ? " timing=device" : "");
       if (a.profile) {
         // One more step on a model loaded with per-node timing (each node synchronised).
         kg::LoadOptions popt = lopt;
@@ -289,7 +347,8 @@ int main(int argc, char** argv) {
         pm.set_optimizer(opt);
         for (int i = 0; i < 3; ++i) train_step(pm, b, device);
         std::printf("batch=%lld per-node ms of one forward and backward:\n", static_cast<long long>(batch));
-        for (const auto& nt : pm.profile()) std::printf("  %-24s %-28s %8.4f\n", nt.node.c_str(), nt.op.c_str(), nt.ms);
+        for (const auto& nt : pm.profile())
+          std::printf("  %-24s %-28s %8.4f\n", nt.node.c_str(), nt.op.c_str(), nt.ms);
       }
     }
     return status;
