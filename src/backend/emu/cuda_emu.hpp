@@ -91,6 +91,14 @@ static thread_local uint3 blockIdx;
 static thread_local dim3 blockDim;
 static thread_local dim3 gridDim;
 static thread_local unsigned char* kg_emu_dynamic_shared_ = nullptr;
+// Raises the alignment of the module's TLS segment to 64 bytes (kept by `used` when nothing reads
+// it). A dlopen'ed module's thread-locals live in a dynamic TLS block that glibc (>= 2.25)
+// allocates with malloc per OS thread; with an alignment above 16 it rounds the block up to it.
+// The __tls_get_addr interceptor of GCC 12's sanitizer runtime takes a block starting 16 bytes
+// into a page for a glibc 2.19 one and reads the 16 bytes before it (under ASan: the heap chunk
+// header) as its address and size; LeakSanitizer then scans that bogus range and crashes. A
+// 64-byte-aligned block never starts there (docs/hardening.md, "Sanitizers").
+static thread_local unsigned char kg_emu_tls_align_ __attribute__((used, aligned(64)));
 
 // Makes `t` the running thread of this OS thread: called when its fiber starts and after every
 // call that may have run other fibers.
