@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kg/cpu_math.hpp"
 #include "kg/custom_op.hpp"
 #include "kg/runtime_op.hpp"
 #include "ops/elementwise_shared.cuh"
@@ -20,121 +21,13 @@
 namespace kg::ops {
 
 // ---- float math that vectorises ----
-// glibc's expf, erfcf and tanhf are calls the compiler cannot vectorise (without -ffast-math),
-// so f32 activations use these branch-free polynomial forms instead; f64 keeps std::.
+// The formulas use the public vectorisable forms of <kg/cpu_math.hpp> (glibc's expf, erfcf and
+// tanhf are calls the compiler cannot vectorise without -ffast-math). These names are the f32
+// forms under the names the op code's tests measure.
 
-namespace detail {
-inline float float_from_bits(std::int32_t i) {
-  float f;
-  std::memcpy(&f, &i, sizeof f);
-  return f;
-}
-// a·b + c: one fused instruction where the build targets FMA, else a multiply and an add.
-// (std::fma without FMA in the target is a library call per element, which also stops the loops
-// from vectorising: 20 to 40 ns per activation.)
-inline float madd(float a, float b, float c) {
-#if defined(__FMA__)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-// s - a·a exactly, for s = a·a rounded (Dekker's product: a split into halves of 12 bits), with
-// no FMA needed; |a| must stay far below the overflow range (erfc uses |a| <= 10.06).
-inline float square_error(float a, float s) {
-  const float c = 4097.0f * a;
-  const float hi = c - (c - a), lo = a - hi;
-  return -(((hi * hi - s) + 2.0f * hi * lo) + lo * lo);
-}
-}  // namespace detail
-
-// e^x within about 1 ulp (Cephes' range reduction and polynomial); results below the smallest
-// normal float flush to 0, above the largest float give inf; NaN stays NaN.
-inline float exp_f32(float x) {
-  constexpr float hi = 88.7228394f, lo = -87.3365479f;  // log(FLT_MAX), log(FLT_MIN)
-  float c = x < lo ? lo : x;
-  c = c > hi ? hi : c;
-  c = x != x ? 0.0f : c;
-  // n = round(c / ln 2) by the 1.5 * 2^23 trick (std::floor does not vectorise); r = c - n ln 2
-  // with ln 2 split in two for precision.
-  const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = detail::madd(n, 2.12194440e-4f, detail::madd(n, -0.693359375f, c));
-  float p = 1.9875691500e-4f;
-  p = detail::madd(p, r, 1.3981999507e-3f);
-  p = detail::madd(p, r, 8.3334519073e-3f);
-  p = detail::madd(p, r, 4.1665795894e-2f);
-  p = detail::madd(p, r, 1.6666665459e-1f);
-  p = detail::madd(p, r, 5.0000001201e-1f);
-  p = detail::madd(p, r * r, r) + 1.0f;
-  // p * 2^n, with 2^n as two factors so that n = 128 and n = -126 stay representable.
-  const auto k = static_cast<std::int32_t>(n), h = k / 2;
-  float y = p * detail::float_from_bits((h + 127) << 23) * detail::float_from_bits((k - h + 127) << 23);
-  y = x > hi ? std::numeric_limits<float>::infinity() : y;
-  y = x < lo ? 0.0f : y;
-  return x != x ? x : y;
-}
-
-// tanh(x) within about 2 ulp: 1 - 2 / (e^2|x| + 1) above |x| = 0.625, Cephes' odd polynomial
-// below it.
-inline float tanh_f32(float x) {
-  const float a = std::fabs(x);
-  const float big = 1.0f - 2.0f / (exp_f32(2.0f * a) + 1.0f);
-  const float s = x * x;
-  float p = -5.70498872745e-3f;
-  p = detail::madd(p, s, 2.06390887954e-2f);
-  p = detail::madd(p, s, -5.37397155531e-2f);
-  p = detail::madd(p, s, 1.33314422036e-1f);
-  p = detail::madd(p, s, -3.33332819422e-1f);
-  const float small = detail::madd(p * s, a, a);
-  return std::copysign(a > 0.625f ? big : small, x);
-}
-
-// erfc(x) within about 4 ulp (results below the smallest normal flush to 0): exp(-a^2) times a
-// polynomial fit of (1 + 2a) exp(a^2) erfc(a) in q = (a - 2) / (a + 2), a = |x|; erfc(-a) =
-// 2 - erfc(a). a^2 is carried as s - t with an fma so that exp(-a^2) keeps its precision.
-inline float erfc_f32(float x) {
-  float a = std::fabs(x);
-  a = a > 10.0546875f ? 10.0546875f : a;  // erfc is 0 in float beyond
-  const float q = (a - 2.0f) / (a + 2.0f);
-  float p = -4.0958286e-4f;
-  p = detail::madd(p, q, -1.2415353e-3f);
-  p = detail::madd(p, q, 1.3206749e-3f);
-  p = detail::madd(p, q, 8.642994e-3f);
-  p = detail::madd(p, q, -8.061685e-3f);
-  p = detail::madd(p, q, -5.4207817e-2f);
-  p = detail::madd(p, q, 1.6405554e-1f);
-  p = detail::madd(p, q, -1.6603108e-1f);
-  p = detail::madd(p, q, -9.276399e-2f);
-  p = detail::madd(p, q, 2.7697837e-1f);
-  const float scaled = (p + 1.0f) / detail::madd(2.0f, a, 1.0f);  // exp(a^2) erfc(a)
-  const float s = a * a, t = detail::square_error(a, s);      // a^2 = s - t
-  const float e = exp_f32(-s);
-  const float r = scaled * detail::madd(e, t, e);  // exp(-s) (1 + t) = exp(-a^2)
-  return x < 0.0f ? 2.0f - r : r;
-}
-
-// e^x, erfc(x) and tanh(x) in the precision T: the forms above for float, std:: for double.
-template <class T>
-inline T exp_t(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return exp_f32(x);
-  else
-    return std::exp(x);
-}
-template <class T>
-inline T erfc_t(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return erfc_f32(x);
-  else
-    return std::erfc(x);
-}
-template <class T>
-inline T tanh_t(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return tanh_f32(x);
-  else
-    return std::tanh(x);
-}
+inline float exp_f32(float x) { return cpu_math::exp(x); }
+inline float tanh_f32(float x) { return cpu_math::tanh(x); }
+inline float erfc_f32(float x) { return cpu_math::erfc(x); }
 
 // ---- unary ops ----
 
@@ -167,22 +60,16 @@ inline T unary_fn(T x, [[maybe_unused]] T param) {
   } else if constexpr (F == UnaryFn::LeakyRelu) {
     return x < T(0) ? x * param : x;
   } else if constexpr (F == UnaryFn::Silu) {
-    return x / (T(1) + exp_t(-x));
+    return x / (T(1) + cpu_math::exp(-x));
   } else if constexpr (F == UnaryFn::GeluErf) {
-    // 0.5 x (1 + erf(x/√2)) written with erfc, which keeps its precision for negative x where
-    // 1 + erf cancels.
-    constexpr T inv_sqrt2 = T(0.70710678118654752440084436210484903928);
-    return T(0.5) * x * erfc_t(-x * inv_sqrt2);
+    return cpu_math::gelu(x);  // 0.5 x (1 + erf(x/√2)), written with erfc
   } else if constexpr (F == UnaryFn::GeluTanh) {
-    // 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): one exp, and no cancellation for negative x.
-    constexpr T two_sqrt_2_over_pi = T(1.5957691216057307117597842397375274738);
-    constexpr T k = T(0.044715);
-    return x / (T(1) + exp_t(-two_sqrt_2_over_pi * (x + k * x * x * x)));
+    return cpu_math::gelu_tanh(x);  // 0.5 x (1 + tanh(u)) as x / (1 + exp(-2u))
   } else if constexpr (F == UnaryFn::Sigmoid) {
-    return T(1) / (T(1) + exp_t(-x));
+    return cpu_math::sigmoid(x);
   } else {
     static_assert(F == UnaryFn::Tanh);
-    return tanh_t(x);
+    return cpu_math::tanh(x);
   }
 }
 
@@ -200,20 +87,20 @@ inline T unary_grad(T s, T dy, [[maybe_unused]] T param) {
   } else if constexpr (F == UnaryFn::LeakyRelu) {
     return s > T(0) ? dy : dy * param;
   } else if constexpr (F == UnaryFn::Silu) {
-    const T sig = T(1) / (T(1) + exp_t(-s));
+    const T sig = cpu_math::sigmoid(s);
     return dy * (sig * (T(1) + s * (T(1) - sig)));
   } else if constexpr (F == UnaryFn::GeluErf) {
     // Φ(x) + x φ(x), Φ written with erfc as in the forward.
     constexpr T inv_sqrt2 = T(0.70710678118654752440084436210484903928);
     constexpr T inv_sqrt_2pi = T(0.39894228040143267793994605993438186848);
-    const T cdf = T(0.5) * erfc_t(-s * inv_sqrt2);
-    const T pdf = inv_sqrt_2pi * exp_t(T(-0.5) * s * s);
+    const T cdf = T(0.5) * cpu_math::erfc(-s * inv_sqrt2);
+    const T pdf = inv_sqrt_2pi * cpu_math::exp(T(-0.5) * s * s);
     return dy * (cdf + s * pdf);
   } else if constexpr (F == UnaryFn::GeluTanh) {
     constexpr T beta = T(0.79788456080286535587989211986876373695);  // √(2/π)
     constexpr T kappa = T(0.044715);
     const T x2 = s * s;
-    const T t = tanh_t(beta * (s + kappa * x2 * s));
+    const T t = cpu_math::tanh(beta * (s + kappa * x2 * s));
     const T left = T(0.5) * s, right = T(1) + t;
     return dy * (T(0.5) * right + left * (T(1) - t * t) * (beta * (T(1) + T(3) * kappa * x2)));
   } else if constexpr (F == UnaryFn::Sigmoid) {
