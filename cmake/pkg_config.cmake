@@ -1,5 +1,5 @@
 # Writes ${PROJECT_BINARY_DIR}/kernelgraph.pc from cmake/kernelgraph.pc.in. The library is static,
-# so Libs carries the whole link closure (OpenBLAS, the ONNX schema and protobuf, Boost.Context, zlib, threads, dl). Paths are
+# so Libs carries the whole link closure (OpenBLAS, oneDNN when built with it, the ONNX schema and protobuf, Boost.Context, zlib, threads, dl). Paths are
 # relative to the .pc file's folder, so the installed tree can be moved.
 
 # "-L<dir> -l<name>" for a library file (no -L for the linker's own folders).
@@ -31,6 +31,10 @@ function(kg_write_pkg_config)
   kg_pc_library_flags(onnx "${KG_ONNX_PROTO}")
   kg_pc_library_flags(protobuf "${KG_PROTOBUF}")
   set(libs "${blas} ${onnx} ${protobuf} ${boost} ${zlib}")
+  if(KG_WITH_DNNL)
+    kg_pc_library_flags(dnnl "${KG_DNNL}")
+    string(PREPEND libs "${dnnl} ")
+  endif()
   if(CMAKE_THREAD_LIBS_INIT)
     string(APPEND libs " ${CMAKE_THREAD_LIBS_INIT}")
   endif()

@@ -192,7 +192,9 @@ class LoadedModel {
   // Per-node times of the last forward (empty unless LoadOptions::profile).
   std::vector<NodeTime> profile() const;
 
-  // Parameters by full dotted name (host tensors sharing the model's storage on cpu).
+  // Parameters by full dotted name. On the cpu parameter() shares the model's storage: a write
+  // into it before the next forward is seen by that forward (load_state_dict is the way to
+  // change parameters later).
   std::vector<ParamInfo> parameters() const;
   Tensor parameter(const std::string& name) const;
   // Copies of every parameter, by name.

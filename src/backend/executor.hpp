@@ -3,12 +3,22 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "kg/error.hpp"
 #include "kg/model.hpp"
 
 namespace kg::backend {
+
+// True when KG_NO_VENDOR is set to anything but "" or "0": every op then runs on kernelgraph's
+// own kernels (no cuBLASLt or cuDNN on cuda, no oneDNN on the cpu), as with
+// LoadOptions::vendor_libraries = false.
+inline bool vendor_libraries_disabled_by_env() {
+  const char* v = std::getenv("KG_NO_VENDOR");
+  return v && *v && std::string_view(v) != "0";
+}
 
 class Executor {
  public:

@@ -10,11 +10,14 @@ std::string not_handled(const Node& n) {
 }
 
 LowerContext lower_context(const Model& model, int id, const LowerTarget& target) {
-  const Graph& g = model.graph();
+  return lower_context(model.graph(), model.mode(), id, target);
+}
+
+LowerContext lower_context(const Graph& g, LoweringMode mode, int id, const LowerTarget& target) {
   const Node& n = g.node(id);
   LowerContext c;
   c.node = n.name;
-  c.mode = model.mode();
+  c.mode = mode;
   c.sm = target.sm;
   c.output_dtype = n.dtype;
   c.output_shape = n.shape;
@@ -38,10 +41,13 @@ LowerContext lower_context(const Model& model, int id, const LowerTarget& target
 }
 
 LoweredGraph lower_model(const Model& model, const LowerTarget& target) {
+  return lower_graph(model.graph(), model.live_nodes(), model.mode(), target);
+}
+
+LoweredGraph lower_graph(const Graph& g, const std::vector<int>& live, LoweringMode mode, const LowerTarget& target) {
   LoweredGraph out;
-  out.mode = model.mode();
-  const Graph& g = model.graph();
-  for (int id : model.live_nodes()) {
+  out.mode = mode;
+  for (int id : live) {
     const Node& n = g.node(id);
     if (n.kind == Node::Kind::Input) continue;
     const CustomOp& op = n.op->op();
@@ -53,7 +59,7 @@ LoweredGraph lower_model(const Model& model, const LowerTarget& target) {
       out.executables.push_back(std::move(e));
       continue;
     }
-    e.context = lower_context(model, id, target);
+    e.context = lower_context(g, mode, id, target);
     std::optional<Lowered> l;
     try {
       l = op.lower(e.context);

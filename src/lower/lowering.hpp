@@ -41,11 +41,15 @@ struct LowerTarget {
 
 // The context lower() is given for node `id`.
 LowerContext lower_context(const Model& model, int id, const LowerTarget& target);
+LowerContext lower_context(const Graph& graph, LoweringMode mode, int id, const LowerTarget& target);
 
 // Lowers the live op nodes of `model`. A node whose op returns no lowering fails with
 // "[op @ node] custom op '<name>' is not handled — implement CustomOp::lower()" when
 // target.require_all.
 LoweredGraph lower_model(const Model& model, const LowerTarget& target);
+// The same for a graph rewritten at load (the nodes `live`, in order).
+LoweredGraph lower_graph(const Graph& graph, const std::vector<int>& live, LoweringMode mode,
+                         const LowerTarget& target);
 
 // The seed's error for an op without a lowering, in the one error format.
 std::string not_handled(const Node& n);

@@ -2,11 +2,21 @@
 
 #include <cblas.h>
 
+#if KG_HAVE_DNNL
+#include <oneapi/dnnl/dnnl.h>
+#endif
+
 namespace kg::ops {
 
 void gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
           std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
+#if KG_HAVE_DNNL
+  // oneDNN's GEMM: its AVX-512 kernels are chosen by the CPU alone, and it runs on the same
+  // OpenMP threads as its convolutions (OpenBLAS keeps its own pool, and Debian's picks its
+  // kernels from OPENBLAS_CORETYPE). It returns an error only for invalid arguments.
+  if (dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) == dnnl_success) return;
+#endif
   cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
               static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
               static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));

@@ -1,4 +1,5 @@
-// Row-major GEMM through the system BLAS (OpenBLAS), for float and double.
+// Row-major GEMM: float through oneDNN when the build has it (else OpenBLAS), double through
+// OpenBLAS.
 #pragma once
 
 #include <cstdint>

@@ -6,16 +6,19 @@
 // (pool_backward.cu).
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 
 #include "kg/ops.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
+#include "ops/pool_dnnl.hpp"
 #include "ops/pool_shared.cuh"
 #include "util/cpu.hpp"
 
@@ -88,9 +91,89 @@ void max_taps(T* out, const T* src, std::int64_t taps, std::int64_t tap_step, st
   }
 }
 
-// Planes per parallel chunk so that a chunk touches about 64K elements.
+// Planes per parallel chunk so that a chunk reads about 32K elements (some 10 us of pooling:
+// handing a chunk to another thread costs a few).
 std::int64_t plane_grain(std::int64_t plane_elems) {
-  return std::max<std::int64_t>(1, 65536 / std::max<std::int64_t>(plane_elems, 1));
+  return std::max<std::int64_t>(1, 32768 / std::max<std::int64_t>(plane_elems, 1));
+}
+
+// The max pooling of planes [b, e) of x [planes, h, w] into y [planes, ho, wo], in two passes per
+// block of output rows: the maximum over the window's rows of each input column (rows in
+// memory order, so contiguous loads), into `tmp`; then the maximum over the window's columns of
+// those. Where windows neither overlap nor reach into padding horizontally (kw <= sw, pw == 0,
+// dw == 1, and no ceil-mode window past the row's end), the column pass runs over a whole block of output
+// rows at once, whatever the width: small planes (LeNet's 10x10) then cost a few long vector loops instead of
+// many short ones.
+struct MaxPoolGeom {
+  std::int64_t h, w, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw;
+};
+
+template <class T>
+void max_pool_planes(const MaxPoolGeom& g, const T* x, T* y, std::int64_t b, std::int64_t e) {
+  const T lowest = -std::numeric_limits<T>::infinity();
+  auto take = [](T m, T v) { return (v > m || v != v) ? v : m; };
+  // The column pass of one output row from its row maxima `rm` (the input row's columns).
+  // Output columns whose whole window lies inside the row: [ox_lo, ox_hi).
+  const std::int64_t ox_lo = std::min(g.wo, (g.pw + g.sw - 1) / g.sw);
+  const std::int64_t last = g.w - (g.kw - 1) * g.dw + g.pw;  // windows starting before it fit
+  const std::int64_t ox_hi = std::max(ox_lo, std::min(g.wo, last > 0 ? (last - 1) / g.sw + 1 : 0));
+  // The row pass of output row oy of plane `src` into `dst` (`cols` columns): false when the
+  // window has no row inside the input (then the output row is -inf).
+  auto rows = [&](const T* src, std::int64_t oy, std::int64_t cols, T* dst) {
+    const std::int64_t top = oy * g.sh - g.ph;
+    const std::int64_t ky0 = top >= 0 ? 0 : (-top + g.dh - 1) / g.dh;
+    const std::int64_t ky1 = std::min(g.kh, top >= g.h ? 0 : (g.h - top + g.dh - 1) / g.dh);
+    if (ky1 <= ky0) return false;
+    max_taps(dst, src + (top + ky0 * g.dh) * g.w, ky1 - ky0, g.dh * g.w, 1, cols);
+    return true;
+  };
+  constexpr std::int64_t kStack = 16384 / sizeof(T);
+  alignas(64) T stack[kStack];
+  const bool flat = g.kw <= g.sw && g.pw == 0 && g.dw == 1 && (g.wo - 1) * g.sw + g.kw <= g.w;
+  const std::int64_t span = flat ? g.wo * g.sw : g.w;  // tmp's row pitch
+  std::vector<T> heap;
+  T* tmp = stack;
+  if (span > kStack) {
+    heap.resize(static_cast<std::size_t>(span));
+    tmp = heap.data();
+  }
+  if (flat) {
+    // Output rows r in [b * ho, e * ho), in blocks that fit in tmp; the column pass of a block
+    // is one run over its rows (the output rows of consecutive planes are consecutive too).
+    const std::int64_t cols = std::min(span, g.w), block = std::max<std::int64_t>(1, kStack / span);
+    for (std::int64_t r0 = b * g.ho; r0 < e * g.ho; r0 += block) {
+      const std::int64_t r1 = std::min(e * g.ho, r0 + block);
+      std::int64_t pl = r0 / g.ho, oy = r0 % g.ho;
+      for (std::int64_t r = r0; r < r1; ++r) {
+        T* t = tmp + (r - r0) * span;
+        if (!rows(x + pl * g.h * g.w, oy, cols, t)) std::fill(t, t + span, lowest);
+        if (++oy == g.ho) oy = 0, ++pl;
+      }
+      max_taps(y + r0 * g.wo, tmp, g.kw, 1, g.sw, (r1 - r0) * g.wo);
+    }
+    return;
+  }
+  for (std::int64_t pl = b; pl < e; ++pl) {
+    const T* src = x + pl * g.h * g.w;
+    for (std::int64_t oy = 0; oy < g.ho; ++oy) {
+      T* out = y + (pl * g.ho + oy) * g.wo;
+      if (!rows(src, oy, g.w, tmp)) {
+        std::fill(out, out + g.wo, lowest);
+        continue;
+      }
+      auto edge = [&](std::int64_t ox) {
+        T m = lowest;
+        for (std::int64_t kx = 0; kx < g.kw; ++kx) {
+          const std::int64_t ix = ox * g.sw - g.pw + kx * g.dw;
+          if (ix >= 0 && ix < g.w) m = take(m, tmp[ix]);
+        }
+        out[ox] = m;
+      };
+      for (std::int64_t ox = 0; ox < ox_lo; ++ox) edge(ox);
+      if (ox_hi > ox_lo) max_taps(out + ox_lo, tmp - g.pw + ox_lo * g.sw, g.kw, g.dw, g.sw, ox_hi - ox_lo);
+      for (std::int64_t ox = ox_hi; ox < g.wo; ++ox) edge(ox);
+    }
+  }
 }
 
 // A sliding window's configuration, checked as PyTorch checks it.
@@ -216,6 +299,7 @@ class MaxPool2dOp final : public CustomOp {
  public:
   explicit MaxPool2dOp(Window w) : w_(w) {}
   std::string name() const override { return "nn.max_pool2d"; }
+  const Window& window() const { return w_; }
   std::string attributes() const override { return w_.text(); }
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     w_.check();
@@ -228,55 +312,16 @@ class MaxPool2dOp final : public CustomOp {
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
-    const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.output.dim(2), wo = ctx.output.dim(3);
-    const std::int64_t kh = w_.kernel.h, kw = w_.kernel.w, sh = w_.stride.h, sw = w_.stride.w;
-    const std::int64_t ph = w_.padding.h, pw = w_.padding.w, dh = w_.dilation.h, dw = w_.dilation.w;
-    // Output columns whose whole window lies inside the row: [ox_lo, ox_hi).
-    const std::int64_t ox_lo = std::min(wo, (pw + sw - 1) / sw);
-    const std::int64_t ox_hi =
-        std::max(ox_lo, std::min(wo, w - (kw - 1) * dw + pw > 0 ? (w - (kw - 1) * dw + pw - 1) / sw + 1 : 0));
+    const MaxPoolGeom g{x.dim(2),     x.dim(3),     ctx.output.dim(2), ctx.output.dim(3),
+                        w_.kernel.h,  w_.kernel.w,  w_.stride.h,       w_.stride.w,
+                        w_.padding.h, w_.padding.w, w_.dilation.h,     w_.dilation.w};
     dispatch_float(x.dtype(), [&](auto zero) {
       using T = decltype(zero);
       const T* xp = x.data<T>();
       T* yp = ctx.output.data<T>();
-      // The larger, or NaN when either is (PyTorch propagates NaN).
-      auto take = [](T m, T v) { return (v > m || v != v) ? v : m; };
-      const T lowest = -std::numeric_limits<T>::infinity();
-      ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(h * w), [&](std::int64_t b, std::int64_t e) {
-        // Row maxima over the kernel's columns, for each input row: [h, wo].
-        std::vector<T> rowmax(static_cast<std::size_t>(h * wo));
-        for (std::int64_t pl = b; pl < e; ++pl) {
-          const T* src = xp + pl * h * w;
-          T* dst = yp + pl * ho * wo;
-          for (std::int64_t iy = 0; iy < h; ++iy) {
-            const T* row = src + iy * w;
-            T* rm = rowmax.data() + iy * wo;
-            auto edge = [&](std::int64_t ox) {
-              T m = lowest;
-              for (std::int64_t kx = 0; kx < kw; ++kx) {
-                const std::int64_t ix = ox * sw - pw + kx * dw;
-                if (ix >= 0 && ix < w) m = take(m, row[ix]);
-              }
-              rm[ox] = m;
-            };
-            for (std::int64_t ox = 0; ox < ox_lo; ++ox) edge(ox);
-            // The columns whose window lies inside the row, all the kernel's columns at once.
-            if (ox_hi > ox_lo) max_taps(rm + ox_lo, row - pw + ox_lo * sw, kw, dw, sw, ox_hi - ox_lo);
-            for (std::int64_t ox = ox_hi; ox < wo; ++ox) edge(ox);
-          }
-          for (std::int64_t oy = 0; oy < ho; ++oy) {
-            // The window's rows inside the input: ky in [ky0, ky1).
-            const std::int64_t top = oy * sh - ph;
-            const std::int64_t ky0 = top >= 0 ? 0 : (-top + dh - 1) / dh;
-            const std::int64_t ky1 = std::min(kh, top >= h ? 0 : (h - top + dh - 1) / dh);
-            T* out = dst + oy * wo;
-            if (ky1 <= ky0)
-              std::fill(out, out + wo, lowest);
-            else
-              max_taps(out, rowmax.data() + (top + ky0 * dh) * wo, ky1 - ky0, dh * wo, 1, wo);
-          }
-        }
-      });
+      auto body = [&](std::int64_t b, std::int64_t e) { max_pool_planes(g, xp, yp, b, e); };
+      // std::ref: the std::function holds a reference, not a copy on the heap.
+      ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(g.h * g.w), std::ref(body));
     });
   }
 
@@ -339,6 +384,8 @@ class AvgPool2dOp final : public CustomOp {
  public:
   AvgPool2dOp(Window w, bool count_include_pad) : w_(w), count_include_pad_(count_include_pad) {}
   std::string name() const override { return "nn.avg_pool2d"; }
+  const Window& window() const { return w_; }
+  bool count_include_pad() const { return count_include_pad_; }
   std::string attributes() const override {
     return w_.text() + (count_include_pad_ ? "" : " count_include_pad=false");
   }
@@ -572,6 +619,18 @@ class UpsampleNearest2dOp final : public CustomOp {
 };
 
 }  // namespace
+
+std::optional<PoolConfig> pool_config(const CustomOp& op) {
+  auto from = [](PoolConfig::Kind kind, const Window& w, bool include_pad) {
+    return PoolConfig{kind, w.kernel, w.stride, w.padding, w.dilation, w.ceil_mode, include_pad};
+  };
+  if (const auto* m = dynamic_cast<const MaxPool2dOp*>(&op)) return from(PoolConfig::Kind::Max, m->window(), false);
+  if (const auto* a = dynamic_cast<const AvgPool2dOp*>(&op))
+    return from(PoolConfig::Kind::Avg, a->window(), a->count_include_pad());
+  if (dynamic_cast<const GlobalAvgPoolOp*>(&op)) return PoolConfig{PoolConfig::Kind::Global};
+  return std::nullopt;
+}
+
 }  // namespace kg::ops
 
 namespace kg {

@@ -12,6 +12,7 @@
 #include "ops/divider.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
+#include "ops/shape_ops.hpp"
 
 namespace kg::ops {
 namespace {
@@ -777,6 +778,9 @@ class SliceOp final : public CustomOp {
 };
 
 }  // namespace
+
+CustomData permute_op(std::vector<std::int64_t> dims) { return CustomData::make<PermuteOp>(std::move(dims)); }
+
 }  // namespace kg::ops
 
 namespace kg {

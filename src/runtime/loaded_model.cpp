@@ -8,6 +8,7 @@
 #include "kg/error.hpp"
 #include "kg/io.hpp"
 #include "kg/model.hpp"
+#include "ops/dnnl.hpp"
 #include "runtime/loaded_model_impl.hpp"
 #include "util/str.hpp"
 
@@ -41,8 +42,10 @@ std::vector<std::vector<std::int64_t>> LoadedModel::output_shapes() const {
 
 namespace {
 // The inputs of a forward against what the model was loaded for.
-void check_inputs(const LoadedModel::Impl& m, const char* what, std::size_t count,
-                  const std::function<std::pair<DType, std::vector<std::int64_t>>(std::size_t)>& input) {
+// `input(k)` gives input k's dtype and shape (a pointer: a forward copies no shape).
+void check_inputs(
+    const LoadedModel::Impl& m, const char* what, std::size_t count,
+    const std::function<std::pair<DType, const std::vector<std::int64_t>*>(std::size_t)>& input) {
   const Graph& g = *m.graph;
   if (count != g.inputs().size())
     throw Error(util::cat(what, ": the model has ", g.inputs().size(), " input(s) but ", count,
@@ -50,7 +53,8 @@ void check_inputs(const LoadedModel::Impl& m, const char* what, std::size_t coun
   for (std::size_t k = 0; k < count; ++k) {
     const Node& n = g.node(g.inputs()[k]);
     const auto& v = m.plan.values[static_cast<std::size_t>(n.id)];
-    const auto [dtype, shape] = input(k);
+    const auto [dtype, shape_ptr] = input(k);
+    const std::vector<std::int64_t>& shape = *shape_ptr;
     if (dtype != v.dtype || shape != v.shape)
       throw Error(util::cat(what, ": input '", n.name, "' was loaded as ", sizes_to_string(v.shape), " ",
                             dtype_name(v.dtype), " but got ", sizes_to_string(shape), " ", dtype_name(dtype),
@@ -77,7 +81,7 @@ auto run_forward(LoadedModel::Impl& m, Run&& run) {
 std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
   Impl& m = *impl_;
   check_inputs(m, "forward", inputs.size(), [&](std::size_t k) {
-    return std::pair{inputs[k].dtype(), inputs[k].shape()};
+    return std::pair{inputs[k].dtype(), &inputs[k].shape()};
   });
   return run_forward(
       m, [&](std::vector<NodeTime>* prof) { return m.exec->run(inputs, m.training, m.last_seed, prof); });
@@ -86,7 +90,7 @@ std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
 std::vector<DeviceTensor> LoadedModel::forward_device(const std::vector<DeviceTensor>& inputs) {
   Impl& m = *impl_;
   check_inputs(m, "forward_device", inputs.size(), [&](std::size_t k) {
-    return std::pair{inputs[k].dtype, inputs[k].shape};
+    return std::pair{inputs[k].dtype, &inputs[k].shape};
   });
   for (std::size_t k = 0; k < inputs.size(); ++k)
     if (inputs[k].ptr == 0 && inputs[k].numel() > 0)
@@ -144,6 +148,9 @@ Tensor LoadedModel::parameter(const std::string& name) const {
   auto params = param_map(*impl_);
   auto it = params.find(name);
   if (it == params.end()) throw Error("no parameter named '" + name + "' in the model");
+  // On the cpu the caller may write through the tensor: converted copies (oneDNN's weights) are
+  // made again at the next forward.
+  ops::dnnl::parameters_changed();
   return *it->second.tensor;
 }
 
@@ -194,6 +201,7 @@ void LoadedModel::load_state_dict(const std::map<std::string, Tensor>& tensors, 
     Tensor src = t.dtype() == ref.spec->dtype ? t : t.to(ref.spec->dtype);
     std::memcpy(ref.tensor->raw(), src.raw(), src.nbytes());
   }
+  ops::dnnl::parameters_changed();
   impl_->exec->upload_params();
 }
 

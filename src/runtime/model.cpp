@@ -1,7 +1,9 @@
 #include "kg/model.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "backend/cpu/executor.hpp"
@@ -10,6 +12,7 @@
 #include "kg/error.hpp"
 #include "lower/dry_run.hpp"
 #include "lower/lowering.hpp"
+#include "ops/dnnl.hpp"
 #include "passes/dead_nodes.hpp"
 #include "passes/passes.hpp"
 #include "plan/autograd.hpp"
@@ -19,6 +22,25 @@
 #include "util/str.hpp"
 
 namespace kg {
+
+namespace {
+
+// Says once per process, when the graph has a convolution, that oneDNN is missing.
+void note_cpu_library_missing(const Graph& graph) {
+  static std::once_flag once;
+  for (const auto& n : graph.nodes()) {
+    if (n.kind != Node::Kind::Op) continue;
+    const std::string op = n.op_name();
+    if (op != "nn.conv2d" && op != "nn.fused_conv2d") continue;
+    std::call_once(once, [] {
+      std::fprintf(stderr, "kernelgraph: oneDNN is not available (%s); convolutions run on kernelgraph's own kernels\n",
+                   ops::dnnl::unavailable_reason().c_str());
+    });
+    return;
+  }
+}
+
+}  // namespace
 
 // ---- Device ----
 
@@ -98,16 +120,35 @@ std::vector<ParamInfo> Model::parameters() const {
 LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_t>>& input_shapes,
                         const LoadOptions& options) const {
   auto impl = std::make_shared<LoadedModel::Impl>();
-  impl->graph = graph_;
   impl->mode = mode_;
   impl->device = device;
   impl->options = options;
   for (auto& o : outputs_) impl->output_names.push_back(o.first);
   std::vector<int> outs;
   for (auto& o : outputs_) outs.push_back(o.second);
+  const bool cuda = device.kind == Device::Kind::Cuda;
 
+  // Shapes are bound on the model's graph first, so that a wrong input is reported in the
+  // layout the user recorded.
   plan::BoundShapes bound = plan::bind_shapes(*graph_, live_, input_shapes);
-  impl->plan = plan::build_plan(*graph_, live_, outs, bound, options.seed);
+  // The graph this load runs: the model's, or on the CPU its channels-last form (oneDNN).
+  std::shared_ptr<Graph> graph = graph_;
+  std::vector<int> live = live_;
+  if (!cuda && mode_ == LoweringMode::Inference && !options.checked && options.vendor_libraries &&
+      !backend::vendor_libraries_disabled_by_env()) {
+    passes::GraphAndOutputs cl = passes::channels_last(graph_, outs);
+    if (cl.graph != graph_) {
+      graph = cl.graph;
+      outs = cl.outputs;
+      live = passes::live_nodes(*graph, outs);
+      bound = plan::bind_shapes(*graph, live, input_shapes);
+    } else if (!ops::dnnl::available()) {
+      note_cpu_library_missing(*graph_);
+    }
+  }
+  impl->graph = graph;
+
+  impl->plan = plan::build_plan(*graph, live, outs, bound, options.seed);
   int loss = -1;
   if (mode_ == LoweringMode::Training) {
     loss = plan::find_loss(*graph_, outputs_, bound, options.loss);
@@ -118,12 +159,11 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
   }
   // Lowering happens here, for every device: with the concrete shapes, for the GPU's
   // architecture or for the emulator.
-  const bool cuda = device.kind == Device::Kind::Cuda;
   lower::LowerTarget target;
   target.concrete = bound.node_shapes;
   target.sm = cuda ? cuda::device_arch(device.index) : 0;
   target.require_all = cuda || options.checked;
-  lower::LoweredGraph lowered = lower::lower_model(*this, target);
+  lower::LoweredGraph lowered = lower::lower_graph(*graph, live, mode_, target);
   std::map<int, const lower::Executable*> by_node;
   for (const auto& e : lowered.executables) by_node[e.node] = &e;
   auto lowered_backward = [&](const Node& n) {
@@ -131,15 +171,15 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
     return it != by_node.end() && it->second->lowered && !it->second->backward_source.empty();
   };
   if (cuda) {
-    plan::plan_training(*graph_, impl->plan, loss, impl->loss_name, lowered_backward);
-    impl->exec = cuda::make_executor(device.index, *graph_, lowered, impl->plan, options);
+    plan::plan_training(*graph, impl->plan, loss, impl->loss_name, lowered_backward);
+    impl->exec = cuda::make_executor(device.index, *graph, lowered, impl->plan, options);
   } else {
-    plan::plan_training(*graph_, impl->plan, loss, impl->loss_name,
+    plan::plan_training(*graph, impl->plan, loss, impl->loss_name,
                         [&](const Node& n) { return n.op->op().has_cpu_backward() || lowered_backward(n); });
     // Every lowered op's launches are checked against its kernels' CUDA signatures, whether or
     // not the cpu runs them.
-    lower::check_lowered(*graph_, lowered, impl->plan);
-    impl->exec = cpu::make_executor(*graph_, impl->plan, std::move(lowered), options, impl->grads, impl->slots);
+    lower::check_lowered(*graph, lowered, impl->plan);
+    impl->exec = cpu::make_executor(*graph, impl->plan, std::move(lowered), options, impl->grads, impl->slots);
   }
   if (impl->plan.training.enabled) init_training_state(*impl);
   return LoadedModel(impl);

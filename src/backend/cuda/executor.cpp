@@ -81,10 +81,7 @@ void note_unavailable(const char* library, const std::string& reason, const char
                library, reason.c_str(), what);
 }
 
-bool vendor_disabled_by_env() {
-  const char* v = std::getenv("KG_NO_VENDOR");
-  return v && *v && std::string(v) != "0";
-}
+bool vendor_disabled_by_env() { return backend::vendor_libraries_disabled_by_env(); }
 
 class GpuExecutor final : public backend::Executor {
  public:

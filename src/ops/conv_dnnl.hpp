@@ -1,0 +1,51 @@
+// nn.conv2d_nhwc: a convolution (with a fused convolution's epilogue) on channels-last tensors,
+// run by oneDNN on the CPU. Only the channels-last pass (passes/channels_last.cpp) builds it, at
+// load, from an nn.conv2d or nn.fused_conv2d node of an f32 inference graph bound for the CPU:
+// the node keeps its name and its parameters (weights stay [out, in/groups, kh, kw]); only the
+// activations are laid out [N, H, W, C]. It has no GPU lowering and no backward.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kg/custom_op.hpp"
+#include "ops/conv.hpp"
+
+namespace kg::ops {
+
+namespace dnnl {
+class Conv;
+}
+
+class ChannelsLastConvOp final : public CustomOp {
+ public:
+  // `spec` is empty for a plain nn.conv2d; `params` are the node's, with full names.
+  ChannelsLastConvOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params);
+  ~ChannelsLastConvOp() override;
+  std::string name() const override { return "nn.conv2d_nhwc"; }
+  // The convolution's attributes, what was fused, and the oneDNN implementation once it ran.
+  std::string attributes() const override;
+  // Input [N, H, W, C] (and the residual [N, OH, OW, O]) → [N, OH, OW, O].
+  Shape infer_output_shape(const std::vector<Shape>& in) const override;
+  DType infer_output_dtype(const std::vector<DType>& in) const override;
+  std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override { return params_; }
+  void cpu_forward(CpuContext& ctx) const override;
+
+  // True when oneDNN can run this convolution in this build: f32, on a machine where its engine
+  // starts.
+  static bool supports(const Conv2dOp& conv);
+
+ private:
+  Conv2dOp conv_;
+  ConvEpilogueSpec spec_;
+  std::vector<ParamSpec> params_;
+  // The primitive for the bound shape and the weights it holds (converted again when the
+  // parameters change: dnnl::parameters_generation).
+  struct State;
+  mutable std::mutex mu_;
+  mutable std::unique_ptr<State> state_;
+};
+
+}  // namespace kg::ops

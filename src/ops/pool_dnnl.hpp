@@ -1,0 +1,30 @@
+// Pooling on channels-last tensors ([N, H, W, C]) for the CPU: nn.max_pool2d_nhwc and
+// nn.avg_pool2d_nhwc run by oneDNN, nn.global_avg_pool_nhwc by a vectorised loop. Only the
+// channels-last pass builds them, at load, from the NCHW ops whose configuration pool_config()
+// reads; they have no GPU lowering and no backward.
+#pragma once
+
+#include <optional>
+
+#include "kg/custom_op.hpp"
+#include "kg/ops.hpp"
+
+namespace kg::ops {
+
+// The configuration of a pooling op of pool.cpp (nullopt for any other op).
+struct PoolConfig {
+  enum class Kind : std::uint8_t { Max, Avg, Global };
+  Kind kind = Kind::Global;
+  Size2 kernel{1}, stride{1}, padding{0}, dilation{1};
+  bool ceil_mode = false;
+  bool count_include_pad = true;  // Avg only
+};
+std::optional<PoolConfig> pool_config(const CustomOp& op);
+
+// True when the channels-last op for `c` on an f32 input can run in this build.
+bool channels_last_pool_supported(const PoolConfig& c);
+
+// The channels-last op computing what the NCHW op of configuration `c` computes.
+CustomData channels_last_pool(const PoolConfig& c);
+
+}  // namespace kg::ops

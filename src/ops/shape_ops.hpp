@@ -1,0 +1,15 @@
+// Factories of the shape ops for passes that build nodes directly (the ops themselves are
+// private to shape_ops.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kg/custom_op.hpp"
+
+namespace kg::ops {
+
+// nn.permute: output dim i is input dim dims[i].
+CustomData permute_op(std::vector<std::int64_t> dims);
+
+}  // namespace kg::ops

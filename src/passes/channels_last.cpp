@@ -1,0 +1,136 @@
+// Channels-last layout for the CPU (docs/cpu.md). oneDNN's convolutions reach the cores' FMA
+// peak on [N, H, W, C] activations and not on [N, C, H, W], and converting around every
+// convolution would cost more than it saves; so at load, for the CPU, the graph is rewritten to
+// keep activations channels-last from one convolution to the next:
+//
+// - every f32 nn.conv2d / nn.fused_conv2d becomes nn.conv2d_nhwc (same name, same parameters);
+// - a pooling node whose input is channels-last becomes its _nhwc form;
+// - an elementwise node (an op with an ElementwiseForm, or a fused group) whose inputs are all
+//   channels-last and all of the output's shape stays elementwise, on permuted shapes;
+// - an nn.permute node converts each value where it crosses the region's edge, once per value
+//   and direction ("<node>.to_nhwc", "<node>.to_nchw"), and the model's outputs keep their
+//   layout.
+//
+// Node names and parameter names do not change, so weights load as before.
+#include <map>
+
+#include "kg/error.hpp"
+#include "ops/conv.hpp"
+#include "ops/conv_dnnl.hpp"
+#include "ops/fused_elementwise.hpp"
+#include "ops/pool_dnnl.hpp"
+#include "ops/shape_ops.hpp"
+#include "passes/dead_nodes.hpp"
+#include "passes/passes.hpp"
+
+namespace kg::passes {
+
+namespace {
+
+Shape to_nhwc(const Shape& s) { return Shape(std::vector<Dim>{s[0], s[2], s[3], s[1]}); }
+
+bool is_4d_f32(const Node& n) { return n.dtype == DType::F32 && n.shape.rank() == 4; }
+
+// The channels-last op replacing `n` when it starts or continues a region (nullopt: it stays).
+// `in_region[i]` says whether input i is channels-last.
+std::optional<CustomData> channels_last_op(const Graph& g, const Node& n,
+                                           const std::vector<char>& in_region) {
+  if (n.kind != Node::Kind::Op || !is_4d_f32(n)) return std::nullopt;
+  if (const auto* c = n.op->as<ops::Conv2dOp>()) {
+    if (!ops::ChannelsLastConvOp::supports(*c)) return std::nullopt;
+    return CustomData::make<ops::ChannelsLastConvOp>(*c, ops::ConvEpilogueSpec{}, n.params);
+  }
+  if (const auto* f = n.op->as<ops::FusedConv2dOp>()) {
+    if (!ops::ChannelsLastConvOp::supports(f->conv())) return std::nullopt;
+    return CustomData::make<ops::ChannelsLastConvOp>(f->conv(), f->spec(), n.params);
+  }
+  // The rest only continues a region: every input must be in it already.
+  for (int in : n.inputs)
+    if (!in_region[static_cast<std::size_t>(in)]) return std::nullopt;
+  if (auto pc = ops::pool_config(n.op->op())) {
+    if (!ops::channels_last_pool_supported(*pc) || n.inputs.size() != 1) return std::nullopt;
+    return ops::channels_last_pool(*pc);
+  }
+  // Elementwise without broadcasting: the same op on permuted shapes.
+  for (int in : n.inputs)
+    if (!(g.node(in).shape == n.shape) || g.node(in).dtype != n.dtype) return std::nullopt;
+  if (n.op->as<ops::FusedElementwiseOp>()) return *n.op;
+  std::vector<DType> dtypes(n.inputs.size(), n.dtype);
+  if (!n.inputs.empty() && n.op->op().elementwise_form(dtypes)) return *n.op;
+  return std::nullopt;
+}
+
+}  // namespace
+
+GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs) {
+  const Graph& g = *graph;
+  const std::vector<int> live = live_nodes(g, outputs);
+  std::vector<char> region(g.nodes().size(), 0);
+  std::map<int, CustomData> replaced;
+  for (int id : live) {
+    const Node& n = g.node(id);
+    if (n.kind != Node::Kind::Op) continue;
+    if (auto op = channels_last_op(g, n, region)) {
+      region[static_cast<std::size_t>(id)] = 1;
+      replaced.emplace(id, std::move(*op));
+    }
+  }
+  if (replaced.empty()) return {graph, outputs};
+
+  Rewriter rw(g);
+  Graph& out = *rw.graph();
+  std::map<int, int> nhwc_of, nchw_of;  // old id → new permute node
+  auto unique_name = [&](const std::string& base) {
+    std::string name = base;
+    for (int k = 2; out.find(name) >= 0 || g.find(name) >= 0; ++k) name = base + "." + std::to_string(k);
+    return name;
+  };
+  auto convert = [&](int old_id, bool to_last) {
+    auto& cache = to_last ? nhwc_of : nchw_of;
+    if (auto it = cache.find(old_id); it != cache.end()) return it->second;
+    const Node& src = g.node(old_id);
+    Node p;
+    p.kind = Node::Kind::Op;
+    p.name = unique_name(src.name + (to_last ? ".to_nhwc" : ".to_nchw"));
+    p.dtype = src.dtype;
+    p.shape = to_last ? to_nhwc(src.shape) : src.shape;
+    p.op = ops::permute_op(to_last ? std::vector<std::int64_t>{0, 2, 3, 1}
+                                   : std::vector<std::int64_t>{0, 3, 1, 2});
+    p.inputs = {rw.mapped(old_id)};
+    const int fresh = out.add_node(std::move(p));
+    cache.emplace(old_id, fresh);
+    return fresh;
+  };
+  for (int id : live) {
+    const Node& n = g.node(id);
+    if (n.kind != Node::Kind::Op) continue;
+    const bool here = region[static_cast<std::size_t>(id)] != 0;
+    Node copy = n;
+    copy.inputs.clear();
+    for (int in : n.inputs) {
+      const bool there = region[static_cast<std::size_t>(in)] != 0;
+      copy.inputs.push_back(here == there ? rw.mapped(in) : convert(in, here));
+    }
+    if (here) {
+      copy.op = replaced.at(id);
+      copy.shape = to_nhwc(n.shape);
+    }
+    rw.map(id, out.add_node(std::move(copy)));
+  }
+  GraphAndOutputs r{rw.graph(), {}};
+  for (int o : outputs)
+    r.outputs.push_back(region[static_cast<std::size_t>(o)] ? convert(o, false) : rw.mapped(o));
+  // The symbolic shapes the pass wrote must be what the new ops infer.
+  for (const auto& n : out.nodes()) {
+    if (n.kind != Node::Kind::Op) continue;
+    std::vector<Shape> in;
+    for (int i : n.inputs) in.push_back(out.node(i).shape);
+    const Shape s = n.op->op().infer_output_shape(in);
+    if (!(s == n.shape))
+      throw Error(n.label() + " channels-last pass: the op infers " + s.to_string() + ", the pass wrote " +
+                  n.shape.to_string());
+  }
+  return r;
+}
+
+}  // namespace kg::passes

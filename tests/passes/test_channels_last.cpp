@@ -1,0 +1,255 @@
+// The channels-last pass for the CPU (oneDNN): a model loaded with it computes what the same
+// model computes on kernelgraph's own NCHW kernels (vendor libraries off), for every kind of
+// convolution, epilogue and pooling it rewrites, on fresh random inputs and parameters; where
+// it does and does not apply; and what happens when parameters change after load.
+#include <cmath>
+#include <map>
+#include <random>
+#include <string>
+
+#include "kg/models.hpp"
+#include "kg/testing.hpp"
+#include "ops/conv_dnnl.hpp"
+#include "ops/dnnl.hpp"
+#include "support/test_util.hpp"
+
+using kg_test::fresh_seed;
+
+namespace {
+
+using Build = std::function<kg::SymTensor(const kg::SymTensor&)>;
+
+struct Case {
+  kg::Model model;
+  std::vector<std::int64_t> input;
+};
+
+Case make(const Build& build, std::vector<std::int64_t> input, bool fusion = true) {
+  std::vector<kg::Dim> dims{kg::Dim::named("batch")};
+  for (std::size_t i = 1; i < input.size(); ++i) dims.push_back(input[i]);
+  auto [x, graph] = kg::SymTensor::input(kg::DType::F32, kg::Shape(dims), "x");
+  (void)graph;
+  kg::SymTensor y = build(x);
+  return {kg::Model(y.graph_ptr(), {y}, kg::LoweringMode::Inference, {.fusion = fusion}), std::move(input)};
+}
+
+std::map<std::string, kg::Tensor> random_params(const kg::Model& m, std::mt19937_64& rng) {
+  std::map<std::string, kg::Tensor> p;
+  for (const auto& info : m.parameters()) {
+    if (info.dtype != kg::DType::F32) continue;
+    const bool var = info.name.ends_with("running_var");
+    p[info.name] = kg_test::random_tensor(rng, info.dtype, info.shape, var ? 0.5 : -0.5, var ? 1.5 : 0.5);
+  }
+  return p;
+}
+
+// The op names of a loaded model's nodes, from a profiled run.
+std::vector<std::string> ops_run(kg::LoadedModel& lm, const kg::Tensor& x) {
+  lm.forward({x});
+  std::vector<std::string> v;
+  for (const auto& t : lm.profile()) v.push_back(t.op);
+  return v;
+}
+
+int count(const std::vector<std::string>& v, const std::string& s) {
+  return static_cast<int>(std::count(v.begin(), v.end(), s));
+}
+
+kg::LoadOptions options(bool vendor) {
+  kg::LoadOptions o;
+  o.vendor_libraries = vendor;
+  o.poison_buffers = true;  // an element left unwritten stays NaN and fails the comparison
+  o.profile = true;
+  return o;
+}
+
+// Loads `c` with and without oneDNN, the same random parameters in both, and compares the
+// outputs on a fresh random input. Returns the op names the oneDNN load ran.
+std::vector<std::string> compare(const Case& c, double rtol = 2e-4, double atol = 2e-5) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const auto params = random_params(c.model, rng);
+  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, c.input, -1.0, 1.0);
+  kg::LoadedModel ours = c.model.load(kg::Device::cpu(), {c.input}, options(false));
+  kg::LoadedModel onednn = c.model.load(kg::Device::cpu(), {c.input}, options(true));
+  ours.load_state_dict(params, false);
+  onednn.load_state_dict(params, false);
+  const auto want = ours.forward({x});
+  const auto ran = ops_run(onednn, x);
+  const auto got = onednn.forward({x});
+  EXPECT_EQ(got[0].shape(), want[0].shape());
+  EXPECT_TRUE(kg_test::all_written(got[0]));
+  EXPECT_TRUE(kg_test::all_close(got[0], want[0], rtol, atol));
+  return ran;
+}
+
+#define REQUIRE_ONEDNN() \
+  if (!kg::ops::dnnl::available()) GTEST_SKIP() << kg::ops::dnnl::unavailable_reason()
+
+kg::SymTensor conv(const kg::SymTensor& x, std::int64_t out, kg::Size2 k, kg::nn::Conv2dOptions o,
+                   const std::string& name) {
+  return kg::nn::conv2d(x, out, k, o, name);
+}
+
+}  // namespace
+
+TEST(ChannelsLast, ConvolutionsOfEveryShapeMatchOurKernels) {
+  REQUIRE_ONEDNN();
+  struct Conf {
+    std::int64_t c, o, h, w;
+    kg::Size2 k;
+    kg::nn::Conv2dOptions opt;
+  };
+  const std::vector<Conf> confs = {
+      {3, 8, 13, 11, 3, {.stride = 1, .padding = 1}},
+      {4, 6, 9, 9, 5, {.stride = 2, .padding = 2, .bias = false}},
+      {8, 8, 10, 7, 3, {.stride = 1, .padding = 2, .dilation = 2}},
+      {8, 12, 8, 8, 3, {.stride = 1, .padding = 1, .groups = 4}},
+      {16, 16, 7, 9, 3, {.stride = 2, .padding = 1, .groups = 16}},  // depthwise
+      {6, 10, 6, 6, 1, {.stride = 2, .padding = 0}},
+      {5, 7, 12, 9, {3, 1}, {.stride = {2, 1}, .padding = {1, 0}}},
+      {1, 6, 28, 28, 5, {.stride = 1, .padding = 2}},  // LeNet-5's first layer
+  };
+  for (const auto& f : confs) {
+    SCOPED_TRACE(kg::ops::Conv2dOp(f.c, f.o, f.k, f.opt, kg::DType::F32).attributes());
+    Case c =
+        make([&](const kg::SymTensor& x) { return conv(x, f.o, f.k, f.opt, "conv"); }, {3, f.c, f.h, f.w});
+    const auto ran = compare(c);
+    EXPECT_EQ(count(ran, "nn.conv2d_nhwc"), 1);
+    EXPECT_EQ(count(ran, "nn.permute"), 2);  // the input in, the output back
+  }
+}
+
+TEST(ChannelsLast, FusedEpiloguesMatchOurKernels) {
+  REQUIRE_ONEDNN();
+  using Act = std::function<kg::SymTensor(const kg::SymTensor&)>;
+  const std::vector<std::pair<std::string, Act>> acts = {
+      {"relu", [](const kg::SymTensor& t) { return kg::relu(t, "act"); }},
+      {"leaky_relu", [](const kg::SymTensor& t) { return kg::leaky_relu(t, 0.2, "act"); }},
+      {"silu", [](const kg::SymTensor& t) { return kg::silu(t, "act"); }},
+      {"gelu", [](const kg::SymTensor& t) { return kg::gelu(t, kg::GeluApprox::Erf, "act"); }},
+      {"gelu_tanh", [](const kg::SymTensor& t) { return kg::gelu(t, kg::GeluApprox::Tanh, "act"); }},
+      {"sigmoid", [](const kg::SymTensor& t) { return kg::sigmoid(t, "act"); }},
+      {"tanh", [](const kg::SymTensor& t) { return kg::tanh(t, "act"); }},
+      {"user swish", [](const kg::SymTensor& t) { return kg::models::swish(t, "act"); }},
+      {"user scaled tanh", [](const kg::SymTensor& t) { return kg::models::scaled_tanh(t, "act"); }},
+  };
+  for (const auto& [label, act] : acts) {
+    SCOPED_TRACE(label);
+    // conv → batch norm → add(residual) → activation: one fused node, all of it in oneDNN (or
+    // the user's form after it).
+    Case c = make(
+        [&](const kg::SymTensor& x) {
+          kg::SymTensor a = kg::relu(conv(x, 8, 3, {.padding = 1}, "stem"), "stem_relu");
+          kg::SymTensor b = kg::nn::batch_norm2d(conv(a, 8, 3, {.padding = 1, .bias = false}, "conv"), "bn");
+          return act(kg::add(b, a, "residual"));
+        },
+        {2, 5, 9, 10});
+    const auto ran = compare(c);
+    EXPECT_EQ(count(ran, "nn.conv2d_nhwc"), 2);
+    EXPECT_EQ(count(ran, "nn.fused_conv2d"), 0);
+  }
+}
+
+TEST(ChannelsLast, PoolingAndElementwiseStayInTheRegion) {
+  REQUIRE_ONEDNN();
+  // Unfused: the relus and the add are elementwise nodes between convolutions; the pools follow
+  // a convolution. Only the model's edges convert.
+  Case c = make(
+      [](const kg::SymTensor& x) {
+        kg::SymTensor a = kg::relu(conv(x, 8, 3, {.padding = 1}, "c1"), "r1");
+        kg::SymTensor p = kg::max_pool2d(a, 3, 2, 1, 1, true, "max");  // padded, ceil mode
+        kg::SymTensor b = kg::relu(conv(p, 8, 3, {.padding = 1}, "c2"), "r2");
+        kg::SymTensor s = kg::add(b, p, "sum");
+        kg::SymTensor q = kg::avg_pool2d(s, 2, 2, 1, false, false, "avg");  // padding not counted
+        kg::SymTensor r = kg::avg_pool2d(q, 2, 1, 0, false, true, "avg2");
+        return kg::global_avg_pool(r, "gap");
+      },
+      {3, 4, 15, 14}, /*fusion=*/false);
+  const auto ran = compare(c);
+  EXPECT_EQ(count(ran, "nn.conv2d_nhwc"), 2);
+  EXPECT_EQ(count(ran, "nn.max_pool2d_nhwc"), 1);
+  EXPECT_EQ(count(ran, "nn.avg_pool2d_nhwc"), 2);
+  EXPECT_EQ(count(ran, "nn.global_avg_pool_nhwc"), 1);
+  EXPECT_EQ(count(ran, "nn.relu"), 2);
+  EXPECT_EQ(count(ran, "nn.permute"), 2);
+}
+
+TEST(ChannelsLast, AConsumerOutsideTheRegionGetsNchw) {
+  REQUIRE_ONEDNN();
+  // Flatten reads NCHW order: one conversion back before it, and the zoo models run as before.
+  const auto ran =
+      compare(make([](const kg::SymTensor& x) { return kg::models::lenet5(x); }, {4, 1, 28, 28}));
+  EXPECT_EQ(count(ran, "nn.conv2d_nhwc"), 2);
+  EXPECT_EQ(count(ran, "nn.max_pool2d_nhwc"), 2);
+  EXPECT_EQ(count(ran, "nn.permute"), 2);
+  Case small = make([](const kg::SymTensor& x) { return kg::models::resnet18(x, 10); }, {2, 3, 40, 48});
+  const auto r18 = compare(small, 1e-3, 1e-4);
+  EXPECT_EQ(count(r18, "nn.conv2d_nhwc"), 20);
+  EXPECT_EQ(count(r18, "nn.permute"), 2);  // the input; global pooling's [N, 1, 1, C] to flatten
+}
+
+TEST(ChannelsLast, TrainingCheckedModeAndNoVendorKeepTheRecordedLayout) {
+  REQUIRE_ONEDNN();
+  Case c = make([](const kg::SymTensor& x) { return kg::relu(conv(x, 4, 3, {.padding = 1}, "c"), "r"); },
+                {2, 3, 6, 6});
+  const kg::Tensor x = kg::Tensor::zeros(kg::DType::F32, {2, 3, 6, 6});
+  kg::LoadOptions off = options(false);
+  auto a = c.model.load(kg::Device::cpu(), {c.input}, off);
+  EXPECT_EQ(count(ops_run(a, x), "nn.conv2d_nhwc"), 0);
+  kg::LoadOptions checked = options(true);
+  checked.checked = true;
+  auto b = c.model.load(kg::Device::cpu(), {c.input}, checked);
+  EXPECT_EQ(count(ops_run(b, x), "nn.conv2d_nhwc"), 0);
+  setenv("KG_NO_VENDOR", "1", 1);
+  auto d = c.model.load(kg::Device::cpu(), {c.input}, options(true));
+  unsetenv("KG_NO_VENDOR");
+  EXPECT_EQ(count(ops_run(d, x), "nn.conv2d_nhwc"), 0);
+  auto [t, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 3, 6, 6}, "x");
+  (void)g;
+  kg::SymTensor y = kg::relu(conv(t, 4, 3, {.padding = 1}, "c"), "r");
+  kg::Model train(y.graph_ptr(), {y}, kg::LoweringMode::Training);
+  auto e = train.load(kg::Device::cpu(), {c.input}, options(true));
+  EXPECT_EQ(count(ops_run(e, x), "nn.conv2d_nhwc"), 0);
+}
+
+TEST(ChannelsLast, ChangedParametersReachTheConvertedWeights) {
+  REQUIRE_ONEDNN();
+  Case c = make(
+      [](const kg::SymTensor& x) { return kg::nn::batch_norm2d(conv(x, 6, 3, {.padding = 1}, "c"), "bn"); },
+      {2, 3, 7, 7});
+  std::mt19937_64 rng(fresh_seed());
+  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, c.input);
+  kg::LoadedModel ours = c.model.load(kg::Device::cpu(), {c.input}, options(false));
+  kg::LoadedModel onednn = c.model.load(kg::Device::cpu(), {c.input}, options(true));
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    const auto p = random_params(c.model, rng);
+    ours.load_state_dict(p, false);
+    onednn.load_state_dict(p, false);  // after a forward that converted the old weights
+    EXPECT_TRUE(kg_test::all_close(onednn.forward({x})[0], ours.forward({x})[0], 2e-4, 2e-5));
+  }
+  // A write through parameter() before the next forward is seen by it.
+  kg::Tensor w = onednn.parameter("c.weight");
+  kg::Tensor w2 = ours.parameter("c.weight");
+  for (std::int64_t i = 0; i < w.numel(); ++i)
+    w.data<float>()[i] = w2.data<float>()[i] = 0.01f * static_cast<float>(i % 7);
+  EXPECT_TRUE(kg_test::all_close(onednn.forward({x})[0], ours.forward({x})[0], 2e-4, 2e-5));
+}
+
+TEST(ChannelsLast, TheOpRefusesWhatItCannotRun) {
+  REQUIRE_ONEDNN();
+  kg::ops::Conv2dOp c(3, 4, 3, {.padding = 1}, kg::DType::F32);
+  kg::ops::ChannelsLastConvOp op(c, {}, {});
+  kg_test::expect_error([&] { op.infer_output_shape({kg::Shape{2, 6, 6}}); }, {"[N, H, W, C]"});
+  // The channel count is the last dim: 6 channels where 3 were recorded.
+  kg_test::expect_error(
+      [&] {
+        op.infer_output_shape({kg::Shape{2, 6, 6, 6}});
+      },
+      {"expects 3 input channels"});
+  kg_test::expect_error([&] { op.infer_output_dtype({kg::DType::F64}); }, {"f32 only", "f64"});
+  EXPECT_EQ(op.infer_output_shape({kg::Shape{2, 6, 5, 3}}), (kg::Shape{2, 6, 5, 4}));
+  EXPECT_FALSE(kg::ops::ChannelsLastConvOp::supports(kg::ops::Conv2dOp(3, 4, 3, {}, kg::DType::F64)));
+}
