@@ -32,7 +32,7 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Without a GPU.
 
-TEST(Vendor, LibrariesAreUnavailableWithoutAGpuAndSayWhy) {
+TEST(Vendor, WithoutADriverTheLibrariesAreUnavailableAndSayWhy) {
   if (Driver::get()) GTEST_SKIP() << "a GPU is present";
   const std::string driver_why = Driver::unavailable_reason();
   ASSERT_FALSE(driver_why.empty());

@@ -400,3 +400,89 @@ TEST(Pool2d, GpuMaxPoolPropagatesNaN) {
   EXPECT_EQ(y.item(2), 13.0);
   EXPECT_EQ(y.item(3), 15.0);
 }
+
+// The CPU max pooling's paths (pool.cpp, max_pool_planes): the column pass over blocks of
+// output rows (windows that neither overlap nor reach into padding horizontally, blocks that
+// span planes and end mid-plane), the per-row pass with edges (padding, overlap, dilation,
+// ceil_mode windows past the row's end), rows wider than the stack buffer, and planes split over
+// 3 threads. Max is exact, so each element must equal the naive reference, and each is written.
+TEST(Pool2d, MaxPoolCpuPathsMatchNaiveReferenceExactly) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Case {
+    PoolCfg cfg;
+    std::vector<std::int64_t> shape;
+  };
+  const std::vector<Case> cases = {
+      {{true, 2}, {64, 16, 10, 10}},              // LeNet's second pool: blocks over planes
+      {{true, 2}, {5, 6, 28, 28}},                // LeNet's first
+      {{true, 2}, {3, 5, 7, 9}},                  // odd sizes: the last row and column dropped
+      {{true, 3}, {2, 3, 11, 13}},                // stride 3 (the portable loop)
+      {{true, {2, 3}, {2, 3}}, {2, 3, 9, 14}},    // rectangular, non-overlapping
+      {{true, {2, 1}, {2, 3}}, {2, 3, 9, 14}},    // kw < sw: columns skipped
+      {{true, 2, 2, 0, 1, true}, {2, 3, 9, 11}},  // ceil_mode: a window past the row's end
+      {{true, 2, 2, 1}, {2, 3, 9, 10}},           // padding: the per-row path
+      {{true, 3, 2, 1}, {2, 4, 17, 33}},          // ResNet's stem, odd width
+      {{true, 3, 1, 1}, {1, 2, 6, 40}},           // stride 1
+      {{true, 3, 2, 1, 2}, {2, 2, 13, 21}},       // dilation 2
+      {{true, {3, 2}, {1, 2}, {1, 0}, {2, 1}}, {1, 3, 12, 19}},
+      {{true, 3, 2, 1, 1, true}, {2, 2, 10, 10}},  // ceil_mode with padding
+      {{true, 2}, {1, 2, 4, 5000}},                // rows wider than the stack buffer
+      {{true, 3, 2, 1}, {1, 1, 3, 4500}},
+      {{true, 2}, {40, 10, 28, 28}},  // several chunks on 3 threads
+      {{true, 3, 2, 1}, {40, 10, 15, 15}},
+      {{true, 1}, {2, 3, 5, 7}},  // 1x1: a copy
+  };
+  for (const Case& c : cases) {
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+      SCOPED_TRACE(c.cfg.text() + " " + kg::sizes_to_string(c.shape) + " " + std::string(kg::dtype_name(dt)));
+      kg::Tensor x = kg_test::random_tensor(rng, dt, c.shape);
+      auto g = kg::Graph::create();
+      kg::Model model(
+          g, {c.cfg.record(
+                 g->input(dt, kg::Shape{kg::Dim::named("batch"), c.shape[1], c.shape[2], c.shape[3]}, "x"))});
+      kg::LoadOptions opt;
+      opt.poison_buffers = true;
+      opt.threads = 3;
+      kg::LoadedModel m = model.load(kg::Device::cpu(), {x.shape()}, opt);
+      for (int run = 0; run < 2; ++run) {  // the second run reuses the steps' prepared tensors
+        const kg::Tensor y = m.forward({x})[0];
+        EXPECT_TRUE(kg_test::all_written(y));
+        EXPECT_TRUE(kg_test::all_close(y, naive_pool(x, c.cfg), 0, 1e-300));
+      }
+    }
+  }
+}
+
+// A NaN anywhere in a window wins, on the block path and the per-row path alike.
+TEST(Pool2d, MaxPoolNaNOnEveryCpuPath) {
+  for (const PoolCfg& cfg : {PoolCfg{true, 2}, PoolCfg{true, 3, 2, 1}, PoolCfg{true, 2, 2, 0, 1, true}}) {
+    for (std::int64_t at : {0, 7, 10, 55, 98}) {
+      SCOPED_TRACE(cfg.text() + " NaN at " + std::to_string(at));
+      std::vector<float> v(2 * 99);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 13) - 6.0f;
+      v[static_cast<std::size_t>(99 + at)] = std::numeric_limits<float>::quiet_NaN();  // plane 1
+      kg::Tensor x = kg::Tensor::from_vector<float>({1, 2, 9, 11}, v);
+      kg::Tensor y = kg_test::run_graph(
+          [&](const std::vector<kg::SymTensor>& xs) { return std::vector<kg::SymTensor>{cfg.record(xs[0])}; },
+          {x}, {}, true, false)[0];
+      const kg::Tensor want = naive_pool(x, cfg);  // std::max drops the NaN: find its windows here
+      const std::int64_t ho = y.dim(2), wo = y.dim(3), iy = at / 11, ix = at % 11;
+      const kg::Size2 s(cfg.stride.h ? cfg.stride.h : cfg.kernel.h,
+                        cfg.stride.w ? cfg.stride.w : cfg.kernel.w);
+      for (std::int64_t pl = 0; pl < 2; ++pl)
+        for (std::int64_t oy = 0; oy < ho; ++oy)
+          for (std::int64_t ox = 0; ox < wo; ++ox) {
+            const std::int64_t y0 = oy * s.h - cfg.padding.h, x0 = ox * s.w - cfg.padding.w;
+            const bool covers =
+                pl == 1 && iy >= y0 && iy < y0 + cfg.kernel.h && ix >= x0 && ix < x0 + cfg.kernel.w;
+            const std::int64_t i = (pl * ho + oy) * wo + ox;
+            if (covers)
+              EXPECT_TRUE(std::isnan(y.item(i))) << "output " << i;
+            else
+              EXPECT_EQ(y.item(i), want.item(i)) << "output " << i;
+          }
+    }
+  }
+}

@@ -1,5 +1,8 @@
 #include "backend/cpu/executor.hpp"
 
+#include <dlfcn.h>
+
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -252,8 +255,8 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
                            const lower::KernelModule& module, const std::vector<Tensor>& ins,
                            const std::vector<Tensor>& params, const std::vector<ParamSpec>& specs,
                            const Tensor& out, const Tensor& grad_out, std::vector<Tensor>& grad_in,
-                           std::vector<Tensor>& grad_params, std::uint64_t seed, bool training,
-                           bool checked, ThreadPool& pool) {
+                           std::vector<Tensor>& grad_params, std::uint64_t seed, bool training, bool checked,
+                           ThreadPool& pool) {
   const std::string label = n.label();
   const RuntimeOp& rt = *exe.runtime_op;
   LaunchTensors bt;
@@ -295,8 +298,9 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
   if (const auto unwritten = find_unwritten(wanted, run_all)) {
     const Tensor& g = *wanted[unwritten->output];
     const std::int64_t bad = unwritten->element;
-    throw Error(util::cat(label, " backward kernel '", module.name, "': gradient ", sizes_to_string(g.shape()),
-                          " element ", bad, " (index ", index_text(bad, g.shape()),
+    throw Error(util::cat(label, " backward kernel '", module.name, "': gradient ",
+                          sizes_to_string(g.shape()), " element ", bad, " (index ",
+                          index_text(bad, g.shape()),
                           ") was not written; a backward overwrites every element of each wanted gradient"));
   }
 }
@@ -308,6 +312,7 @@ void Executor::run_backward(const Graph& graph, plan::Plan& plan, const std::vec
                             bool accumulate_params, bool training, std::uint64_t seed,
                             std::vector<NodeTime>* profile) {
   using clock = std::chrono::steady_clock;
+  configure_library_threads();
   const plan::TrainingPlan& tp = plan.training;
   auto* base = static_cast<std::byte*>(arena);
   auto grad_of = [&](int node) {
@@ -416,23 +421,148 @@ Tensor Executor::value_tensor(const plan::Plan& plan, int node, const std::vecto
   return Tensor::wrap(static_cast<std::byte*>(arena) + v.offset, v.dtype, v.shape);
 }
 
+// A step's tensors and what it runs, built by prepare_steps for one plan and arena. The tensors
+// the op sees live here between runs: a run rebinds only those of model inputs and moves the
+// output into the op's context and back, so it allocates nothing.
+struct Executor::Prepared {
+  // A model input feeding a tensor: rebound to the run's input each run.
+  struct Bound {
+    Tensor* tensor;
+    int input;  // model input index
+    const plan::Value* value;
+    Tensor unbound;      // the value's shape and dtype without data, to drop the input after a run
+    bool holds = false;  // *tensor is a copy of the input (and keeps its storage alive)
+  };
+  const Node* node = nullptr;
+  const plan::Step* step = nullptr;
+  const plan::Value* out_value = nullptr;
+  const lower::Executable* exe = nullptr;
+  EmulatedNode* emulated = nullptr;  // set once the op runs through the emulator
+  std::vector<Tensor> ins;
+  Tensor out;
+  std::vector<Bound> bound;  // the tensors of ins and out that model inputs feed
+};
+
+Executor::~Executor() = default;
+
+namespace {
+
+// The run's model input as the tensor of `value` (a view of the input may have its own shape):
+// the input itself where shape and dtype agree (assigned into `t`, whose storage is reused), else
+// a wrap of its data, rebuilt only when the address changes. True when `t` holds the input.
+bool bind_input(Tensor& t, const Tensor& in, const plan::Value& value) {
+  if (in.dtype() == value.dtype && in.shape() == value.shape) {
+    t = in;
+    return true;
+  }
+  if (t.raw() != in.raw() || t.dtype() != value.dtype || t.shape() != value.shape)
+    t = Tensor::wrap(const_cast<void*>(in.raw()), value.dtype, value.shape);
+  return false;
+}
+
+using OmpSetNumThreads = void (*)(int);
+using BlasSetNumThreads = void (*)(int);
+
+// The libraries' setters, looked up in the process (absent: that library is not loaded, and there
+// is nothing to set). OpenMP is oneDNN's runtime, loaded with it.
+OmpSetNumThreads omp_set_num_threads_fn() {
+  static const auto fn = reinterpret_cast<OmpSetNumThreads>(::dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
+  return fn;
+}
+BlasSetNumThreads openblas_set_num_threads_fn() {
+  static const auto fn =
+      reinterpret_cast<BlasSetNumThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  return fn;
+}
+
+}  // namespace
+
+void Executor::configure_library_threads() {
+  const int n = pool().size();
+  // OpenMP's count is the calling thread's (its nthreads ICV): set on each thread that runs.
+  thread_local int omp_threads = 0;
+  if (omp_threads != n) {
+    if (const auto set = omp_set_num_threads_fn()) set(n);
+    omp_threads = n;
+  }
+  // OpenBLAS's is the process's: set when it changes (models with other counts may run between).
+  static std::atomic<int> blas_threads{0};
+  if (blas_threads.load(std::memory_order_relaxed) != n && blas_threads.exchange(n) != n)
+    if (const auto set = openblas_set_num_threads_fn()) set(n);
+}
+
+void Executor::prepare_steps(const Graph& graph, const plan::Plan& plan, void* arena) {
+  prepared_.clear();
+  prepared_for_ = {};
+  std::vector<Prepared> steps(plan.steps.size());
+  for (std::size_t i = 0; i < plan.steps.size(); ++i) {
+    const plan::Step& step = plan.steps[i];
+    Prepared& p = steps[i];
+    p.node = &graph.node(step.node);
+    p.step = &step;
+    p.out_value = &plan.values.at(static_cast<std::size_t>(step.node));
+    p.exe = executable(step.node);
+    auto em = emulated_.find(step.node);
+    p.emulated = em == emulated_.end() ? nullptr : em->second.get();
+    p.ins.resize(p.node->inputs.size());
+    auto place = [&](Tensor& t, int node) {
+      const plan::Value& v = plan.values.at(static_cast<std::size_t>(node));
+      if (v.input_index >= 0)
+        p.bound.push_back({&t, v.input_index, &v, Tensor::wrap(nullptr, v.dtype, v.shape)});
+      else
+        t = Tensor::wrap(static_cast<std::byte*>(arena) + v.offset, v.dtype, v.shape);
+    };
+    for (std::size_t k = 0; k < p.ins.size(); ++k) place(p.ins[k], p.node->inputs[k]);
+    place(p.out, step.node);
+  }
+  // The tensors are addressed by pointer from here on: the vector is not resized again.
+  prepared_ = std::move(steps);
+  prepared_for_ = {&graph, &plan, arena};
+}
+
 void Executor::run(const Graph& graph, plan::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
                    bool training, std::uint64_t seed, std::vector<NodeTime>* profile) {
   using clock = std::chrono::steady_clock;
-  std::vector<Tensor> ins;
-  for (auto& step : plan.steps) {
-    const Node& n = graph.node(step.node);
-    ins.clear();
-    for (int in : n.inputs) ins.push_back(value_tensor(plan, in, inputs, arena));
-    Tensor out = value_tensor(plan, step.node, inputs, arena);
-    auto t0 = clock::now();
-    auto emulated = emulated_.find(step.node);
-    const lower::Executable* exe = executable(step.node);
+  configure_library_threads();
+  if (prepared_for_.graph != &graph || prepared_for_.plan != &plan || prepared_for_.arena != arena ||
+      prepared_.size() != plan.steps.size())
+    prepare_steps(graph, plan, arena);
+  for (auto& p : prepared_)
+    for (auto& b : p.bound) {
+      if (b.input < 0 || static_cast<std::size_t>(b.input) >= inputs.size())
+        throw Error(util::cat(p.node->label(), ": model input ", b.input, " was not given (", inputs.size(),
+                              " inputs)"));
+      b.holds = bind_input(*b.tensor, inputs[static_cast<std::size_t>(b.input)], *b.value);
+    }
+  // After the run (or an error) the tensors keep no reference to the caller's inputs.
+  struct Unbind {
+    std::vector<Prepared>& steps;
+    ~Unbind() {
+      for (auto& p : steps)
+        for (auto& b : p.bound)
+          if (b.holds) {
+            *b.tensor = b.unbound;
+            b.holds = false;
+          }
+    }
+  } unbind{prepared_};
+  if (profile) profile->reserve(profile->size() + prepared_.size());
+  for (auto& p : prepared_) {
+    const Node& n = *p.node;
+    const plan::Step& step = *p.step;
+    const auto t0 = profile ? clock::now() : clock::time_point{};
     // Checked mode runs every lowered op's kernels; otherwise the op's CPU implementation runs
     // and its kernels only when it has none.
-    bool emulate = emulated != emulated_.end() || checked_;
+    bool emulate = p.emulated != nullptr || checked_;
     if (!emulate) {
-      PoolContext ctx(ins, step.params, out, training, plan::node_seed(seed, step.node), pool());
+      PoolContext ctx(p.ins, step.params, std::move(p.out), training, plan::node_seed(seed, step.node),
+                      pool());
+      // The output goes back to the step whatever happens.
+      struct Restore {
+        Tensor& to;
+        Tensor& from;
+        ~Restore() { to = std::move(from); }
+      } restore{p.out, ctx.output};
       try {
         n.op->op().cpu_forward(ctx);
       } catch (const NoCpuImplementation&) {
@@ -443,10 +573,16 @@ void Executor::run(const Graph& graph, plan::Plan& plan, const std::vector<Tenso
         throw Error(n.label() + " cpu_forward failed: " + e.what());
       }
     }
+    if (p.out.dtype() != p.out_value->dtype || p.out.shape() != p.out_value->shape)  // an op replaced it
+      p.out = value_tensor(plan, step.node, inputs, arena);
     if (emulate) {
       try {
-        if (emulated == emulated_.end()) emulated = emulated_.emplace(step.node, prepare(n, exe)).first;
-        run_emulated(*emulated->second, n, graph, step, ins, out, training,
+        if (!p.emulated) {
+          auto em = emulated_.find(step.node);
+          if (em == emulated_.end()) em = emulated_.emplace(step.node, prepare(n, p.exe)).first;
+          p.emulated = em->second.get();
+        }
+        run_emulated(*p.emulated, n, graph, step, p.ins, p.out, training,
                      training ? plan::node_seed(seed, step.node) : 0, checked_, pool());
       } catch (const Error& e) {
         throw lower::labelled(n.label(), e);
@@ -464,17 +600,19 @@ namespace {
 
 class CpuModelExecutor final : public backend::Executor {
  public:
-  CpuModelExecutor(const Graph& graph, plan::Plan& plan, lower::LoweredGraph lowered, const LoadOptions& options,
-                   std::vector<std::vector<Tensor>>& grads, std::vector<std::vector<std::vector<Tensor>>>& slots)
+  CpuModelExecutor(const Graph& graph, plan::Plan& plan, lower::LoweredGraph lowered,
+                   const LoadOptions& options, std::vector<std::vector<Tensor>>& grads,
+                   std::vector<std::vector<std::vector<Tensor>>>& slots)
       : graph_(graph),
         plan_(plan),
         options_(options),
         grads_(grads),
         slots_(slots),
         exec_(options.threads, std::move(lowered), options.checked) {
-    plan::place_in_arena(
-        plan_, graph_, [&](int id) { return plan_.values[static_cast<std::size_t>(id)].bytes(); }, {});
-    arena_ = Tensor::empty(DType::U8, {static_cast<std::int64_t>(std::max<std::size_t>(plan_.memory.arena_bytes, 1))});
+    plan::place_in_arena(plan_, graph_,
+                         [&](int id) { return plan_.values[static_cast<std::size_t>(id)].bytes(); }, {});
+    arena_ = Tensor::empty(DType::U8,
+                           {static_cast<std::int64_t>(std::max<std::size_t>(plan_.memory.arena_bytes, 1))});
   }
 
   std::vector<Tensor> run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,
@@ -483,15 +621,26 @@ class CpuModelExecutor final : public backend::Executor {
     if (options_.poison_buffers) std::memset(arena, 0xFF, arena_.nbytes());
     exec_.run(graph_, plan_, inputs, arena, training, seed, profile);
     if (plan_.training.enabled) last_inputs_ = inputs;  // handles: the backward reads saved inputs
+    // The outputs are copies (the arena is the next run's): what a run allocates is these.
     std::vector<Tensor> outs;
-    for (int o : plan_.outputs) outs.push_back(cpu::Executor::value_tensor(plan_, o, inputs, arena).clone());
+    outs.reserve(plan_.outputs.size());
+    for (int o : plan_.outputs) {
+      const plan::Value& v = plan_.values[static_cast<std::size_t>(o)];
+      const void* src = v.input_index >= 0 ? inputs.at(static_cast<std::size_t>(v.input_index)).raw()
+                                           : static_cast<const std::byte*>(arena) + v.offset;
+      Tensor t = Tensor::empty(v.dtype, v.shape);
+      if (t.nbytes()) std::memcpy(t.raw(), src, t.nbytes());
+      outs.push_back(std::move(t));
+    }
     return outs;
   }
   void upload_params() override {}
   void download_params() override {}
 
-  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile) override {
-    exec_.run_backward(graph_, plan_, last_inputs_, arena_.raw(), grads_, accumulate_params, training, seed, profile);
+  void backward(bool accumulate_params, std::uint64_t seed, bool training,
+                std::vector<NodeTime>* profile) override {
+    exec_.run_backward(graph_, plan_, last_inputs_, arena_.raw(), grads_, accumulate_params, training, seed,
+                       profile);
     last_inputs_.clear();
   }
   void zero_grad() override {}  // the host gradients are LoadedModel's, zeroed there
@@ -515,14 +664,15 @@ class CpuModelExecutor final : public backend::Executor {
   std::vector<std::vector<Tensor>>& grads_;
   std::vector<std::vector<std::vector<Tensor>>>& slots_;
   cpu::Executor exec_;
-  Tensor arena_;                    // activation bytes
+  Tensor arena_;                     // activation bytes
   std::vector<Tensor> last_inputs_;  // the last forward's inputs (the backward reads them)
 };
 
 }  // namespace
 
-std::unique_ptr<backend::Executor> make_executor(const Graph& graph, plan::Plan& plan, lower::LoweredGraph lowered,
-                                                 const LoadOptions& options, std::vector<std::vector<Tensor>>& grads,
+std::unique_ptr<backend::Executor> make_executor(const Graph& graph, plan::Plan& plan,
+                                                 lower::LoweredGraph lowered, const LoadOptions& options,
+                                                 std::vector<std::vector<Tensor>>& grads,
                                                  std::vector<std::vector<std::vector<Tensor>>>& slots) {
   return std::make_unique<CpuModelExecutor>(graph, plan, std::move(lowered), options, grads, slots);
 }
