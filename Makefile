@@ -39,6 +39,15 @@ bench: build
 	@scripts/install-deps --python
 	scripts/bench
 
+# One CPU training step of LeNet-5 (scaled tanh and ReLU; batch 64 and 256; 2 and 1 threads) against
+# PyTorch on the same weights and batch, interleaved in one run (docs/benchmarks.md). PyTorch goes
+# into .venv. Extra flags: make bench-train BENCH_TRAIN_ARGS="--epoch --threads 2".
+.PHONY: bench-train
+BENCH_TRAIN_ARGS ?=
+bench-train: build
+	@scripts/install-deps --torch
+	scripts/bench-train --no-build $(BENCH_TRAIN_ARGS)
+
 # The libFuzzer targets (docs/hardening.md): builds the fuzz preset (clang 16 or newer, ASan
 # and UBSan) into build-fuzz, then runs each target for FUZZ_SECONDS on a copy of its seed corpus;
 # fails when one finds a crash. make fuzz FUZZ_SECONDS=300 FUZZ_JOBS=2 FUZZ_TARGETS="idx ptx".

@@ -177,7 +177,9 @@ class TableReporter : public benchmark::ConsoleReporter {
     ConsoleReporter::ReportRuns(runs);
     for (const Run& r : runs) {
       const bool single = r.repetitions <= 1 && r.run_type == Run::RT_Iteration;
-      if (r.error_occurred || !(single || (r.run_type == Run::RT_Aggregate && r.aggregate_name == "min")))
+      // (No error field: its name differs between Google Benchmark versions; a failed run has no
+      // iterations.)
+      if (r.iterations <= 0 || !(single || (r.run_type == Run::RT_Aggregate && r.aggregate_name == "min")))
         continue;
       // name: function/dtype/implementation
       const std::string name = r.run_name.function_name;

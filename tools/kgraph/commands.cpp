@@ -18,6 +18,7 @@
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
+#include "profile.hpp"
 #include "util/str.hpp"
 
 namespace kgraph {
@@ -261,6 +262,8 @@ void run(const RunArgs& args, std::ostream& out) {
   options.vendor_libraries = !args.no_vendor;
   options.tune = args.tune;
   options.cuda_graph = !args.no_cuda_graph;
+  options.threads = args.threads;
+  options.profile = args.profile;
   std::optional<kg::LoadedModel> loaded_or;
   try {
     loaded_or.emplace(model.load(device, input_shapes, options));
@@ -308,6 +311,7 @@ void run(const RunArgs& args, std::ostream& out) {
   } else {
     report("time", times);
   }
+  if (args.profile) print_profile(out, model, loaded, times.back());
 
   if (!args.output_path.empty()) {
     std::map<std::string, kg::Tensor> tensors;

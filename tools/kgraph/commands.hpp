@@ -35,6 +35,8 @@ struct RunArgs {
   bool no_vendor = false;      // LoadOptions::vendor_libraries off
   bool tune = false;           // LoadOptions::tune
   bool no_cuda_graph = false;  // LoadOptions::cuda_graph off
+  int threads = 0;             // LoadOptions::threads (0: KG_NUM_THREADS, else one per core)
+  bool profile = false;        // LoadOptions::profile: print the last run's per-node table
 };
 
 struct CompileArgs {

@@ -150,6 +150,15 @@ int main(int argc, char** argv) {
   run->add_flag("--no-cuda-graph", ra.no_cuda_graph,
                 "cuda: launch every kernel on every run instead of "
                 "replaying a captured CUDA graph");
+  run->add_option("--threads", ra.threads,
+                  "CPU worker threads, at most " + std::to_string(kg::util::ThreadPool::kMaxThreads) +
+                      " (default 0: $KG_NUM_THREADS, else one per core)")
+      ->check(kgraph_cli::thread_count)
+      ->option_text("N");
+  run->add_flag("--profile", ra.profile,
+                "Print the last run's time per node, with GFLOP/s of the convolutions and matrix products "
+                "and the bytes each node moves at least")
+      ->excludes(run->get_option("--checked"));
 
   kgraph::CompileArgs ca;
   int compile_arch = 0;
