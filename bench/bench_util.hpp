@@ -31,6 +31,15 @@ inline long parse_int(const std::string& flag, const std::string& v, long lo, Us
   return n;
 }
 
+// The value of `flag` as a finite number >= 0; anything else is a usage error.
+inline double parse_double(const std::string& flag, const std::string& v, UsageFn usage) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
+    usage(flag + " wants a finite number >= 0, got '" + v + "'");
+  return x;
+}
+
 // A comma-separated list of batch sizes (each >= 1, at least one).
 inline std::vector<std::int64_t> parse_batches(const std::string& flag, const std::string& v, UsageFn usage) {
   std::vector<std::int64_t> out;

@@ -75,11 +75,7 @@ long parse_int(const std::string& flag, const std::string& v, long lo) {
 }
 
 double parse_double(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
-    usage(flag + " wants a finite number >= 0, got '" + v + "'");
-  return x;
+  return kg_bench::parse_double(flag, v, usage);
 }
 
 Args parse(int argc, char** argv) {

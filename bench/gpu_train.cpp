@@ -78,11 +78,7 @@ long parse_int(const std::string& flag, const std::string& v, long lo) {
 }
 
 double parse_double(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
-    usage(flag + " wants a non-negative number, got '" + v + "'");
-  return x;
+  return kg_bench::parse_double(flag, v, usage);
 }
 
 Args parse(int argc, char** argv) {
