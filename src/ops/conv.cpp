@@ -26,10 +26,12 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -729,6 +731,26 @@ void transform_band(const ConvGeom& g, const DirectLayout& L, const float* x, st
 // are masked off per tile; nothing is copied and no column is dropped.
 bool in_place(const ConvGeom& g) { return g.sh == 1 && g.sw == 1 && 2 * g.pw == (g.kw - 1) * g.dw; }
 
+// The tap masks of block `blk` (of `nc` pixels) for convolutions of g's geometry, kept per
+// thread across calls: they depend on the geometry alone, and computing them costs more than a
+// small convolution itself. `fresh` is set when the returned masks (of `size` entries) still
+// have to be filled. A few hundred geometries and blocks at most are kept.
+std::vector<__mmask16>& tap_masks_cached(const ConvGeom& g, std::int64_t nc, std::int64_t blk, std::size_t size,
+                                         bool& fresh) {
+  using Key = std::array<std::int64_t, 12>;
+  thread_local std::map<Key, std::vector<__mmask16>> cache;
+  const Key key{g.h, g.w, g.ho, g.wo, g.kh, g.kw, g.dh, g.dw, g.ph, g.pw, nc, blk};
+  if (auto it = cache.find(key); it != cache.end() && it->second.size() == size) {
+    fresh = false;
+    return it->second;
+  }
+  if (cache.size() >= 512) cache.clear();
+  auto& m = cache[key];
+  m.assign(size, 0);
+  fresh = true;
+  return m;
+}
+
 void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
                    const CpuContext& ctx) {
   const std::int64_t cg = g.cg(), k = g.kdim(), taps = g.kh * g.kw, p = g.pixels(), plane = g.h * g.w;
@@ -751,8 +773,8 @@ void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epil
     std::vector<Run> runs;
     Prefetch pf;
     float* cbuf = scratch_data<float>(kResults, cbuf_floats);
-    std::vector<__mmask16> masks(static_cast<std::size_t>(tiles * taps * 3));
-    std::int64_t masks_for = -1;  // the block `masks` describe
+    std::vector<__mmask16>* masks_of = nullptr;  // the current block's, in the thread's cache
+    std::int64_t masks_for = -1;                 // the block `masks_of` describes
     // The input rows that output pixels [q0, q0 + n) read.
     auto input_rows = [&](std::int64_t q0, std::int64_t n) {
       const std::int64_t iy0 = std::clamp<std::int64_t>(q0 / g.wo - g.ph, 0, g.h);
@@ -766,14 +788,33 @@ void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epil
       const std::int64_t q0 = blk * nc, n = std::min(nc, p - q0);
       // Lanes each tap may read, per tile of the block: those whose input row (for ky) and
       // column (for kx) exist.
-      for (std::int64_t tile = 0; masks_for != blk && tile * kNR < n; ++tile)
+      bool fresh = false;
+      if (masks_for != blk) {
+        masks_of = &tap_masks_cached(g, nc, blk, static_cast<std::size_t>(tiles * taps * 3), fresh);
+        masks_for = blk;
+      }
+      std::vector<__mmask16>& masks = *masks_of;
+      for (std::int64_t tile = 0; fresh && tile * kNR < n; ++tile)
         for (std::int64_t v = 0; v < 3; ++v) {
           std::int64_t oy[16], ox[16];
           const std::int64_t j0 = tile * kNR + 16 * v;
           const std::int64_t lanes = std::clamp<std::int64_t>(n - j0, 0, 16);
+          // One division per vector; the lanes step through the row from there.
+          std::int64_t y0 = (q0 + j0) / g.wo, x0 = (q0 + j0) % g.wo;
           for (std::int64_t l = 0; l < lanes; ++l) {
-            oy[l] = (q0 + j0 + l) / g.wo;
-            ox[l] = (q0 + j0 + l) % g.wo;
+            oy[l] = y0;
+            ox[l] = x0;
+            if (++x0 == g.wo) x0 = 0, ++y0;
+          }
+          unsigned cm[64];  // per kx: the lanes whose input column exists (kw <= 64 here)
+          const std::int64_t kw_masked = std::min<std::int64_t>(g.kw, 64);
+          for (std::int64_t kx = 0; kx < kw_masked; ++kx) {
+            unsigned m = 0;
+            for (std::int64_t l = 0; l < lanes; ++l) {
+              const std::int64_t ix = ox[l] + kx * g.dw - g.pw;
+              if (ix >= 0 && ix < g.w) m |= 1u << l;
+            }
+            cm[kx] = m;
           }
           for (std::int64_t ky = 0; ky < g.kh; ++ky) {
             unsigned rm = 0;
@@ -782,17 +823,20 @@ void conv_in_place(const ConvGeom& g, const float* x, const float* w, const Epil
               if (iy >= 0 && iy < g.h) rm |= 1u << l;
             }
             for (std::int64_t kx = 0; kx < g.kw; ++kx) {
-              unsigned cm = 0;
-              for (std::int64_t l = 0; l < lanes; ++l) {
-                const std::int64_t ix = ox[l] + kx * g.dw - g.pw;
-                if (ix >= 0 && ix < g.w) cm |= 1u << l;
+              unsigned m = 0;
+              if (kx < kw_masked) {
+                m = cm[kx];
+              } else {
+                for (std::int64_t l = 0; l < lanes; ++l) {
+                  const std::int64_t ix = ox[l] + kx * g.dw - g.pw;
+                  if (ix >= 0 && ix < g.w) m |= 1u << l;
+                }
               }
               masks[static_cast<std::size_t>((tile * taps + ky * g.kw + kx) * 3 + v)] =
-                  static_cast<__mmask16>(rm & cm);
+                  static_cast<__mmask16>(rm & m);
             }
           }
         }
-      masks_for = blk;
       pf.clear();
       if (item + 1 < e && next != it) {
         const std::int64_t nimg = next / (g.groups * blocks), ngrp = next / blocks % g.groups;
@@ -995,6 +1039,263 @@ void conv_packed(const ConvGeom& g, const float* x, const float* w, const Epilog
   });
 }
 
+// ---- Rows: output rows as vectors, for convolutions with few channels ----
+//
+// For stride-1 columns: each output row of a group is covered by vectors of 16 (NV of them at
+// a time, 16 * NV pixels), and CB output channels are computed together, so every tap costs NV
+// loads of the input and CB * NV multiply-adds with the tap's weights broadcast. A band of
+// input rows is first copied, zero-padded, so that no load needs a mask. This suits the first
+// layers of small CNNs (LeNet's 1 -> 6 and 6 -> 16 5x5 convolutions), where the 8 x 48 kernel's
+// per-call and per-block costs outweigh its few taps.
+
+bool rows_apply(const ConvGeom& g) { return g.sw == 1; }
+
+// acc[cb][v] for output channels [co0, co0 + cb_n) of the group, output row oy, columns
+// [ox0, ox0 + 16 * NV) of the band's padded input `xp` (rows of `wpp` floats, `rows_in` per
+// channel, the band's first input row at 0); `wp` holds the group's weights as [tap][CB] for
+// the block (zero past cb_n).
+template <int CB, int NV>
+void rows_block(const ConvGeom& g, const float* xp, std::int64_t wpp, std::int64_t rows_in, std::int64_t oy_band,
+                std::int64_t ox0, const float* wp, __m512 (&acc)[CB][NV]) {
+#pragma GCC unroll 16
+  for (int b = 0; b < CB; ++b)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[b][v] = _mm512_setzero_ps();
+  const float* wt = wp;
+  for (std::int64_t ci = 0; ci < g.cg(); ++ci)
+    for (std::int64_t ky = 0; ky < g.kh; ++ky) {
+      const float* row = xp + (ci * rows_in + oy_band * g.sh + ky * g.dh) * wpp + ox0;
+      for (std::int64_t kx = 0; kx < g.kw; ++kx, wt += CB) {
+        __m512 in[NV];
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; ++v) in[v] = _mm512_loadu_ps(row + kx * g.dw + 16 * v);
+#pragma GCC unroll 16
+        for (int b = 0; b < CB; ++b) {
+          const __m512 wv = _mm512_set1_ps(wt[b]);
+#pragma GCC unroll 2
+          for (int v = 0; v < NV; ++v) acc[b][v] = _mm512_fmadd_ps(wv, in[v], acc[b][v]);
+        }
+      }
+    }
+}
+
+// Copies the input rows that output rows [oy0, oy1) of image `img`, group `grp` read into
+// per-thread scratch, zero-padded to rows of `wpp` floats (input column ix at ix + pw);
+// returns the copy and sets `rows_in`, its rows per channel.
+float* rows_padded_input(const ConvGeom& g, const float* x, std::int64_t wpp, std::int64_t img, std::int64_t grp,
+                         std::int64_t oy0, std::int64_t oy1, std::int64_t& rows_in) {
+  const std::int64_t cg = g.cg();
+  const std::int64_t iy0 = oy0 * g.sh - g.ph;  // the band's first input row
+  rows_in = (oy1 - 1 - oy0) * g.sh + (g.kh - 1) * g.dh + 1;
+  float* xp = scratch_data<float>(kInput, cg * rows_in * wpp + 16);
+  const float* xin = x + (img * g.c + grp * cg) * g.h * g.w;
+  for (std::int64_t ci = 0; ci < cg; ++ci)
+    for (std::int64_t r = 0; r < rows_in; ++r) {
+      float* d = xp + (ci * rows_in + r) * wpp;
+      const std::int64_t iy = iy0 + r;
+      if (iy < 0 || iy >= g.h) {
+        std::fill(d, d + wpp, 0.0f);
+        continue;
+      }
+      std::fill(d, d + g.pw, 0.0f);
+      std::copy(xin + (ci * g.h + iy) * g.w, xin + (ci * g.h + iy + 1) * g.w, d + g.pw);
+      std::fill(d + g.pw + g.w, d + wpp, 0.0f);
+    }
+  return xp;
+}
+
+// One band of output rows [oy0, oy1) of image `img`, group `grp`: pads its input rows into
+// scratch, then every block of CB channels and every row and column chunk, with the epilogue.
+template <int CB, int NV>
+void rows_band(const ConvGeom& g, const float* x, const float* wpack, std::int64_t blocks, const Epilogue<float>& ep,
+               float* y, std::int64_t img, std::int64_t grp, std::int64_t oy0, std::int64_t oy1) {
+  const std::int64_t og = g.og(), taps = g.kdim();
+  const std::int64_t chunk = 16 * NV, chunks = (g.wo + chunk - 1) / chunk;
+  const std::int64_t wpp = chunks * chunk + (g.kw - 1) * g.dw;  // >= w + 2 pw
+  std::int64_t rows_in = 0;
+  const float* xp = rows_padded_input(g, x, wpp, img, grp, oy0, oy1, rows_in);
+  Epilogue<float> tail;  // what the vector epilogue below leaves to epilogue_row
+  const bool relu = ep.act && ep.act->fn == UnaryFn::Relu;
+  if (ep.act && !relu) tail.act = ep.act;
+  tail.form = ep.form;
+  const bool has_tail = tail.act || tail.form;
+  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+    const std::int64_t co0 = blk * CB, cb_n = std::min<std::int64_t>(CB, og - co0);
+    const float* wp = wpack + (grp * blocks + blk) * taps * CB;
+    for (std::int64_t oy = oy0; oy < oy1; ++oy)
+      for (std::int64_t cx = 0; cx < chunks; ++cx) {
+        __m512 acc[CB][NV];
+        rows_block<CB, NV>(g, xp, wpp, rows_in, oy - oy0, cx * chunk, wp, acc);
+        for (std::int64_t b = 0; b < cb_n; ++b) {
+          const std::int64_t o = grp * og + co0 + b;
+          const std::int64_t at = ((img * g.o + o) * g.ho + oy) * g.wo + cx * chunk;
+          const __m512 sc = _mm512_set1_ps(ep.scale ? ep.scale[o] : 1.0f);
+          const __m512 sh = _mm512_set1_ps(ep.shift ? ep.shift[o] : 0.0f);
+          for (int v = 0; v < NV; ++v) {
+            const std::int64_t x0 = cx * chunk + 16 * v;
+            const __mmask16 m = lane_range(0, std::clamp<std::int64_t>(g.wo - x0, 0, 16));
+            if (!m) continue;
+            __m512 r = _mm512_fmadd_ps(acc[b][v], sc, sh);
+            if (ep.residual) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, ep.residual + at + 16 * v));
+            if (relu) r = _mm512_maskz_max_ps(0xFFFF, r, _mm512_setzero_ps());  // (GCC 12 warns on the plain max)
+            _mm512_mask_storeu_ps(y + at + 16 * v, m, r);
+          }
+          if (has_tail) {
+            const std::int64_t n = std::min(chunk, g.wo - cx * chunk);
+            epilogue_row<float>(tail, o, n, y + at, y + at, nullptr);
+          }
+        }
+      }
+  }
+}
+
+// Runs band(img, grp, oy0, oy1) over bands of output rows: enough of them for the threads
+// when the convolution is worth splitting (about 64K multiply-adds per band at least; `per_row`
+// is an output row's), one per image and group otherwise, so that a small convolution runs on
+// the calling thread.
+template <class Band>
+void rows_parallel(const ConvGeom& g, std::int64_t per_row, const CpuContext& ctx, const Band& band) {
+  const std::int64_t planes = g.n * g.groups;
+  const std::int64_t want_items = std::max<std::int64_t>(1, per_row * g.ho * planes / (1 << 16));
+  const std::int64_t bands = std::clamp<std::int64_t>(std::min<std::int64_t>(want_items, 8) / planes, 1, g.ho);
+  const std::int64_t band_rows = (g.ho + bands - 1) / bands;
+  ctx.parallel_for(planes * bands, 1, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t it = b; it < e; ++it) {
+      const std::int64_t plane = it / bands, part = it % bands;
+      const std::int64_t oy0 = part * band_rows, oy1 = std::min(g.ho, oy0 + band_rows);
+      if (oy0 < oy1) band(plane / g.groups, plane % g.groups, oy0, oy1);
+    }
+  });
+}
+
+// The pixel form of Rows, for output rows of at most 16 pixels and many channels: 16 output
+// channels fill the lanes and P pixels of a row are computed together, so every tap costs one
+// load of the weights and P multiply-adds with the input broadcast. The results are written
+// transposed, a channel's P pixels at a time, through the epilogue.
+template <int P>
+void pixels_band(const ConvGeom& g, const float* x, const float* wpack, std::int64_t blocks, const Epilogue<float>& ep,
+                 float* y, std::int64_t img, std::int64_t grp, std::int64_t oy0, std::int64_t oy1) {
+  const std::int64_t og = g.og(), taps = g.kdim();
+  const std::int64_t chunks = (g.wo + P - 1) / P;
+  const std::int64_t wpp = chunks * P + (g.kw - 1) * g.dw + 16;  // >= w + 2 pw
+  std::int64_t rows_in = 0;
+  const float* xp = rows_padded_input(g, x, wpp, img, grp, oy0, oy1, rows_in);
+  alignas(64) float t[P][16];
+  for (std::int64_t blk = 0; blk < blocks; ++blk) {
+    const std::int64_t co0 = blk * 16, cb_n = std::min<std::int64_t>(16, og - co0);
+    const float* wp = wpack + (grp * blocks + blk) * taps * 16;
+    for (std::int64_t oy = oy0; oy < oy1; ++oy)
+      for (std::int64_t cx = 0; cx < chunks; ++cx) {
+        const std::int64_t ox0 = cx * P, n = std::min<std::int64_t>(P, g.wo - ox0);
+        __m512 acc[P];
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q) acc[q] = _mm512_setzero_ps();
+        const float* wt = wp;
+        for (std::int64_t ci = 0; ci < g.cg(); ++ci)
+          for (std::int64_t ky = 0; ky < g.kh; ++ky) {
+            const float* row = xp + (ci * rows_in + (oy - oy0) * g.sh + ky * g.dh) * wpp + ox0;
+            for (std::int64_t kx = 0; kx < g.kw; ++kx, wt += 16) {
+              const __m512 wv = _mm512_loadu_ps(wt);
+              const float* r = row + kx * g.dw;
+#pragma GCC unroll 16
+              for (int q = 0; q < P; ++q) acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(r[q]), wv, acc[q]);
+            }
+          }
+#pragma GCC unroll 16
+        for (int q = 0; q < P; ++q) _mm512_store_ps(t[q], acc[q]);
+        for (std::int64_t b = 0; b < cb_n; ++b) {
+          const std::int64_t o = grp * og + co0 + b;
+          const std::int64_t at = ((img * g.o + o) * g.ho + oy) * g.wo + ox0;
+          for (std::int64_t q = 0; q < n; ++q) y[at + q] = t[q][b];
+          epilogue_row<float>(ep, o, n, y + at, y + at, ep.residual ? ep.residual + at : nullptr);
+        }
+      }
+  }
+}
+
+template <int P>
+void conv_pixels_p(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
+                   const CpuContext& ctx) {
+  const std::int64_t og = g.og(), taps = g.kdim(), blocks = (og + 15) / 16;
+  float* wpack = scratch_data<float>(kWeights, g.groups * blocks * taps * 16);
+  for (std::int64_t grp = 0; grp < g.groups; ++grp)
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
+      float* d = wpack + (grp * blocks + blk) * taps * 16;
+      for (std::int64_t t = 0; t < taps; ++t)
+        for (std::int64_t b = 0; b < 16; ++b) {
+          const std::int64_t co = blk * 16 + b;
+          d[t * 16 + b] = co < og ? w[(grp * og + co) * taps + t] : 0.0f;
+        }
+    }
+  const std::int64_t per_row = blocks * 16 * taps * g.wo;
+  rows_parallel(g, per_row, ctx, [&](std::int64_t img, std::int64_t grp, std::int64_t oy0, std::int64_t oy1) {
+    pixels_band<P>(g, x, wpack, blocks, ep, y, img, grp, oy0, oy1);
+  });
+}
+
+template <int... P>
+void conv_pixels_dispatch(std::int64_t p, const ConvGeom& g, const float* x, const float* w,
+                          const Epilogue<float>& ep, float* y, const CpuContext& ctx,
+                          std::integer_sequence<int, P...>) {
+  ((p == P + 1 ? (conv_pixels_p<P + 1>(g, x, w, ep, y, ctx), 0) : 0), ...);
+}
+
+// Lanes wasted by the two forms of Rows: the row form leaves the lanes past each row's last
+// pixel empty, the pixel form those past the group's last channel.
+double rows_lane_waste(std::int64_t n, std::int64_t lanes) {
+  return 1.0 - static_cast<double>(n) / static_cast<double>((n + lanes - 1) / lanes * lanes);
+}
+bool rows_pixel_form(const ConvGeom& g) {
+  return g.wo <= 16 && rows_lane_waste(g.og(), 16) < rows_lane_waste(g.wo, 16);
+}
+
+template <int CB, int NV>
+void conv_rows_cb(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
+                  const CpuContext& ctx) {
+  const std::int64_t og = g.og(), taps = g.kdim();
+  const std::int64_t blocks = (og + CB - 1) / CB;
+  // The weights as [group][block][tap][CB], zero past the group's last channel.
+  float* wpack = scratch_data<float>(kWeights, g.groups * blocks * taps * CB);
+  for (std::int64_t grp = 0; grp < g.groups; ++grp)
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
+      float* d = wpack + (grp * blocks + blk) * taps * CB;
+      for (std::int64_t t = 0; t < taps; ++t)
+        for (std::int64_t b = 0; b < CB; ++b) {
+          const std::int64_t co = blk * CB + b;
+          d[t * CB + b] = co < og ? w[(grp * og + co) * taps + t] : 0.0f;
+        }
+    }
+  const std::int64_t per_row = blocks * CB * taps * ((g.wo + 16 * NV - 1) / (16 * NV)) * 16 * NV;
+  rows_parallel(g, per_row, ctx, [&](std::int64_t img, std::int64_t grp, std::int64_t oy0, std::int64_t oy1) {
+    rows_band<CB, NV>(g, x, wpack, blocks, ep, y, img, grp, oy0, oy1);
+  });
+}
+
+template <int NV, int... CB>
+void conv_rows_dispatch(std::int64_t cb, const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep,
+                        float* y, const CpuContext& ctx, std::integer_sequence<int, CB...>) {
+  ((cb == CB + 1 ? (conv_rows_cb<CB + 1, NV>(g, x, w, ep, y, ctx), 0) : 0), ...);
+}
+
+// The pixel form where it wastes fewer lanes; otherwise the row form, with up to 12 channels
+// per block and two vectors per row chunk (rows wider than 16), 16 with one.
+void conv_rows(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
+               const CpuContext& ctx) {
+  if (rows_pixel_form(g)) {  // up to 14 pixels together
+    const std::int64_t chunks = (g.wo + 13) / 14;
+    return conv_pixels_dispatch((g.wo + chunks - 1) / chunks, g, x, w, ep, y, ctx,
+                                std::make_integer_sequence<int, 14>{});
+  }
+  const int nv = g.wo > 16 ? 2 : 1;
+  const std::int64_t most = nv == 2 ? 12 : 16;
+  const std::int64_t blocks = (g.og() + most - 1) / most;
+  const std::int64_t cb = (g.og() + blocks - 1) / blocks;
+  if (nv == 2)
+    conv_rows_dispatch<2>(cb, g, x, w, ep, y, ctx, std::make_integer_sequence<int, 12>{});
+  else
+    conv_rows_dispatch<1>(cb, g, x, w, ep, y, ctx, std::make_integer_sequence<int, 16>{});
+}
+
 }  // namespace avx
 KG_AVX512_END
 #endif
@@ -1009,6 +1310,7 @@ bool algo_available(ConvAlgo algo, DType dtype) {
       return true;
     case ConvAlgo::Direct:
     case ConvAlgo::Packed:
+    case ConvAlgo::Rows:
       return KG_CONV_AVX512 && dtype == DType::F32 && cpu_has_avx512f();
   }
   return false;
@@ -1018,6 +1320,10 @@ ConvAlgo choose_algo(const ConvGeom& g, DType dtype) {
   if (g.groups > 1 && g.og() <= 4) return ConvAlgo::Depthwise;
   if (!algo_available(ConvAlgo::Direct, dtype)) return ConvAlgo::Gemm;
 #if KG_CONV_AVX512
+  // Few output channels (the first layers of small CNNs): Direct's 8-channel panels spend
+  // more on per-call and per-block work than on their few taps, and Rows wins (LeNet-5's
+  // 1 -> 6 and 6 -> 16 5x5 layers: 2-3x at batch 1 and 64).
+  if (avx::rows_apply(g) && g.og() <= 16 && g.kdim() <= 512) return ConvAlgo::Rows;
   // Direct wastes the lanes past each image's last pixel (in place) or the wq - wo columns past
   // each output row (transformed). Packed wastes only the lanes past the batch's last pixel but
   // gathers each input value under each tap once per block, which costs about as much as 40
@@ -1057,9 +1363,13 @@ void conv2d_forward(const ConvGeom& g, ConvAlgo algo, const T* x, const T* w, co
       return conv_depthwise(g, x, w, ep, y, ctx);
     case ConvAlgo::Direct:
     case ConvAlgo::Packed:
+    case ConvAlgo::Rows:
 #if KG_CONV_AVX512
       if constexpr (std::is_same_v<T, float>) {
-        if (algo == ConvAlgo::Direct)
+        // Rows takes stride-1 columns only; other geometries asked for it run Direct.
+        if (algo == ConvAlgo::Rows && avx::rows_apply(g))
+          avx::conv_rows(g, x, w, ep, y, ctx);
+        else if (algo != ConvAlgo::Packed)
           avx::conv_direct(g, x, w, ep, y, ctx);
         else
           avx::conv_packed(g, x, w, ep, y, ctx);

@@ -61,6 +61,8 @@ enum class ConvAlgo {
   Depthwise,  // a direct loop per output plane: any float dtype
   Direct,     // f32 with AVX-512: implicit GEMM on a padded, stride-split copy of the input
   Packed,     // f32 with AVX-512: im2col blocks spanning images, same kernel
+  Rows,       // f32 with AVX-512: output rows as vectors, few channels (stride-1 columns;
+              // Direct serves other strides)
 };
 
 // True when `algo` can run for `dtype` in this build.

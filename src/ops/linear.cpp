@@ -8,9 +8,67 @@
 #include "ops/gemm_shared.cuh"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
+#include "util/cpu.hpp"
 
 namespace kg::ops {
 namespace {
+
+#if KG_HAVE_AVX512_PATHS
+KG_AVX512_BEGIN
+// The sum of a vector's lanes (through memory: GCC 12's _mm512_reduce_add_ps trips
+// -Wmaybe-uninitialized).
+inline float lane_sum(__m512 v) {
+  alignas(64) float l[16];
+  _mm512_store_ps(l, v);
+  float s = 0;
+  for (float e : l) s += e;
+  return s;
+}
+
+// y[r, j] = b[j] + x[r, :] · w[j, :] in f32 with AVX-512: four output features per pass over
+// the row, so each load of x feeds four multiply-adds.
+void small_linear_avx512(const float* x, const float* w, const float* b, float* y, std::int64_t rows,
+                         std::int64_t in, std::int64_t out) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (in % 16)) - 1);
+  const std::int64_t full = in / 16 * 16;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * in;
+    std::int64_t j = 0;
+    for (; j + 4 <= out; j += 4) {
+      const float* w0 = w + j * in;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (std::int64_t k = 0; k < full; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(xr + k);
+        a0 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w0 + k), a0);
+        a1 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w0 + in + k), a1);
+        a2 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w0 + 2 * in + k), a2);
+        a3 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w0 + 3 * in + k), a3);
+      }
+      if (tail) {
+        const __m512 xv = _mm512_maskz_loadu_ps(tail, xr + full);
+        a0 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tail, w0 + full), a0);
+        a1 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tail, w0 + in + full), a1);
+        a2 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tail, w0 + 2 * in + full), a2);
+        a3 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tail, w0 + 3 * in + full), a3);
+      }
+      const float bias[4] = {b ? b[j] : 0.0f, b ? b[j + 1] : 0.0f, b ? b[j + 2] : 0.0f, b ? b[j + 3] : 0.0f};
+      y[r * out + j] = bias[0] + lane_sum(a0);
+      y[r * out + j + 1] = bias[1] + lane_sum(a1);
+      y[r * out + j + 2] = bias[2] + lane_sum(a2);
+      y[r * out + j + 3] = bias[3] + lane_sum(a3);
+    }
+    for (; j < out; ++j) {
+      const float* wj = w + j * in;
+      __m512 a = _mm512_setzero_ps();
+      for (std::int64_t k = 0; k < full; k += 16)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(xr + k), _mm512_loadu_ps(wj + k), a);
+      if (tail) a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, xr + full), _mm512_maskz_loadu_ps(tail, wj + full), a);
+      y[r * out + j] = (b ? b[j] : 0.0f) + lane_sum(a);
+    }
+  }
+}
+KG_AVX512_END
+#endif
 
 // The backward launches (linear_backward.cu), in this order; an unwanted gradient's launch is
 // one idle block.
@@ -252,6 +310,11 @@ class LinearOp final : public CustomOp {
   // y[r, j] = b[j] + x[r, :] · w[j, :], with 16 independent partial sums so the loop vectorises.
   template <class T>
   void small_linear(const T* x, const T* w, const T* b, T* y, std::int64_t rows) const {
+#if KG_HAVE_AVX512_PATHS
+    if constexpr (std::is_same_v<T, float>) {
+      if (util::cpu_has_avx512f()) return small_linear_avx512(x, w, b, y, rows, in_, out_);
+    }
+#endif
     constexpr int L = 16;
     for (std::int64_t r = 0; r < rows; ++r) {
       const T* xr = x + r * in_;

@@ -102,6 +102,8 @@ const char* algo_name(kg::ops::ConvAlgo a) {
       return "direct";
     case kg::ops::ConvAlgo::Packed:
       return "packed";
+    case kg::ops::ConvAlgo::Rows:
+      return "rows";
   }
   return "?";
 }
@@ -310,6 +312,15 @@ TEST(Conv2d, EveryAlgorithmMatchesNaiveReference) {
       {5, 10, 12, 9, 3, 1, 0},                         // stride 1 without padding: transformed
       {4, 9, 11, 10, 3, 1, 2, 2},                      // dilated "same": in place
       {3, 6, 6, 8, {3, 5}, 1, {0, 2}},                 // in place, no vertical padding
+      // Rows: its row form (one and two vectors per row chunk, several chunks, a partial
+      // channel block) and its pixel form (a full and a partial block of 16 channels).
+      {1, 28, 28, 6, 5, 1, 2},                     // LeNet-5's first layer: 6 channels, 2 vectors
+      {6, 14, 14, 16, 5},                          // LeNet-5's second: pixel form, 10 pixels
+      {3, 40, 37, 13, 3, 1, 1},                    // rows of 37: two chunks; blocks of 7 and 6
+      {2, 9, 8, 20, 3, 1, 1},                      // pixel form, blocks of 16 and 4
+      {4, 11, 19, 5, {3, 2}, {2, 1}, {1, 0}, {2, 1}},  // vertical stride and dilation
+      {4, 8, 12, 6, 3, 1, 1, 1, 2},                // two groups
+      {3, 7, 15, 16, 3, 1, 1},                     // pixel form, two chunks of 8 pixels
   };
   for (const ConvCfg& cfg : configs) {
     for (std::int64_t batch : {1, 7, 19}) {
@@ -319,7 +330,8 @@ TEST(Conv2d, EveryAlgorithmMatchesNaiveReference) {
             rng, dt, {cfg.out, cfg.c / cfg.groups, cfg.kernel.h, cfg.kernel.w}, -0.2, 0.2);
         kg::Tensor b = kg_test::random_tensor(rng, dt, {cfg.out});
         const kg::Tensor want = naive_conv(x, w, cfg.bias ? &b : nullptr, cfg);
-        for (ConvAlgo algo : {ConvAlgo::Gemm, ConvAlgo::Depthwise, ConvAlgo::Direct, ConvAlgo::Packed}) {
+        for (ConvAlgo algo :
+             {ConvAlgo::Gemm, ConvAlgo::Depthwise, ConvAlgo::Direct, ConvAlgo::Packed, ConvAlgo::Rows}) {
           if (!kg::ops::conv_algo_available(algo, dt)) continue;
           SCOPED_TRACE(cfg.text() + " batch " + std::to_string(batch) + " " +
                        std::string(kg::dtype_name(dt)) + " " + algo_name(algo));
@@ -350,4 +362,8 @@ TEST(Conv2d, AlgorithmChoice) {
   EXPECT_EQ(algo(3, 224, 64, 7, {.stride = 2, .padding = 3}), ConvAlgo::Direct);
   // 7x7 with many channels: Direct would drop 2 of every 9 columns.
   EXPECT_EQ(algo(512, 7, 512, 3, {.padding = 1}), ConvAlgo::Packed);
+  // Few output channels with stride-1 columns: Rows.
+  EXPECT_EQ(algo(1, 28, 6, 5, {.padding = 2}), ConvAlgo::Rows);
+  EXPECT_EQ(algo(6, 14, 16, 5, {}), ConvAlgo::Rows);
+  EXPECT_EQ(algo(3, 32, 16, 3, {.stride = 2, .padding = 1}), ConvAlgo::Direct);
 }

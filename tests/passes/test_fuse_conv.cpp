@@ -234,6 +234,35 @@ TEST(FuseConv, OtherActivationsAndDepthwiseResidual) {
       std::string::npos);
 }
 
+// Few output channels (LeNet-5's layers): the CPU computes these with the Rows algorithm, in
+// both of its forms, and the fused epilogue (BatchNorm, residual, ReLU or another activation)
+// must match the unfused graph.
+TEST(FuseConv, EpilogueOnRowsConvolutions) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  using kg::ops::ConvAlgo;
+  if (kg::ops::conv_algo_available(ConvAlgo::Rows, kg::DType::F32)) {
+    const kg::ops::Conv2dOp c1(1, 6, 5, {.padding = 2}, kg::DType::F32), c2(6, 16, 5, {}, kg::DType::F32);
+    EXPECT_EQ(kg::ops::conv_algo_for(c1, {3, 1, 28, 28}, kg::DType::F32), ConvAlgo::Rows);
+    EXPECT_EQ(kg::ops::conv_algo_for(c2, {3, 6, 14, 14}, kg::DType::F32), ConvAlgo::Rows);
+  }
+  Built b = record(kg::DType::F32, 1, 28, [](const kg::SymTensor& x) {
+    auto a = kg::relu(kg::nn::batch_norm2d(kg::nn::conv2d(x, 6, 5, {.padding = 2}, "c1"), "bn1"), "act1");
+    auto p = kg::max_pool2d(a, 2, 2, 0, 1, false, "pool");
+    auto main = kg::nn::batch_norm2d(kg::nn::conv2d(p, 16, 5, {}, "c2"), "bn2");
+    auto side = kg::nn::conv2d(p, 16, 5, {}, "side");
+    return std::vector<kg::SymTensor>{kg::silu(kg::add(main, side, "add"), "act2")};
+  });
+  for (std::int64_t batch : {1, 5}) {
+    kg::Model m = compare_fused(b, kg_test::random_tensor(rng, kg::DType::F32, {batch, 1, 28, 28}), rng, 1e-4);
+    EXPECT_NE(find_node(m, "c1")->op->op().attributes().find("epilogue=[batch_norm(eps=1e-05) nn.relu]"),
+              std::string::npos);
+    EXPECT_NE(find_node(m, "c2")->op->op().attributes().find("epilogue=[batch_norm(eps=1e-05) add nn.silu]"),
+              std::string::npos);
+  }
+}
+
 // Many channels on small images: the CPU computes these convolutions by gathering pixels of
 // several images into one block (the Packed algorithm), and the fused epilogue must follow
 // each pixel back to its image.
