@@ -4,9 +4,9 @@
 //   cpu_inference --onnx resnet18.onnx --batch 64 --input X.safetensors --output Y.safetensors ...
 // --model builds a zoo model and loads --weights into it; --onnx imports the file instead (its
 // initializers are the weights, --batch binds its dynamic batch dim, and the input is the file's
-// single graph input). Prints "median_ms=<m> min_ms=<m>" and writes the last forward's first
-// output (the logits) to --output. With --profile 1 it also prints the last forward's time per op
-// and its slowest nodes.
+// single graph input). Prints "median_ms=<m> min_ms=<m>" and a line "samples_ms=" with every
+// timed run, and writes the last forward's first output (the logits) to --output. With
+// --profile 1 it also prints the last forward's time per op and its slowest nodes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -194,6 +194,9 @@ int main(int argc, char** argv) {
     const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
     std::printf("model=%s batch=%lld runs=%d median_ms=%.4f min_ms=%.4f\n", name.c_str(),
                 static_cast<long long>(a.batch), a.runs, median, sorted.front());
+    std::printf("samples_ms=");
+    for (std::size_t i = 0; i < ms.size(); ++i) std::printf("%s%.5f", i ? "," : "", ms[i]);
+    std::printf("\n");
     if (a.profile) print_profile(m.profile());
     kg::write_safetensors(a.output, {{"logits", out.at(0).clone()}},
                           {{"model", name}, {"median_ms", std::to_string(median)}});

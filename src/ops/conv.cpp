@@ -1181,9 +1181,21 @@ void pixels_band(const ConvGeom& g, const float* x, const float* wpack, std::int
   std::int64_t rows_in = 0;
   const float* xp = rows_padded_input(g, x, wpp, img, grp, oy0, oy1, rows_in);
   alignas(64) float t[P][16];
+  // Without a residual the epilogue's scale, shift and ReLU run on the vectors; a residual, or
+  // another activation after them, goes through epilogue_row.
+  const bool vector_ep = ep.residual == nullptr;
+  const bool relu = ep.act && ep.act->fn == UnaryFn::Relu;
+  Epilogue<float> tail;
+  if (ep.act && !relu) tail.act = ep.act;
+  tail.form = ep.form;
+  const bool has_tail = tail.act || tail.form;
   for (std::int64_t blk = 0; blk < blocks; ++blk) {
     const std::int64_t co0 = blk * 16, cb_n = std::min<std::int64_t>(16, og - co0);
     const float* wp = wpack + (grp * blocks + blk) * taps * 16;
+    const __mmask16 lanes = lane_range(0, cb_n);
+    const std::int64_t o0 = grp * og + co0;
+    const __m512 sc = ep.scale ? _mm512_maskz_loadu_ps(lanes, ep.scale + o0) : _mm512_set1_ps(1.0f);
+    const __m512 sh = ep.shift ? _mm512_maskz_loadu_ps(lanes, ep.shift + o0) : _mm512_setzero_ps();
     for (std::int64_t oy = oy0; oy < oy1; ++oy)
       for (std::int64_t cx = 0; cx < chunks; ++cx) {
         const std::int64_t ox0 = cx * P, n = std::min<std::int64_t>(P, g.wo - ox0);
@@ -1201,13 +1213,25 @@ void pixels_band(const ConvGeom& g, const float* x, const float* wpack, std::int
               for (int q = 0; q < P; ++q) acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(r[q]), wv, acc[q]);
             }
           }
+        if (vector_ep) {  // scale, shift and ReLU on the lanes (channels) before the transpose
 #pragma GCC unroll 16
-        for (int q = 0; q < P; ++q) _mm512_store_ps(t[q], acc[q]);
+          for (int q = 0; q < P; ++q) {
+            __m512 r = _mm512_fmadd_ps(acc[q], sc, sh);
+            if (relu) r = _mm512_maskz_max_ps(0xFFFF, r, _mm512_setzero_ps());
+            _mm512_store_ps(t[q], r);
+          }
+        } else {
+#pragma GCC unroll 16
+          for (int q = 0; q < P; ++q) _mm512_store_ps(t[q], acc[q]);
+        }
         for (std::int64_t b = 0; b < cb_n; ++b) {
           const std::int64_t o = grp * og + co0 + b;
           const std::int64_t at = ((img * g.o + o) * g.ho + oy) * g.wo + ox0;
           for (std::int64_t q = 0; q < n; ++q) y[at + q] = t[q][b];
-          epilogue_row<float>(ep, o, n, y + at, y + at, ep.residual ? ep.residual + at : nullptr);
+          if (!vector_ep)
+            epilogue_row<float>(ep, o, n, y + at, y + at, ep.residual ? ep.residual + at : nullptr);
+          else if (has_tail)
+            epilogue_row<float>(tail, o, n, y + at, y + at, nullptr);
         }
       }
   }
