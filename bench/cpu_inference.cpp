@@ -6,7 +6,8 @@
 // initializers are the weights, --batch binds its dynamic batch dim, and the input is the file's
 // single graph input). Prints "median_ms=<m> min_ms=<m>" and a line "samples_ms=" with every
 // timed run, and writes the last forward's first output (the logits) to --output. With
-// --profile 1 it also prints the last forward's time per op and its slowest nodes.
+// --profile 1 it also prints the last forward's time per op and its ten slowest nodes (--profile 2:
+// every node, slowest first).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,14 +29,14 @@ struct Args {
   std::string model, onnx, weights, input, output;
   std::int64_t batch = 1;
   int warmup = 2, runs = 10, threads = 2;
-  bool profile = false;
+  bool profile = false, profile_all = false;  // --profile 1: the ten slowest nodes; 2: all
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "cpu_inference: " << why << "\n"
             << "usage: cpu_inference --model NAME --batch N --weights PATH --input PATH --output PATH\n"
             << "       cpu_inference --onnx FILE --batch N --input PATH --output PATH\n"
-            << "                     [--warmup W] [--runs R] [--threads T] [--profile 0|1]\n";
+            << "                     [--warmup W] [--runs R] [--threads T] [--profile 0|1|2]\n";
   std::exit(2);
 }
 
@@ -67,8 +68,11 @@ Args parse(int argc, char** argv) {
       a.runs = static_cast<int>(parse_int(flag, v, 1));
     else if (flag == "--threads")
       a.threads = static_cast<int>(parse_int(flag, v, 0));
-    else if (flag == "--profile")
-      a.profile = parse_int(flag, v, 0) != 0;
+    else if (flag == "--profile") {
+      const long p = parse_int(flag, v, 0);
+      a.profile = p != 0;
+      a.profile_all = p >= 2;
+    }
     else
       usage("unknown option " + flag);
   }
@@ -143,7 +147,7 @@ kg::Tensor read_input(const std::string& path, const std::vector<std::int64_t>& 
 }
 
 // Time per op kind, then the ten slowest nodes, of the last forward.
-void print_profile(const std::vector<kg::NodeTime>& nodes) {
+void print_profile(const std::vector<kg::NodeTime>& nodes, bool every_node) {
   double total = 0;
   std::map<std::string, std::pair<double, int>> by_op;
   for (const auto& n : nodes) {
@@ -160,7 +164,7 @@ void print_profile(const std::vector<kg::NodeTime>& nodes) {
                 total > 0 ? 100.0 * t.first / total : 0.0, t.second);
   std::vector<kg::NodeTime> slow = nodes;
   std::sort(slow.begin(), slow.end(), [](const auto& x, const auto& y) { return x.ms > y.ms; });
-  slow.resize(std::min<std::size_t>(slow.size(), 10));
+  if (!every_node) slow.resize(std::min<std::size_t>(slow.size(), 10));
   std::printf("slowest nodes:\n");
   for (const auto& n : slow) std::printf("  %-28s %-24s %9.3f ms\n", n.node.c_str(), n.op.c_str(), n.ms);
 }
@@ -197,7 +201,7 @@ int main(int argc, char** argv) {
     std::printf("samples_ms=");
     for (std::size_t i = 0; i < ms.size(); ++i) std::printf("%s%.5f", i ? "," : "", ms[i]);
     std::printf("\n");
-    if (a.profile) print_profile(m.profile());
+    if (a.profile) print_profile(m.profile(), a.profile_all);
     kg::write_safetensors(a.output, {{"logits", out.at(0).clone()}},
                           {{"model", name}, {"median_ms", std::to_string(median)}});
   } catch (const kg::Error& e) {

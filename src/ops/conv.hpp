@@ -85,6 +85,9 @@ struct ConvEpilogueSpec {
   // device function on the GPU and its CPU form on the CPU. `activation_op` is its op name.
   std::optional<ElementwiseForm> activation_form;
   std::string activation_op;
+  // Set when activation_form is a pointwise Clip to [first, second] (ReLU6): oneDNN applies it
+  // as a post-op where the other paths run the form.
+  std::optional<std::pair<double, double>> clip;
   std::vector<std::string> fused_nodes;  // names of the absorbed nodes, for attributes()
   std::vector<std::string> fused_ops;    // their op names ("nn.batch_norm2d", "nn.relu", ...)
 };

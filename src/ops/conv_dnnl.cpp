@@ -1,5 +1,6 @@
 #include "ops/conv_dnnl.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "kg/error.hpp"
@@ -105,6 +106,11 @@ void ChannelsLastConvOp::cpu_forward(CpuContext& ctx) const {
     s.dh = o.dilation.h, s.dw = o.dilation.w, s.groups = o.groups;
     s.residual = spec_.residual;
     s.act = act_of(spec_.activation, s.alpha);
+    if (spec_.clip) {  // ReLU6 and the like: a clip post-op instead of the form after
+      s.act = dnnl::Act::Clip;
+      s.alpha = static_cast<float>(std::max(spec_.clip->first, -3.0e38));
+      s.beta = static_cast<float>(std::min(spec_.clip->second, 3.0e38));
+    }
     st->conv = std::make_unique<dnnl::Conv>(s);
     state_ = std::move(st);
   }
@@ -143,7 +149,8 @@ void ChannelsLastConvOp::cpu_forward(CpuContext& ctx) const {
   // place, in blocks that stay in cache.
   float alpha = 0.f;
   const bool act_after = spec_.activation && act_of(spec_.activation, alpha) == dnnl::Act::None;
-  if (!act_after && !spec_.activation_form) return;
+  const bool form_after = spec_.activation_form && !spec_.clip;
+  if (!act_after && !form_after) return;
   const std::int64_t n = ctx.output.numel();
   constexpr std::int64_t kBlock = 16384;
   ctx.parallel_for((n + kBlock - 1) / kBlock, 1, [&](std::int64_t b, std::int64_t e) {
@@ -151,7 +158,7 @@ void ChannelsLastConvOp::cpu_forward(CpuContext& ctx) const {
       float* p = y + i * kBlock;
       const std::int64_t m = std::min(kBlock, n - i * kBlock);
       if (act_after) apply_unary<float>(*spec_.activation, p, p, m);
-      if (spec_.activation_form) {
+      if (form_after) {
         const void* ins[1] = {p};
         spec_.activation_form->cpu(ElementwiseSpan{DType::F32, ins, nullptr, p, m, 0});
       }

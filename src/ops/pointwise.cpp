@@ -906,6 +906,8 @@ class PointwiseOp final : public CustomOp {
   }
 
   std::string name() const override { return info(fn_).name; }
+  PointwiseFn fn() const { return fn_; }
+  double attr(int k) const { return attrs_.a[k]; }
   std::string attributes() const override {
     const FnInfo& f = info(fn_);
     std::string s;
@@ -1100,6 +1102,12 @@ const char* pointwise_name(PointwiseFn fn) {
 int pointwise_arity(PointwiseFn fn) {
   pointwise_name(fn);  // checks the value
   return info(fn).arity;
+}
+
+std::optional<std::pair<double, double>> clip_bounds(const CustomOp& op) {
+  const auto* p = dynamic_cast<const PointwiseOp*>(&op);
+  if (!p || p->fn() != PointwiseFn::Clip) return std::nullopt;
+  return std::pair{p->attr(0), p->attr(1)};
 }
 
 CustomData pointwise_op(PointwiseFn fn, const std::vector<double>& attrs) {

@@ -12,7 +12,9 @@
 // neighbours in inference.
 #pragma once
 
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kg/custom_op.hpp"
@@ -52,6 +54,10 @@ SymTensor pointwise(PointwiseFn fn, const std::vector<SymTensor>& inputs,
                     const std::vector<double>& attrs = {}, const std::string& name = "");
 // The CustomData of the same op (for callers that record it themselves).
 CustomData pointwise_op(PointwiseFn fn, const std::vector<double>& attrs = {});
+
+// Clip's {min, max} when `op` is a pointwise Clip; nullopt for any other op. The fusion of a
+// convolution with its activation uses it to hand the clip to oneDNN as a post-op.
+std::optional<std::pair<double, double>> clip_bounds(const CustomOp& op);
 
 // Cast to `to` from any dtype (f16 and bf16 on both sides): float to integer truncates toward
 // zero (NaN gives 0; values beyond i64 saturate, then narrower integers wrap), to bool is x != 0,

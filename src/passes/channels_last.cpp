@@ -4,7 +4,8 @@
 // keep activations channels-last from one convolution to the next:
 //
 // - every f32 nn.conv2d / nn.fused_conv2d becomes nn.conv2d_nhwc (same name, same parameters),
-//   except those with few output channels, where our NCHW kernel (Rows) is faster;
+//   except those with few output channels whose input is NCHW, where our NCHW kernel (Rows) is
+//   faster;
 // - a pooling node whose input is channels-last becomes its _nhwc form;
 // - an elementwise node (an op with an ElementwiseForm, or a fused group) whose inputs are all
 //   channels-last and all of the output's shape stays elementwise, on permuted shapes;
@@ -32,11 +33,14 @@ Shape to_nhwc(const Shape& s) { return Shape(std::vector<Dim>{s[0], s[2], s[3], 
 
 bool is_4d_f32(const Node& n) { return n.dtype == DType::F32 && n.shape.rank() == 4; }
 
-// True when our own NCHW kernel beats oneDNN's channels-last one for this convolution, so it
-// stays out of the region: the Rows algorithm (few output channels, as in LeNet-5's layers,
-// where oneDNN reaches a third of its usual rate and the conversions cost more than the layer).
-// Rows does not depend on the batch, so the check holds for every batch size.
-bool own_kernel_better(const Graph& g, const Node& n, const ops::Conv2dOp& c) {
+// True when our own NCHW kernel beats oneDNN's channels-last one for this convolution whose
+// input is NCHW, so that it stays out of the region: the Rows algorithm (few output channels,
+// as in LeNet-5's layers, where oneDNN reaches a third of its usual rate and the conversions
+// cost more than the layer). Inside a region (MobileNetV2's 32 -> 16 projections) the
+// conversions it would need cost more, so there it converts like any other. Rows does not
+// depend on the batch, so the check holds for every batch size.
+bool own_kernel_better(const Graph& g, const Node& n, const ops::Conv2dOp& c, const std::vector<char>& in_region) {
+  if (in_region[static_cast<std::size_t>(n.inputs.at(0))]) return false;
   const Shape& s = g.node(n.inputs.at(0)).shape;
   std::vector<std::int64_t> sizes{1};
   for (std::size_t k = 1; k < 4; ++k) {
@@ -52,11 +56,12 @@ std::optional<CustomData> channels_last_op(const Graph& g, const Node& n,
                                            const std::vector<char>& in_region) {
   if (n.kind != Node::Kind::Op || !is_4d_f32(n)) return std::nullopt;
   if (const auto* c = n.op->as<ops::Conv2dOp>()) {
-    if (!ops::ChannelsLastConvOp::supports(*c) || own_kernel_better(g, n, *c)) return std::nullopt;
+    if (!ops::ChannelsLastConvOp::supports(*c) || own_kernel_better(g, n, *c, in_region)) return std::nullopt;
     return CustomData::make<ops::ChannelsLastConvOp>(*c, ops::ConvEpilogueSpec{}, n.params);
   }
   if (const auto* f = n.op->as<ops::FusedConv2dOp>()) {
-    if (!ops::ChannelsLastConvOp::supports(f->conv()) || own_kernel_better(g, n, f->conv())) return std::nullopt;
+    if (!ops::ChannelsLastConvOp::supports(f->conv()) || own_kernel_better(g, n, f->conv(), in_region))
+      return std::nullopt;
     return CustomData::make<ops::ChannelsLastConvOp>(f->conv(), f->spec(), n.params);
   }
   // The rest only continues a region: every input must be in it already.

@@ -13,6 +13,7 @@
 
 #include "ops/conv.hpp"
 #include "ops/norm.hpp"
+#include "ops/pointwise.hpp"
 #include "passes/passes.hpp"
 
 namespace kg::passes {
@@ -95,6 +96,7 @@ GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& o
         if (form && !form->function.empty() && form->cpu) {
           c.spec.activation_form = std::move(form);
           c.spec.activation_op = m.op_name();
+          c.spec.clip = ops::clip_bounds(m.op->op());
           c.absorbed.push_back(next);
           cur = next;
         }

@@ -3,6 +3,7 @@
 // convolution, epilogue and pooling it rewrites, on fresh random inputs and parameters; where
 // it does and does not apply; and what happens when parameters change after load.
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -11,6 +12,7 @@
 #include "kg/testing.hpp"
 #include "ops/conv_dnnl.hpp"
 #include "ops/dnnl.hpp"
+#include "ops/pointwise.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -123,6 +125,30 @@ TEST(ChannelsLast, ConvolutionsOfEveryShapeMatchOurKernels) {
   }
 }
 
+// A convolution with few output channels stays NCHW on our kernel only where its input is NCHW;
+// inside a region (MobileNetV2's projections) it converts with the rest.
+TEST(ChannelsLast, FewChannelsStayOnOurKernelOnlyAtTheRegionsEdge) {
+  REQUIRE_ONEDNN();
+  Case inside = make(
+      [](const kg::SymTensor& x) {
+        kg::SymTensor a = kg::relu(conv(x, 24, 3, {.stride = 2, .padding = 1}, "expand"), "r");
+        return conv(a, 16, 1, {}, "project");
+      },
+      {2, 3, 12, 12});
+  const auto ran = compare(inside);
+  EXPECT_EQ(count(ran, "nn.conv2d_nhwc"), 2);
+  EXPECT_EQ(count(ran, "nn.permute"), 2);
+  Case first = make(
+      [](const kg::SymTensor& x) {
+        kg::SymTensor a = kg::relu(conv(x, 16, 1, {}, "project"), "r");
+        return conv(a, 24, 3, {.stride = 2, .padding = 1}, "expand");
+      },
+      {2, 3, 12, 12});
+  const auto ran2 = compare(first);
+  EXPECT_EQ(count(ran2, "nn.conv2d_nhwc"), 1);  // "expand"; "project" reads the NCHW input
+  EXPECT_EQ(count(ran2, "nn.permute"), 2);
+}
+
 TEST(ChannelsLast, FusedEpiloguesMatchOurKernels) {
   REQUIRE_ONEDNN();
   using Act = std::function<kg::SymTensor(const kg::SymTensor&)>;
@@ -136,6 +162,13 @@ TEST(ChannelsLast, FusedEpiloguesMatchOurKernels) {
       {"tanh", [](const kg::SymTensor& t) { return kg::tanh(t, "act"); }},
       {"user swish", [](const kg::SymTensor& t) { return kg::models::swish(t, "act"); }},
       {"user scaled tanh", [](const kg::SymTensor& t) { return kg::models::scaled_tanh(t, "act"); }},
+      // ONNX's Clip (ReLU6): a oneDNN clip post-op in place of its form.
+      {"clip", [](const kg::SymTensor& t) { return kg::ops::pointwise(kg::ops::PointwiseFn::Clip, {t}, {0.0, 0.5}, "act"); }},
+      {"clip open below",
+       [](const kg::SymTensor& t) {
+         return kg::ops::pointwise(kg::ops::PointwiseFn::Clip, {t}, {-std::numeric_limits<double>::infinity(), 0.25},
+                                   "act");
+       }},
   };
   for (const auto& [label, act] : acts) {
     SCOPED_TRACE(label);
