@@ -64,6 +64,40 @@ void max_taps_avx512(float* out, const float* src, std::int64_t taps, std::int64
     _mm512_mask_storeu_ps(out + j, used, m);
   }
 }
+
+// 2x2 windows with stride 2 and no padding (LeNet's, and most CNNs' pools) for f32: each output
+// row is the maximum of two input rows, then of the even and odd columns of that, in registers,
+// 16 outputs per step; NaN propagates as in max_taps.
+void max_pool_2x2_avx512(const float* x, float* y, std::int64_t h, std::int64_t w, std::int64_t ho, std::int64_t wo,
+                         std::int64_t planes) {
+  (void)h;
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512 qnan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  for (std::int64_t pl = 0; pl < planes; ++pl) {
+    const float* src = x + pl * h * w;
+    float* dst = y + pl * ho * wo;
+    for (std::int64_t oy = 0; oy < ho; ++oy) {
+      const float* r0 = src + 2 * oy * w;
+      const float* r1 = r0 + w;
+      for (std::int64_t ox = 0; ox < wo; ox += 16) {
+        const std::int64_t n = std::min<std::int64_t>(16, wo - ox);
+        const __mmask16 lo = pool_lanes(2 * n), hi = pool_lanes(2 * n - 16), out = pool_lanes(n);
+        const float* p0 = r0 + 2 * ox;
+        const float* p1 = r1 + 2 * ox;
+        const __m512 a0 = _mm512_maskz_loadu_ps(lo, p0), a1 = _mm512_maskz_loadu_ps(hi, p0 + 16);
+        const __m512 b0 = _mm512_maskz_loadu_ps(lo, p1), b1 = _mm512_maskz_loadu_ps(hi, p1 + 16);
+        __mmask16 nan0 = _mm512_cmp_ps_mask(a0, b0, _CMP_UNORD_Q), nan1 = _mm512_cmp_ps_mask(a1, b1, _CMP_UNORD_Q);
+        const __m512 v0 = _mm512_mask_mov_ps(_mm512_maskz_max_ps(0xFFFF, a0, b0), nan0, qnan);
+        const __m512 v1 = _mm512_mask_mov_ps(_mm512_maskz_max_ps(0xFFFF, a1, b1), nan1, qnan);
+        const __m512 e = _mm512_permutex2var_ps(v0, evens, v1), o = _mm512_permutex2var_ps(v0, odds, v1);
+        const __mmask16 nan = _mm512_cmp_ps_mask(e, o, _CMP_UNORD_Q);
+        _mm512_mask_storeu_ps(dst + oy * wo + ox, out,
+                              _mm512_mask_mov_ps(_mm512_maskz_max_ps(0xFFFF, e, o), nan, qnan));
+      }
+    }
+  }
+}
 KG_AVX512_END
 #endif
 
@@ -110,6 +144,15 @@ struct MaxPoolGeom {
 
 template <class T>
 void max_pool_planes(const MaxPoolGeom& g, const T* x, T* y, std::int64_t b, std::int64_t e) {
+#if KG_HAVE_AVX512_PATHS
+  if constexpr (std::is_same_v<T, float>) {
+    if (g.kh == 2 && g.kw == 2 && g.sh == 2 && g.sw == 2 && g.ph == 0 && g.pw == 0 && g.dh == 1 && g.dw == 1 &&
+        2 * g.ho <= g.h && 2 * g.wo <= g.w && util::cpu_has_avx512f()) {
+      max_pool_2x2_avx512(x + b * g.h * g.w, y + b * g.ho * g.wo, g.h, g.w, g.ho, g.wo, e - b);
+      return;
+    }
+  }
+#endif
   const T lowest = -std::numeric_limits<T>::infinity();
   auto take = [](T m, T v) { return (v > m || v != v) ? v : m; };
   // The column pass of one output row from its row maxima `rm` (the input row's columns).
