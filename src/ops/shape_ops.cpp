@@ -234,6 +234,61 @@ class PermuteOp final : public CustomOp {
   }
 
  private:
+  // When p, with runs of input dims that stay together merged, swaps the last two merged dims
+  // ([N, C, H, W] to [N, H, W, C] and back: [N][C][H*W] to [N][H*W][C]), copies x as that batch
+  // of 2D transposes in square tiles, so that both sides are read and written in cache lines,
+  // and returns true; false for other permutations.
+  static bool batched_transpose(const CpuContext& ctx, const Tensor& x, const std::vector<std::size_t>& p,
+                                void* out) {
+    const auto& s = x.shape();
+    const std::size_t r = s.size();
+    // Groups of consecutive output dims that read consecutive input dims.
+    std::vector<std::pair<std::size_t, std::size_t>> groups;  // input dims [first, last]
+    for (std::size_t i = 0; i < r; ++i) {
+      if (!groups.empty() && p[i] == groups.back().second + 1)
+        groups.back().second = p[i];
+      else
+        groups.emplace_back(p[i], p[i]);
+    }
+    const std::size_t k = groups.size();
+    if (k < 2) return false;
+    for (std::size_t i = 0; i + 2 < k; ++i)  // a leading batch, in order
+      if (groups[i].first != (i == 0 ? 0 : groups[i - 1].second + 1)) return false;
+    const auto& gy = groups[k - 2];  // the output's second-to-last group: the input's last
+    const auto& gx = groups[k - 1];
+    if (gy.second != r - 1 || gx.second + 1 != gy.first ||
+        gx.first != (k == 2 ? 0 : groups[k - 3].second + 1))
+      return false;
+    auto extent = [&](std::pair<std::size_t, std::size_t> g) {
+      std::int64_t n = 1;
+      for (std::size_t d = g.first; d <= g.second; ++d) n *= s[d];
+      return n;
+    };
+    const std::int64_t X = extent(gx), Y = extent(gy), B = x.numel() / std::max<std::int64_t>(X * Y, 1);
+    if (X <= 1 || Y <= 1) return false;  // no transpose at all: the generic copy is a memcpy per row
+    constexpr std::int64_t kT = 32;
+    const std::int64_t ytiles = (Y + kT - 1) / kT;
+    dispatch_width(dtype_size(x.dtype()), [&](auto zero) {
+      using E = decltype(zero);
+      const E* src = static_cast<const E*>(x.raw());
+      E* dst = static_cast<E*>(out);
+      const std::int64_t grain = std::max<std::int64_t>(1, 16384 / (kT * X));
+      ctx.parallel_for(B * ytiles, grain, [&](std::int64_t t0, std::int64_t t1) {
+        for (std::int64_t t = t0; t < t1; ++t) {
+          const std::int64_t b = t / ytiles, y0 = t % ytiles * kT, y1 = std::min(Y, y0 + kT);
+          const E* sb = src + b * X * Y;
+          E* db = dst + b * X * Y;
+          for (std::int64_t x0 = 0; x0 < X; x0 += kT) {
+            const std::int64_t x1 = std::min(X, x0 + kT);
+            for (std::int64_t yy = y0; yy < y1; ++yy)
+              for (std::int64_t xx = x0; xx < x1; ++xx) db[yy * X + xx] = sb[xx * Y + yy];
+          }
+        }
+      });
+    });
+    return true;
+  }
+
   // dst = x permuted by p (output dim i is x's dim p[i]).
   static void permute_copy(const CpuContext& ctx, const Tensor& x, const std::vector<std::size_t>& p,
                            void* out) {
@@ -255,6 +310,7 @@ class PermuteOp final : public CustomOp {
       out_shape[i] = s[p[i]];
       src_stride[i] = in_stride[p[i]];  // input step per output step along output dim i
     }
+    if (batched_transpose(ctx, x, p, out)) return;
     const std::int64_t last = out_shape[r - 1], rows = total / last, last_stride = src_stride[r - 1];
     dispatch_width(dtype_size(x.dtype()), [&](auto zero) {
       using E = decltype(zero);
