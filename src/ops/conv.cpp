@@ -1346,7 +1346,7 @@ ConvAlgo choose_algo(const ConvGeom& g, DType dtype) {
 #if KG_CONV_AVX512
   // Few output channels (the first layers of small CNNs): Direct's 8-channel panels spend
   // more on per-call and per-block work than on their few taps, and Rows wins (LeNet-5's
-  // 1 -> 6 and 6 -> 16 5x5 layers: 2-3x at batch 1 and 64).
+  // 1 -> 6 and 6 -> 16 5x5 layers take about two thirds of the time at batch 64).
   if (avx::rows_apply(g) && g.og() <= 16 && g.kdim() <= 512) return ConvAlgo::Rows;
   // Direct wastes the lanes past each image's last pixel (in place) or the wq - wo columns past
   // each output row (transformed). Packed wastes only the lanes past the batch's last pixel but
