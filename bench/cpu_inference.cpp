@@ -1,12 +1,14 @@
 // Times a model's forward pass on the CPU; scripts/bench runs it beside ONNX Runtime.
 //   cpu_inference --model resnet18 --batch 64 --weights W.safetensors --input X.safetensors
-//                 --output Y.safetensors [--warmup 2] [--runs 10] [--threads 2] [--profile 1]
+//                 --output Y.safetensors [--warmup 2] [--runs 10] [--threads 2] [--profile 1] [--tune 1]
 //   cpu_inference --onnx resnet18.onnx --batch 64 --input X.safetensors --output Y.safetensors ...
 // --model builds a zoo model and loads --weights into it; --onnx imports the file instead (its
 // initializers are the weights, --batch binds its dynamic batch dim, and the input is the file's
 // single graph input). Prints "median_ms=<m> min_ms=<m>" and a line "samples_ms=" with every
 // timed run, and writes the last forward's first output (the logits) to --output. With
-// --profile 1 it also prints each node's median time over the timed runs: per op, then the ten
+// --tune 1 the model loads with LoadOptions::tune (on the CPU, oneDNN's convolution
+// implementations are timed at the first forward, a warm-up run). With --profile 1 it also
+// prints each node's median time over the timed runs: per op, then the ten
 // slowest nodes (--profile 2: every node, slowest first).
 #include <algorithm>
 #include <chrono>
@@ -30,13 +32,14 @@ struct Args {
   std::int64_t batch = 1;
   int warmup = 2, runs = 10, threads = 2;
   bool profile = false, profile_all = false;  // --profile 1: the ten slowest nodes; 2: all
+  bool tune = false;                          // --tune 1: LoadOptions::tune
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::cerr << "cpu_inference: " << why << "\n"
             << "usage: cpu_inference --model NAME --batch N --weights PATH --input PATH --output PATH\n"
             << "       cpu_inference --onnx FILE --batch N --input PATH --output PATH\n"
-            << "                     [--warmup W] [--runs R] [--threads T] [--profile 0|1|2]\n";
+            << "                     [--warmup W] [--runs R] [--threads T] [--profile 0|1|2] [--tune 0|1]\n";
   std::exit(2);
 }
 
@@ -68,6 +71,8 @@ Args parse(int argc, char** argv) {
       a.runs = static_cast<int>(parse_int(flag, v, 1));
     else if (flag == "--threads")
       a.threads = static_cast<int>(parse_int(flag, v, 0));
+    else if (flag == "--tune")
+      a.tune = parse_int(flag, v, 0) != 0;
     else if (flag == "--profile") {
       const long p = parse_int(flag, v, 0);
       a.profile = p != 0;
@@ -195,6 +200,7 @@ int main(int argc, char** argv) {
     kg::LoadOptions opt;
     opt.threads = a.threads;
     opt.profile = a.profile;
+    opt.tune = a.tune;
     kg::LoadedModel m = s.model.load(kg::Device::cpu(), {s.input_shape}, opt);
     if (!a.weights.empty()) m.load_weights(a.weights);
     const kg::Tensor x = read_input(a.input, s.input_shape, s.input_dtype);

@@ -68,8 +68,9 @@ struct LoadOptions {
   // On cuda: f32 matrix products and convolutions may round their inputs to TF32 on tensor cores
   // (PyTorch's allow_tf32). Off: full f32.
   bool tf32 = false;
-  // On cuda: time each vendor algorithm on the model's own shapes at load and keep the fastest
-  // (otherwise the library's first choice).
+  // Time each vendor algorithm on the model's own shapes and keep the fastest (otherwise the
+  // library's first choice): on cuda at load (cuBLASLt, cuDNN); on the CPU at the first forward
+  // (oneDNN's convolution implementations, so that run takes a few times longer).
   bool tune = false;
   // Models lowered for training: the scalar output that LoadedModel::backward() starts from.
   // Empty: the only output of rank 0 (none or several: backward() is unavailable).

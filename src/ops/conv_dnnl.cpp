@@ -51,8 +51,9 @@ struct ChannelsLastConvOp::State {
   std::uint64_t generation = 0;
 };
 
-ChannelsLastConvOp::ChannelsLastConvOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params)
-    : conv_(std::move(conv)), spec_(std::move(spec)), params_(std::move(params)) {}
+ChannelsLastConvOp::ChannelsLastConvOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params,
+                                       bool tune)
+    : conv_(std::move(conv)), spec_(std::move(spec)), params_(std::move(params)), tune_(tune) {}
 
 ChannelsLastConvOp::~ChannelsLastConvOp() = default;
 
@@ -105,6 +106,7 @@ void ChannelsLastConvOp::cpu_forward(CpuContext& ctx) const {
     s.sh = o.stride.h, s.sw = o.stride.w, s.ph = o.padding.h, s.pw = o.padding.w;
     s.dh = o.dilation.h, s.dw = o.dilation.w, s.groups = o.groups;
     s.residual = spec_.residual;
+    s.tune = tune_;
     s.act = act_of(spec_.activation, s.alpha);
     if (spec_.clip) {  // ReLU6 and the like: a clip post-op instead of the form after
       s.act = dnnl::Act::Clip;

@@ -21,8 +21,9 @@ class Conv;
 
 class ChannelsLastConvOp final : public CustomOp {
  public:
-  // `spec` is empty for a plain nn.conv2d; `params` are the node's, with full names.
-  ChannelsLastConvOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params);
+  // `spec` is empty for a plain nn.conv2d; `params` are the node's, with full names. `tune`:
+  // time oneDNN's implementations at the first run and keep the fastest (LoadOptions::tune).
+  ChannelsLastConvOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params, bool tune = false);
   ~ChannelsLastConvOp() override;
   std::string name() const override { return "nn.conv2d_nhwc"; }
   // The convolution's attributes, what was fused, and the oneDNN implementation once it ran.
@@ -41,6 +42,7 @@ class ChannelsLastConvOp final : public CustomOp {
   Conv2dOp conv_;
   ConvEpilogueSpec spec_;
   std::vector<ParamSpec> params_;
+  bool tune_ = false;
   // The primitive for the bound shape and the weights it holds (converted again when the
   // parameters change: dnnl::parameters_generation).
   struct State;

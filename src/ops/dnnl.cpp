@@ -1,6 +1,8 @@
 #include "ops/dnnl.hpp"
 
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <unordered_map>
 #include <vector>
 
@@ -105,7 +107,30 @@ struct Conv::Impl {
   memory weights, bias;
   memory::desc src_md, dst_md, w_user_md;
   bool have_weights = false;
+  // Tuning: the other implementations to time at the first run, and the weights (scaled, in
+  // the user's layout) to convert for each; cleared once the choice is made.
+  std::vector<::dnnl::convolution_forward::primitive_desc> candidates;
+  std::vector<float> user_weights;
+  std::string tuned;  // the candidates' times, for impl()
+
+  // dst (a candidate's weights memory) = the user's weights `src`, converted.
+  void convert_weights(const float* src, memory& dst) {
+    memory user(w_user_md, engine(), const_cast<float*>(src));
+    ::dnnl::reorder(user, dst).execute(stream(), user, dst);
+    stream().wait();
+  }
 };
+
+namespace {
+
+// Implementations worth timing: oneDNN's reference and GEMM-based fallbacks and its SSE4.1
+// kernels are never the fastest on a machine with AVX2 or AVX-512.
+bool worth_timing(const std::string& impl) {
+  return impl.find("ref") == std::string::npos && impl.find("gemm") == std::string::npos &&
+         impl.find("sse41") == std::string::npos;
+}
+
+}  // namespace
 
 Conv::Conv(const ConvShape& s) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
@@ -129,6 +154,14 @@ Conv::Conv(const ConvShape& s) : impl_(std::make_unique<Impl>()) {
     ::dnnl::convolution_forward::desc d(::dnnl::prop_kind::forward_inference, algorithm::convolution_direct,
                                         m.src_md, w_any, b_md, m.dst_md, strides, dil, pad_l, pad_r);
     m.pd = ::dnnl::convolution_forward::primitive_desc(d, attr, engine());
+    if (s.tune) {
+      ::dnnl::convolution_forward::primitive_desc it = m.pd;
+      do {
+        if (worth_timing(it.impl_info_str())) m.candidates.push_back(it);
+      } while (it.next_impl() && m.candidates.size() < 6);
+      if (m.candidates.size() < 2) m.candidates.clear();  // nothing to choose between
+      if (!m.candidates.empty()) m.pd = m.candidates.front();
+    }
     m.prim = ::dnnl::convolution_forward(m.pd);
     m.weights = memory(m.pd.weights_desc(), engine());
     m.bias = memory(b_md, engine());
@@ -154,6 +187,7 @@ void Conv::set_weights(const float* oihw, const float* scale, const float* bias)
         scaled[static_cast<std::size_t>(o * per_out + k)] *= scale[o];
     src = scaled.data();
   }
+  if (!m.candidates.empty()) m.user_weights.assign(src, src + s.o * per_out);
   memory user(m.w_user_md, engine(), const_cast<float*>(src));
   ::dnnl::reorder(user, m.weights).execute(stream(), user, m.weights);
   float* b = static_cast<float*>(m.bias.get_data_handle());
@@ -172,11 +206,54 @@ void Conv::run(const float* src, const float* residual, float* dst) {
   if (m.s.residual)
     args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
                  memory(m.dst_md, engine(), const_cast<float*>(residual)));
+  if (!m.candidates.empty()) {
+    // Each candidate, with the weights in its own layout: one run to warm it up, then the
+    // faster of two timed runs. A candidate slower than twice the best so far is not run again.
+    double best_ms = 0;
+    std::size_t best = 0;
+    std::vector<::dnnl::convolution_forward> prims;
+    std::vector<memory> weights;
+    for (std::size_t i = 0; i < m.candidates.size(); ++i) {
+      prims.emplace_back(m.candidates[i]);
+      weights.emplace_back(m.candidates[i].weights_desc(), engine());
+      m.convert_weights(m.user_weights.data(), weights.back());
+      args[DNNL_ARG_WEIGHTS] = weights.back();
+      double ms = 0;
+      for (int rep = 0; rep < 3; ++rep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        prims.back().execute(stream(), args);
+        stream().wait();
+        const double t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (rep == 1 || (rep == 2 && t < ms)) ms = t;
+        if (rep == 0 && i > 0 && t > 2 * best_ms) {
+          ms = t;
+          break;
+        }
+      }
+      char t[32];
+      std::snprintf(t, sizeof t, " %.3f ms", ms);
+      m.tuned += util::cat(i ? ", " : "", m.candidates[i].impl_info_str(), t);
+      if (i == 0 || ms < best_ms) {
+        best_ms = ms;
+        best = i;
+      }
+    }
+    m.pd = m.candidates[best];
+    m.prim = prims[best];
+    m.weights = weights[best];
+    args[DNNL_ARG_WEIGHTS] = m.weights;
+    m.candidates.clear();
+    m.user_weights.clear();
+    m.user_weights.shrink_to_fit();
+  }
   m.prim.execute(stream(), args);
   stream().wait();
 }
 
-std::string Conv::impl() const { return impl_->pd.impl_info_str(); }
+std::string Conv::impl() const {
+  const std::string chosen = impl_->pd.impl_info_str();
+  return impl_->tuned.empty() ? chosen : chosen + ", tuned: " + impl_->tuned;
+}
 
 struct Pool::Impl {
   PoolShape s;

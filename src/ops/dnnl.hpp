@@ -33,6 +33,9 @@ struct ConvShape {
   bool residual = false;        // dst = act(conv + bias + residual)
   Act act = Act::None;
   float alpha = 0.f, beta = 0.f;  // LeakyRelu's slope; Clip's bounds
+  // Time each of oneDNN's implementations for this shape at the first run and keep the fastest
+  // (otherwise its first choice): LoadOptions::tune.
+  bool tune = false;
 };
 
 // One convolution on f32 channels-last tensors, with its weights kept in oneDNN's layout.
@@ -47,9 +50,12 @@ class Conv {
   // Takes the weights [o, c/groups, kh, kw] with output channel o scaled by scale[o] (scale may
   // be null: 1) and the bias [o] (null: 0), converted into the primitive's layout.
   void set_weights(const float* oihw, const float* scale, const float* bias);
-  // dst = act(conv(src) + bias [+ residual]); set_weights must have been called.
+  // dst = act(conv(src) + bias [+ residual]); set_weights must have been called. With
+  // ConvShape::tune, the first call times the candidates on these buffers first.
   void run(const float* src, const float* residual, float* dst);
-  // The implementation oneDNN picked ("brgconv:avx512_core").
+  // The implementation oneDNN picked ("brgconv:avx512_core"), or the fastest when tuned, with
+  // the candidates' times ("jit_1x1:avx2, tuned: jit_1x1:avx2 8.3 ms, brgconv_1x1:avx512_core
+  // 10.4 ms").
   std::string impl() const;
 
  private:

@@ -52,17 +52,17 @@ bool own_kernel_better(const Graph& g, const Node& n, const ops::Conv2dOp& c, co
 
 // The channels-last op replacing `n` when it starts or continues a region (nullopt: it stays).
 // `in_region[i]` says whether input i is channels-last.
-std::optional<CustomData> channels_last_op(const Graph& g, const Node& n,
-                                           const std::vector<char>& in_region) {
+std::optional<CustomData> channels_last_op(const Graph& g, const Node& n, const std::vector<char>& in_region,
+                                           bool tune) {
   if (n.kind != Node::Kind::Op || !is_4d_f32(n)) return std::nullopt;
   if (const auto* c = n.op->as<ops::Conv2dOp>()) {
     if (!ops::ChannelsLastConvOp::supports(*c) || own_kernel_better(g, n, *c, in_region)) return std::nullopt;
-    return CustomData::make<ops::ChannelsLastConvOp>(*c, ops::ConvEpilogueSpec{}, n.params);
+    return CustomData::make<ops::ChannelsLastConvOp>(*c, ops::ConvEpilogueSpec{}, n.params, tune);
   }
   if (const auto* f = n.op->as<ops::FusedConv2dOp>()) {
     if (!ops::ChannelsLastConvOp::supports(f->conv()) || own_kernel_better(g, n, f->conv(), in_region))
       return std::nullopt;
-    return CustomData::make<ops::ChannelsLastConvOp>(f->conv(), f->spec(), n.params);
+    return CustomData::make<ops::ChannelsLastConvOp>(f->conv(), f->spec(), n.params, tune);
   }
   // The rest only continues a region: every input must be in it already.
   for (int in : n.inputs)
@@ -82,7 +82,7 @@ std::optional<CustomData> channels_last_op(const Graph& g, const Node& n,
 
 }  // namespace
 
-GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs) {
+GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs, bool tune) {
   const Graph& g = *graph;
   const std::vector<int> live = live_nodes(g, outputs);
   std::vector<char> region(g.nodes().size(), 0);
@@ -90,7 +90,7 @@ GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::ve
   for (int id : live) {
     const Node& n = g.node(id);
     if (n.kind != Node::Kind::Op) continue;
-    if (auto op = channels_last_op(g, n, region)) {
+    if (auto op = channels_last_op(g, n, region, tune)) {
       region[static_cast<std::size_t>(id)] = 1;
       replaced.emplace(id, std::move(*op));
     }

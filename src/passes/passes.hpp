@@ -54,8 +54,10 @@ GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs,
 // The passes themselves (each in its own file).
 // At load, for the CPU, in inference: f32 convolutions and the pooling and elementwise nodes
 // between them run on channels-last activations (oneDNN), with nn.permute nodes at the edges.
-// Returns `graph` itself when nothing is rewritten (no convolution, or no oneDNN).
-GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs);
+// Returns `graph` itself when nothing is rewritten (no convolution, or no oneDNN). With `tune`,
+// each convolution times oneDNN's implementations at its first run and keeps the fastest.
+GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs,
+                              bool tune = false);
 // Inference only: conv2d → batch_norm2d → (relu) and conv2d → relu become one fused conv.
 GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& outputs);
 // Nodes whose op splits (CustomOp::split) are replaced by what the split records. Runs first,

@@ -136,7 +136,7 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
   std::vector<int> live = live_;
   if (!cuda && mode_ == LoweringMode::Inference && !options.checked && options.vendor_libraries &&
       !backend::vendor_libraries_disabled_by_env()) {
-    passes::GraphAndOutputs cl = passes::channels_last(graph_, outs);
+    passes::GraphAndOutputs cl = passes::channels_last(graph_, outs, options.tune);
     if (cl.graph != graph_) {
       graph = cl.graph;
       outs = cl.outputs;

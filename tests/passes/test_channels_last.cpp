@@ -290,3 +290,48 @@ TEST(ChannelsLast, TheOpRefusesWhatItCannotRun) {
   EXPECT_EQ(op.infer_output_shape({kg::Shape{2, 6, 5, 3}}), (kg::Shape{2, 6, 5, 4}));
   EXPECT_FALSE(kg::ops::ChannelsLastConvOp::supports(kg::ops::Conv2dOp(3, 4, 3, {}, kg::DType::F64)));
 }
+
+// LoadOptions::tune: the first run times oneDNN's implementations of the convolution (a 1x1 one
+// has several), keeps the fastest, says so in the op's attributes, and computes what our NCHW
+// kernel computes, on that run and the next.
+TEST(ChannelsLast, TuningKeepsTheFastestImplementationAndTheResult) {
+  REQUIRE_ONEDNN();
+  std::mt19937_64 rng(fresh_seed());
+  const kg::ops::Conv2dOp c(16, 24, 1, {}, kg::DType::F32);
+  const std::vector<std::int64_t> nchw{2, 16, 9, 7};
+  const auto specs = c.parameters({kg::Shape::of(nchw)});
+  kg::ops::ChannelsLastConvOp op(c, {}, specs, /*tune=*/true);
+  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, nchw, -1.0, 1.0);
+  std::vector<kg::Tensor> params;
+  for (const auto& p : specs) params.push_back(kg_test::random_tensor(rng, kg::DType::F32, p.shape, -0.3, 0.3));
+  // The reference: our NCHW kernel.
+  kg::Tensor want = kg::Tensor::empty(kg::DType::F32, {2, 24, 9, 7});
+  {
+    std::vector<kg::Tensor> ins{x};
+    kg::CpuContext ctx(ins, params, want, false, 0);
+    kg::ops::conv2d_cpu(c, kg::ops::ConvAlgo::Auto, ctx);
+  }
+  // The same through oneDNN, on [N, H, W, C].
+  kg::Tensor xl = kg::Tensor::empty(kg::DType::F32, {2, 9, 7, 16});
+  for (std::int64_t n = 0; n < 2; ++n)
+    for (std::int64_t ch = 0; ch < 16; ++ch)
+      for (std::int64_t i = 0; i < 63; ++i)
+        xl.data<float>()[(n * 63 + i) * 16 + ch] = x.data<float>()[(n * 16 + ch) * 63 + i];
+  for (int run = 0; run < 2; ++run) {
+    SCOPED_TRACE("run " + std::to_string(run));
+    kg::Tensor y = kg::Tensor::empty(kg::DType::F32, {2, 9, 7, 24});
+    y.fill(std::nan(""));
+    std::vector<kg::Tensor> ins{xl};
+    kg::CpuContext ctx(ins, params, y, false, 0);
+    op.cpu_forward(ctx);
+    EXPECT_TRUE(kg_test::all_written(y));
+    double worst = 0;
+    for (std::int64_t n = 0; n < 2; ++n)
+      for (std::int64_t o = 0; o < 24; ++o)
+        for (std::int64_t i = 0; i < 63; ++i)
+          worst = std::max(worst, static_cast<double>(std::abs(y.data<float>()[(n * 63 + i) * 24 + o] -
+                                                                want.data<float>()[(n * 24 + o) * 63 + i])));
+    EXPECT_LT(worst, 1e-4);
+  }
+  EXPECT_NE(op.attributes().find("tuned: "), std::string::npos) << op.attributes();
+}

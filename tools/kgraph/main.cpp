@@ -143,10 +143,12 @@ int main(int argc, char** argv) {
   run->add_flag("--tf32", ra.tf32, "cuda: f32 matrix products and convolutions may use TF32 tensor cores");
   run->add_flag(
       "--no-vendor", ra.no_vendor,
-      "cuda: run every op on kernelgraph's own kernels, not cuBLASLt or cuDNN (also KG_NO_VENDOR=1)");
+      "run every op on kernelgraph's own kernels: not cuBLASLt or cuDNN (cuda), not oneDNN (cpu); "
+      "also KG_NO_VENDOR=1");
   run->add_flag(
       "--tune", ra.tune,
-      "cuda: time the library's algorithms and the op's own kernels per node at load, keep the fastest");
+      "time the libraries' algorithms per node and keep the fastest: cuda at load (and the op's own "
+      "kernels); cpu at the first run (oneDNN's convolutions)");
   run->add_flag("--no-cuda-graph", ra.no_cuda_graph,
                 "cuda: launch every kernel on every run instead of "
                 "replaying a captured CUDA graph");
