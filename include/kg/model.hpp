@@ -70,7 +70,10 @@ struct LoadOptions {
   bool tf32 = false;
   // Time each vendor algorithm on the model's own shapes and keep the fastest (otherwise the
   // library's first choice): on cuda at load (cuBLASLt, cuDNN); on the CPU at the first forward
-  // (oneDNN's convolution implementations, so that run takes a few times longer).
+  // (oneDNN's convolution implementations, so that run takes a few times longer). On the CPU
+  // in inference, the load also times running the batch in slices of 1, 2, 4 or 8 samples (one
+  // plan for the slice, run over the batch's rows) where every op computes each sample from that
+  // sample alone, and keeps the fastest; that load runs a few forwards on zeros (docs/cpu.md).
   bool tune = false;
   // Models lowered for training: the scalar output that LoadedModel::backward() starts from.
   // Empty: the only output of rank 0 (none or several: backward() is unavailable).
@@ -157,6 +160,10 @@ class Model {
   std::shared_ptr<Graph> recorded_, graph_;
   LoweringMode mode_;
   bool fused_ = true;  // the fusion passes ran
+  // The faster of `full` and the same model run in batch slices (LoadOptions::tune, cpu).
+  LoadedModel fastest_slices(LoadedModel& full, Device device,
+                             const std::vector<std::vector<std::int64_t>>& input_shapes,
+                             const LoadOptions& options) const;
   std::vector<std::pair<std::string, int>> outputs_;
   std::vector<int> live_;
 };
@@ -236,6 +243,7 @@ class LoadedModel {
   std::map<std::string, std::string> load_checkpoint(const std::string& path);
 
  private:
+  friend class Model;  // a tuned load sets up batch slices on the model it returns
   std::shared_ptr<Impl> impl_;
 };
 

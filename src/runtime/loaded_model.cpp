@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -29,12 +30,14 @@ void LoadedModel::set_training(bool training) {
 }
 
 std::vector<std::vector<std::int64_t>> LoadedModel::input_shapes() const {
+  if (impl_->slice) return impl_->batch_input_shapes;
   std::vector<std::vector<std::int64_t>> s;
   for (int id : impl_->graph->inputs()) s.push_back(impl_->plan.values[static_cast<std::size_t>(id)].shape);
   return s;
 }
 
 std::vector<std::vector<std::int64_t>> LoadedModel::output_shapes() const {
+  if (impl_->slice) return impl_->batch_output_shapes;
   std::vector<std::vector<std::int64_t>> s;
   for (int id : impl_->plan.outputs) s.push_back(impl_->plan.values[static_cast<std::size_t>(id)].shape);
   return s;
@@ -53,10 +56,11 @@ void check_inputs(
   for (std::size_t k = 0; k < count; ++k) {
     const Node& n = g.node(g.inputs()[k]);
     const auto& v = m.plan.values[static_cast<std::size_t>(n.id)];
+    const std::vector<std::int64_t>& want = m.slice ? m.batch_input_shapes[k] : v.shape;
     const auto [dtype, shape_ptr] = input(k);
     const std::vector<std::int64_t>& shape = *shape_ptr;
-    if (dtype != v.dtype || shape != v.shape)
-      throw Error(util::cat(what, ": input '", n.name, "' was loaded as ", sizes_to_string(v.shape), " ",
+    if (dtype != v.dtype || shape != want)
+      throw Error(util::cat(what, ": input '", n.name, "' was loaded as ", sizes_to_string(want), " ",
                             dtype_name(v.dtype), " but got ", sizes_to_string(shape), " ", dtype_name(dtype),
                             "; load the model again for new shapes"));
   }
@@ -78,11 +82,48 @@ auto run_forward(LoadedModel::Impl& m, Run&& run) {
 }
 }  // namespace
 
+namespace {
+// A forward in batch slices: each slice of rows of the inputs runs through the plan (made for
+// m.slice samples) and its outputs are copied into their rows of the batch's outputs. The
+// profile sums each node's time over the slices.
+std::vector<Tensor> run_slices(LoadedModel::Impl& m, const std::vector<Tensor>& inputs, std::vector<NodeTime>* prof) {
+  const std::int64_t count = m.batch / m.slice;
+  std::vector<Tensor> outs;
+  std::vector<NodeTime> slice_prof;
+  for (std::int64_t s = 0; s < count; ++s) {
+    std::vector<Tensor> part;
+    for (const Tensor& x : inputs) {
+      std::vector<std::int64_t> shape = x.shape();
+      const std::size_t row = static_cast<std::size_t>(x.numel() / shape[0]) * dtype_size(x.dtype());
+      shape[0] = m.slice;
+      auto* base = static_cast<unsigned char*>(const_cast<void*>(x.raw()));
+      part.push_back(Tensor::wrap(base + static_cast<std::size_t>(s * m.slice) * row, x.dtype(), std::move(shape)));
+    }
+    slice_prof.clear();
+    std::vector<Tensor> got = m.exec->run(part, false, m.last_seed, prof ? &slice_prof : nullptr);
+    if (outs.empty())
+      for (std::size_t k = 0; k < got.size(); ++k) outs.push_back(Tensor::empty(got[k].dtype(), m.batch_output_shapes[k]));
+    for (std::size_t k = 0; k < got.size(); ++k) {
+      auto* dst = static_cast<unsigned char*>(const_cast<void*>(outs[k].raw()));
+      std::memcpy(dst + static_cast<std::size_t>(s) * got[k].nbytes(), got[k].raw(), got[k].nbytes());
+    }
+    if (prof) {
+      if (prof->empty()) *prof = slice_prof;
+      else
+        for (std::size_t i = 0; i < std::min(prof->size(), slice_prof.size()); ++i) (*prof)[i].ms += slice_prof[i].ms;
+    }
+  }
+  return outs;
+}
+}  // namespace
+
 std::vector<Tensor> LoadedModel::forward(const std::vector<Tensor>& inputs) {
   Impl& m = *impl_;
   check_inputs(m, "forward", inputs.size(), [&](std::size_t k) {
     return std::pair{inputs[k].dtype(), &inputs[k].shape()};
   });
+  if (m.slice)
+    return run_forward(m, [&](std::vector<NodeTime>* prof) { return run_slices(m, inputs, prof); });
   return run_forward(
       m, [&](std::vector<NodeTime>* prof) { return m.exec->run(inputs, m.training, m.last_seed, prof); });
 }
@@ -104,8 +145,9 @@ std::vector<DeviceTensor> LoadedModel::forward_device(const std::vector<DeviceTe
   for (const auto& t : inputs)
     host.push_back(
         Tensor::wrap(reinterpret_cast<void*>(static_cast<std::uintptr_t>(t.ptr)), t.dtype, t.shape));
-  m.device_outputs = run_forward(
-      m, [&](std::vector<NodeTime>* prof) { return m.exec->run(host, m.training, m.last_seed, prof); });
+  m.device_outputs = run_forward(m, [&](std::vector<NodeTime>* prof) {
+    return m.slice ? run_slices(m, host, prof) : m.exec->run(host, m.training, m.last_seed, prof);
+  });
   std::vector<DeviceTensor> outs;
   for (auto& t : m.device_outputs)
     outs.push_back({static_cast<DevicePtr>(reinterpret_cast<std::uintptr_t>(t.raw())), t.shape(), t.dtype()});

@@ -24,6 +24,10 @@ struct LoadedModel::Impl {
   std::vector<NodeTime> last_profile;
   double last_wall_ms = 0;             // of the last forward, for backends without a device clock
   std::vector<Tensor> device_outputs;  // cpu: what the last forward_device returned views of
+  // Batch slices (cpu inference, chosen by LoadOptions::tune): the plan is for `slice` samples
+  // and a forward runs it batch / slice times over the inputs' rows. 0: the plan is the batch's.
+  std::int64_t batch = 0, slice = 0;
+  std::vector<std::vector<std::int64_t>> batch_input_shapes, batch_output_shapes;
 
   // ---- training (plan.training.enabled) ----
   std::string loss_name;

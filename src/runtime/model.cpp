@@ -1,6 +1,7 @@
 #include "kg/model.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -16,6 +17,7 @@
 #include "passes/dead_nodes.hpp"
 #include "passes/passes.hpp"
 #include "plan/autograd.hpp"
+#include "runtime/batch_slices.hpp"
 #include "runtime/loaded_model_impl.hpp"
 #include "plan/plan_builder.hpp"
 #include "plan/shape_binding.hpp"
@@ -182,7 +184,63 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
     impl->exec = cpu::make_executor(*graph, impl->plan, std::move(lowered), options, impl->grads, impl->slots);
   }
   if (impl->plan.training.enabled) init_training_state(*impl);
-  return LoadedModel(impl);
+  LoadedModel full(impl);
+  // Batch slices: timed with LoadOptions::tune, or one size forced by KG_BATCH_SLICE (for
+  // tests and comparisons; ignored where it does not divide the batch).
+  const std::int64_t forced = runtime::forced_slice();
+  if (cuda || (!options.tune && forced == 0) || mode_ != LoweringMode::Inference || options.checked ||
+      input_shapes.empty() || input_shapes[0].empty() ||
+      !runtime::per_sample(*graph, live, bound, input_shapes[0][0]))
+    return full;
+  return fastest_slices(full, device, input_shapes, options);
+}
+
+LoadedModel Model::fastest_slices(LoadedModel& full, Device device,
+                                  const std::vector<std::vector<std::int64_t>>& input_shapes,
+                                  const LoadOptions& options) const {
+  // One warm-up forward (a tuned load's oneDNN timing happens there), then one timed.
+  std::vector<Tensor> zeros;
+  for (std::size_t k = 0; k < input_shapes.size(); ++k)
+    zeros.push_back(Tensor::zeros(full.impl_->plan.values[static_cast<std::size_t>(
+                                                              full.impl_->graph->inputs()[k])].dtype,
+                                  input_shapes[k]));
+  auto time = [&](LoadedModel& lm) {
+    lm.forward(zeros);
+    const auto t0 = std::chrono::steady_clock::now();
+    lm.forward(zeros);
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  const std::int64_t batch = input_shapes[0][0];
+  auto sliced = [&](std::int64_t s) {
+    std::vector<std::vector<std::int64_t>> shapes = input_shapes;
+    for (auto& sh : shapes) sh[0] = s;
+    LoadOptions o = options;
+    o.tune = false;
+    LoadedModel part = load(device, shapes, o);  // its batch is the slice: no slices again
+    part.impl_->batch = batch;
+    part.impl_->slice = s;
+    part.impl_->batch_input_shapes = input_shapes;
+    part.impl_->batch_output_shapes = full.output_shapes();
+    return part;
+  };
+  const std::int64_t forced = runtime::forced_slice();
+  if (forced > 0) {
+    if (forced >= batch || batch % forced != 0) return full;
+    return sliced(forced);
+  }
+  LoadedModel best = full;
+  double best_ms = time(full);
+  for (std::int64_t s : runtime::slice_candidates(batch)) {
+    LoadedModel part = sliced(s);
+    const double ms = time(part);
+    if (ms < 0.95 * best_ms) {  // a clear win only: the whole batch otherwise
+      best_ms = ms;
+      best = part;
+    }
+  }
+  best.impl_->runs = 0;
+  best.impl_->last_profile.clear();
+  return best;
 }
 
 }  // namespace kg
