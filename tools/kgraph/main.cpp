@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
   run->add_flag(
       "--tune", ra.tune,
       "time the libraries' algorithms per node and keep the fastest: cuda at load (and the op's own "
-      "kernels); cpu at the first run (oneDNN's convolutions)");
+      "kernels); cpu at the first run (oneDNN's convolutions), and batch slices at load in inference");
   run->add_flag("--no-cuda-graph", ra.no_cuda_graph,
                 "cuda: launch every kernel on every run instead of "
                 "replaying a captured CUDA graph");
