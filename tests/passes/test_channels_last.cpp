@@ -2,6 +2,7 @@
 // model computes on kernelgraph's own NCHW kernels (vendor libraries off), for every kind of
 // convolution, epilogue and pooling it rewrites, on fresh random inputs and parameters; where
 // it does and does not apply; and what happens when parameters change after load.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -66,8 +67,10 @@ kg::LoadOptions options(bool vendor) {
 }
 
 // Loads `c` with and without oneDNN, the same random parameters in both, and compares the
-// outputs on a fresh random input. Returns the op names the oneDNN load ran.
-std::vector<std::string> compare(const Case& c, double rtol = 2e-4, double atol = 2e-5) {
+// outputs on a fresh random input. Returns the op names the oneDNN load ran. `atol_of_max`
+// raises the absolute tolerance to that fraction of the largest |output|: through a deep
+// network of random weights, float rounding grows with the activations, not with each output.
+std::vector<std::string> compare(const Case& c, double rtol = 2e-4, double atol = 2e-5, double atol_of_max = 0) {
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
@@ -82,7 +85,10 @@ std::vector<std::string> compare(const Case& c, double rtol = 2e-4, double atol 
   const auto got = onednn.forward({x});
   EXPECT_EQ(got[0].shape(), want[0].shape());
   EXPECT_TRUE(kg_test::all_written(got[0]));
-  EXPECT_TRUE(kg_test::all_close(got[0], want[0], rtol, atol));
+  double largest = 0;
+  const kg::Tensor w = want[0].to(kg::DType::F64);
+  for (std::int64_t i = 0; i < w.numel(); ++i) largest = std::max(largest, std::abs(w.data<double>()[i]));
+  EXPECT_TRUE(kg_test::all_close(got[0], want[0], rtol, std::max(atol, atol_of_max * largest)));
   return ran;
 }
 
@@ -220,7 +226,7 @@ TEST(ChannelsLast, AConsumerOutsideTheRegionGetsNchw) {
   EXPECT_EQ(count(ran, "nn.conv2d_nhwc"), 0);
   EXPECT_EQ(count(ran, "nn.permute"), 0);
   Case small = make([](const kg::SymTensor& x) { return kg::models::resnet18(x, 10); }, {2, 3, 40, 48});
-  const auto r18 = compare(small, 1e-3, 1e-4);
+  const auto r18 = compare(small, 1e-3, 1e-4, 1e-3);
   EXPECT_EQ(count(r18, "nn.conv2d_nhwc"), 20);
   EXPECT_EQ(count(r18, "nn.permute"), 2);  // the input; global pooling's [N, 1, 1, C] to flatten
 }
