@@ -1104,6 +1104,39 @@ float* rows_padded_input(const ConvGeom& g, const float* x, std::int64_t wpp, st
   return xp;
 }
 
+// The part of the epilogue that the Rows kernels leave to epilogue_row after applying scale,
+// shift and ReLU on their vectors: an activation other than ReLU, and a user's form.
+struct RowsTail {
+  bool relu = false;
+  Epilogue<float> tail;
+  bool any = false;
+  explicit RowsTail(const Epilogue<float>& ep) {
+    relu = ep.act && ep.act->fn == UnaryFn::Relu;
+    if (ep.act && !relu) tail.act = ep.act;
+    tail.form = ep.form;
+    any = tail.act || tail.form;
+  }
+};
+
+// The weights of every group as [group][block][tap][lanes] for blocks of `lanes` output
+// channels, zero past the group's last channel, in the calling thread's scratch (the workers
+// read it during the call); returns the blocks per group through `blocks`.
+const float* rows_packed_weights(const ConvGeom& g, const float* w, std::int64_t lanes, std::int64_t& blocks) {
+  const std::int64_t og = g.og(), taps = g.kdim();
+  blocks = (og + lanes - 1) / lanes;
+  float* wpack = scratch_data<float>(kWeights, g.groups * blocks * taps * lanes);
+  for (std::int64_t grp = 0; grp < g.groups; ++grp)
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
+      float* d = wpack + (grp * blocks + blk) * taps * lanes;
+      for (std::int64_t t = 0; t < taps; ++t)
+        for (std::int64_t b = 0; b < lanes; ++b) {
+          const std::int64_t co = blk * lanes + b;
+          d[t * lanes + b] = co < og ? w[(grp * og + co) * taps + t] : 0.0f;
+        }
+    }
+  return wpack;
+}
+
 // One band of output rows [oy0, oy1) of image `img`, group `grp`: pads its input rows into
 // scratch, then every block of CB channels and every row and column chunk, with the epilogue.
 template <int CB, int NV>
@@ -1114,11 +1147,7 @@ void rows_band(const ConvGeom& g, const float* x, const float* wpack, std::int64
   const std::int64_t wpp = chunks * chunk + (g.kw - 1) * g.dw;  // >= w + 2 pw
   std::int64_t rows_in = 0;
   const float* xp = rows_padded_input(g, x, wpp, img, grp, oy0, oy1, rows_in);
-  Epilogue<float> tail;  // what the vector epilogue below leaves to epilogue_row
-  const bool relu = ep.act && ep.act->fn == UnaryFn::Relu;
-  if (ep.act && !relu) tail.act = ep.act;
-  tail.form = ep.form;
-  const bool has_tail = tail.act || tail.form;
+  const RowsTail rt(ep);  // what the vector epilogue below leaves to epilogue_row
   for (std::int64_t blk = 0; blk < blocks; ++blk) {
     const std::int64_t co0 = blk * CB, cb_n = std::min<std::int64_t>(CB, og - co0);
     const float* wp = wpack + (grp * blocks + blk) * taps * CB;
@@ -1137,12 +1166,12 @@ void rows_band(const ConvGeom& g, const float* x, const float* wpack, std::int64
             if (!m) continue;
             __m512 r = _mm512_fmadd_ps(acc[b][v], sc, sh);
             if (ep.residual) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(m, ep.residual + at + 16 * v));
-            if (relu) r = _mm512_maskz_max_ps(0xFFFF, r, _mm512_setzero_ps());  // (GCC 12 warns on the plain max)
+            if (rt.relu) r = _mm512_maskz_max_ps(0xFFFF, r, _mm512_setzero_ps());  // (GCC 12 warns on the plain max)
             _mm512_mask_storeu_ps(y + at + 16 * v, m, r);
           }
-          if (has_tail) {
+          if (rt.any) {
             const std::int64_t n = std::min(chunk, g.wo - cx * chunk);
-            epilogue_row<float>(tail, o, n, y + at, y + at, nullptr);
+            epilogue_row<float>(rt.tail, o, n, y + at, y + at, nullptr);
           }
         }
       }
@@ -1184,11 +1213,7 @@ void pixels_band(const ConvGeom& g, const float* x, const float* wpack, std::int
   // Without a residual the epilogue's scale, shift and ReLU run on the vectors; a residual, or
   // another activation after them, goes through epilogue_row.
   const bool vector_ep = ep.residual == nullptr;
-  const bool relu = ep.act && ep.act->fn == UnaryFn::Relu;
-  Epilogue<float> tail;
-  if (ep.act && !relu) tail.act = ep.act;
-  tail.form = ep.form;
-  const bool has_tail = tail.act || tail.form;
+  const RowsTail rt(ep);
   for (std::int64_t blk = 0; blk < blocks; ++blk) {
     const std::int64_t co0 = blk * 16, cb_n = std::min<std::int64_t>(16, og - co0);
     const float* wp = wpack + (grp * blocks + blk) * taps * 16;
@@ -1217,7 +1242,7 @@ void pixels_band(const ConvGeom& g, const float* x, const float* wpack, std::int
 #pragma GCC unroll 16
           for (int q = 0; q < P; ++q) {
             __m512 r = _mm512_fmadd_ps(acc[q], sc, sh);
-            if (relu) r = _mm512_maskz_max_ps(0xFFFF, r, _mm512_setzero_ps());
+            if (rt.relu) r = _mm512_maskz_max_ps(0xFFFF, r, _mm512_setzero_ps());
             _mm512_store_ps(t[q], r);
           }
         } else {
@@ -1230,8 +1255,8 @@ void pixels_band(const ConvGeom& g, const float* x, const float* wpack, std::int
           for (std::int64_t q = 0; q < n; ++q) y[at + q] = t[q][b];
           if (!vector_ep)
             epilogue_row<float>(ep, o, n, y + at, y + at, ep.residual ? ep.residual + at : nullptr);
-          else if (has_tail)
-            epilogue_row<float>(tail, o, n, y + at, y + at, nullptr);
+          else if (rt.any)
+            epilogue_row<float>(rt.tail, o, n, y + at, y + at, nullptr);
         }
       }
   }
@@ -1240,18 +1265,9 @@ void pixels_band(const ConvGeom& g, const float* x, const float* wpack, std::int
 template <int P>
 void conv_pixels_p(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
                    const CpuContext& ctx) {
-  const std::int64_t og = g.og(), taps = g.kdim(), blocks = (og + 15) / 16;
-  float* wpack = scratch_data<float>(kWeights, g.groups * blocks * taps * 16);
-  for (std::int64_t grp = 0; grp < g.groups; ++grp)
-    for (std::int64_t blk = 0; blk < blocks; ++blk) {
-      float* d = wpack + (grp * blocks + blk) * taps * 16;
-      for (std::int64_t t = 0; t < taps; ++t)
-        for (std::int64_t b = 0; b < 16; ++b) {
-          const std::int64_t co = blk * 16 + b;
-          d[t * 16 + b] = co < og ? w[(grp * og + co) * taps + t] : 0.0f;
-        }
-    }
-  const std::int64_t per_row = blocks * 16 * taps * g.wo;
+  std::int64_t blocks = 0;
+  const float* wpack = rows_packed_weights(g, w, 16, blocks);
+  const std::int64_t per_row = blocks * 16 * g.kdim() * g.wo;
   rows_parallel(g, per_row, ctx, [&](std::int64_t img, std::int64_t grp, std::int64_t oy0, std::int64_t oy1) {
     pixels_band<P>(g, x, wpack, blocks, ep, y, img, grp, oy0, oy1);
   });
@@ -1276,20 +1292,9 @@ bool rows_pixel_form(const ConvGeom& g) {
 template <int CB, int NV>
 void conv_rows_cb(const ConvGeom& g, const float* x, const float* w, const Epilogue<float>& ep, float* y,
                   const CpuContext& ctx) {
-  const std::int64_t og = g.og(), taps = g.kdim();
-  const std::int64_t blocks = (og + CB - 1) / CB;
-  // The weights as [group][block][tap][CB], zero past the group's last channel.
-  float* wpack = scratch_data<float>(kWeights, g.groups * blocks * taps * CB);
-  for (std::int64_t grp = 0; grp < g.groups; ++grp)
-    for (std::int64_t blk = 0; blk < blocks; ++blk) {
-      float* d = wpack + (grp * blocks + blk) * taps * CB;
-      for (std::int64_t t = 0; t < taps; ++t)
-        for (std::int64_t b = 0; b < CB; ++b) {
-          const std::int64_t co = blk * CB + b;
-          d[t * CB + b] = co < og ? w[(grp * og + co) * taps + t] : 0.0f;
-        }
-    }
-  const std::int64_t per_row = blocks * CB * taps * ((g.wo + 16 * NV - 1) / (16 * NV)) * 16 * NV;
+  std::int64_t blocks = 0;
+  const float* wpack = rows_packed_weights(g, w, CB, blocks);
+  const std::int64_t per_row = blocks * CB * g.kdim() * ((g.wo + 16 * NV - 1) / (16 * NV)) * 16 * NV;
   rows_parallel(g, per_row, ctx, [&](std::int64_t img, std::int64_t grp, std::int64_t oy0, std::int64_t oy1) {
     rows_band<CB, NV>(g, x, wpack, blocks, ep, y, img, grp, oy0, oy1);
   });
