@@ -113,7 +113,7 @@ struct Conv::Impl {
   std::vector<float> user_weights;
   std::string tuned;  // the candidates' times, for impl()
 
-  // dst (a candidate's weights memory) = the user's weights `src`, converted.
+  // dst (the primitive's or a candidate's weights memory) = the user's weights `src`, converted.
   void convert_weights(const float* src, memory& dst) {
     memory user(w_user_md, engine(), const_cast<float*>(src));
     ::dnnl::reorder(user, dst).execute(stream(), user, dst);
@@ -188,11 +188,9 @@ void Conv::set_weights(const float* oihw, const float* scale, const float* bias)
     src = scaled.data();
   }
   if (!m.candidates.empty()) m.user_weights.assign(src, src + s.o * per_out);
-  memory user(m.w_user_md, engine(), const_cast<float*>(src));
-  ::dnnl::reorder(user, m.weights).execute(stream(), user, m.weights);
+  m.convert_weights(src, m.weights);
   float* b = static_cast<float*>(m.bias.get_data_handle());
   for (std::int64_t o = 0; o < s.o; ++o) b[o] = bias ? bias[o] : 0.f;
-  stream().wait();
   m.have_weights = true;
 }
 
