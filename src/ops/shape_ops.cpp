@@ -837,6 +837,11 @@ class SliceOp final : public CustomOp {
 
 CustomData permute_op(std::vector<std::int64_t> dims) { return CustomData::make<PermuteOp>(std::move(dims)); }
 
+bool permute_keeps_dim0(const CustomOp& op, std::size_t rank) {
+  const auto* p = dynamic_cast<const PermuteOp*>(&op);
+  return p && rank > 0 && p->perm(rank)[0] == 0;
+}
+
 }  // namespace kg::ops
 
 namespace kg {

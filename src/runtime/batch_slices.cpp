@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kg/error.hpp"
+#include "ops/shape_ops.hpp"
 
 namespace kg::runtime {
 
@@ -36,8 +37,7 @@ bool per_sample(const Graph& graph, const std::vector<int>& live, const plan::Bo
     const CustomOp& op = n.op->op();
     const std::string name = op.name();
     if (name == "nn.permute") {
-      // dims=[0, ...]: the batch stays dim 0.
-      if (op.attributes().rfind("dims=[0,", 0) != 0) return false;
+      if (!ops::permute_keeps_dim0(op, shape.size())) return false;
       continue;
     }
     if (per_sample_ops().count(name)) continue;

@@ -46,18 +46,33 @@ std::map<std::string, kg::Tensor> random_params(const kg::Model& m, std::mt19937
   return p;
 }
 
+// small_cnn() with random parameters, a random input of batch 8 and the whole batch's output.
+struct Reference {
+  kg::Model model = small_cnn();
+  std::map<std::string, kg::Tensor> params;
+  kg::Tensor x, want;
+  std::size_t arena_bytes = 0;  // the whole batch's plan
+  explicit Reference(std::mt19937_64& rng) {
+    params = random_params(model, rng);
+    x = kg_test::random_tensor(rng, kg::DType::F32, {8, 3, 12, 12}, -1.0, 1.0);
+    kg::LoadedModel whole = model.load(kg::Device::cpu(), {{8, 3, 12, 12}});
+    whole.load_state_dict(params, false);
+    want = whole.forward({x})[0];
+    arena_bytes = whole.memory_plan().arena_bytes;
+  }
+};
+
 }  // namespace
 
 TEST(BatchSlices, SlicedForwardsMatchTheWholeBatch) {
   const auto seed = kg_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const kg::Model m = small_cnn();
-  const auto params = random_params(m, rng);
-  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {8, 3, 12, 12}, -1.0, 1.0);
-  kg::LoadedModel whole = m.load(kg::Device::cpu(), {{8, 3, 12, 12}});
-  whole.load_state_dict(params, false);
-  const kg::Tensor want = whole.forward({x})[0];
+  const Reference ref(rng);
+  const kg::Model& m = ref.model;
+  const auto& params = ref.params;
+  const kg::Tensor& x = ref.x;
+  const kg::Tensor& want = ref.want;
   for (const char* slice : {"1", "2", "4"}) {
     SCOPED_TRACE(std::string("KG_BATCH_SLICE=") + slice);
     ScopedEnv env("KG_BATCH_SLICE", slice);
@@ -68,7 +83,7 @@ TEST(BatchSlices, SlicedForwardsMatchTheWholeBatch) {
     // The batch's shapes outside; the slice's plan inside.
     EXPECT_EQ(sliced.input_shapes(), (std::vector<std::vector<std::int64_t>>{{8, 3, 12, 12}}));
     EXPECT_EQ(sliced.output_shapes(), (std::vector<std::vector<std::int64_t>>{{8, 10}}));
-    EXPECT_LT(sliced.memory_plan().arena_bytes, whole.memory_plan().arena_bytes);
+    EXPECT_LT(sliced.memory_plan().arena_bytes, ref.arena_bytes);
     sliced.load_state_dict(params, false);
     for (int run = 0; run < 2; ++run) {
       const kg::Tensor got = sliced.forward({x})[0];
@@ -94,17 +109,14 @@ TEST(BatchSlices, TuningKeepsTheResult) {
   const auto seed = kg_test::fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const kg::Model m = small_cnn();
-  const auto params = random_params(m, rng);
-  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {8, 3, 12, 12}, -1.0, 1.0);
-  kg::LoadedModel whole = m.load(kg::Device::cpu(), {{8, 3, 12, 12}});
-  whole.load_state_dict(params, false);
+  const Reference ref(rng);
   kg::LoadOptions opt;
   opt.tune = true;
-  kg::LoadedModel tuned = m.load(kg::Device::cpu(), {{8, 3, 12, 12}}, opt);  // sliced or not: timed
-  tuned.load_state_dict(params, false);
-  EXPECT_EQ(tuned.input_shapes(), whole.input_shapes());
-  EXPECT_TRUE(kg_test::all_close(tuned.forward({x})[0], whole.forward({x})[0], 1e-5, 1e-6));
+  kg::LoadedModel tuned = ref.model.load(kg::Device::cpu(), {{8, 3, 12, 12}}, opt);  // sliced or not: timed
+  tuned.load_state_dict(ref.params, false);
+  EXPECT_EQ(tuned.input_shapes(), (std::vector<std::vector<std::int64_t>>{{8, 3, 12, 12}}));
+  // The tuned load may also run other oneDNN implementations, which round differently.
+  EXPECT_TRUE(kg_test::all_close(tuned.forward({ref.x})[0], ref.want, 1e-4, 1e-5));
 }
 
 TEST(BatchSlices, OnlyModelsThatKeepSamplesApartAreSliced) {
@@ -128,6 +140,9 @@ TEST(BatchSlices, OnlyModelsThatKeepSamplesApartAreSliced) {
   check(kg::permute(input(), {1, 0, 2}, "batch_second"), 4, false);       // the batch leaves dim 0
   check(kg::flatten(input(), 0, -1, "all"), 4, false);                    // folded into one dim
   check(kg::permute(input(), {0, 2, 1}, "features_swapped"), 4, true);
+  check(kg::transpose(input(), 1, 2, "t12"), 4, true);
+  check(kg::transpose(input(), 0, 1, "t01"), 4, false);
+  check(kg::transpose(input(), -3, -1, "t_first_last"), 4, false);
 }
 
 TEST(BatchSlices, ABadSliceSizeIsAnError) {
