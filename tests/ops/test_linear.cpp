@@ -63,6 +63,12 @@ TEST(Linear, MatchesNaiveReferenceAtSeveralBatches) {
                                      dt == kg::DType::F32 ? 2e-5 : 1e-9));
     }
   }
+  // Without a bias, on the direct path (batch 1, a feature count past the last full vector).
+  kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {1, 37});
+  kg::Tensor w = kg_test::random_tensor(rng, kg::DType::F32, {6, 37});
+  kg::Tensor y = kg_test::run_op([](const kg::SymTensor& t) { return kg::nn::linear(t, 6, "fc", false); }, x,
+                                 {{"fc.weight", w}});
+  EXPECT_TRUE(kg_test::all_close(y, naive_linear(x, w, kg::Tensor::zeros(kg::DType::F32, {6})), 1e-5, 2e-5));
 }
 
 TEST(Linear, GpuLoweringCompilesAndMatchesTheCpu) {
