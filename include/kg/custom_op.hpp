@@ -223,6 +223,16 @@ class CustomOp {
   // The op's per-element form for the given input dtypes, when it has one (default: none, so
   // the op is never fused). Built-in activations and arithmetic declare theirs the same way.
   virtual std::optional<ElementwiseForm> elementwise_form(const std::vector<DType>& input_dtypes) const;
+  // True when the op computes in `dtype` (f16 or bf16) in a model loaded in that precision
+  // (LoadOptions::precision): its floating inputs, output and floating parameters then all have
+  // that dtype, and infer_output_dtype, lower() and cpu_forward() accept it (computing in f32
+  // inside wherever accuracy needs it; ops::cpu_forward_in_f32 gives a CPU form for free).
+  // Default false: the op keeps f32 and the precision pass puts casts around it. An op with an
+  // ElementwiseForm for f32 need not say true: the pass runs it in a generated 16-bit kernel.
+  virtual bool computes_in(DType dtype) const {
+    (void)dtype;
+    return false;
+  }
   // True when the output is the first input's bytes reinterpreted (Reshape, Flatten): the
   // runtime then gives it no buffer of its own and cpu_forward is not called.
   virtual bool is_view() const { return false; }

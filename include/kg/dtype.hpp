@@ -22,6 +22,8 @@ std::optional<DType> parse_dtype(std::string_view s);
 std::string_view dtype_safetensors_code(DType t);
 // True for f16, bf16, f32, f64.
 bool is_floating(DType t);
+// True for the 16-bit floats, f16 and bf16 (the reduced precisions a model can be loaded in).
+inline bool is_half_float(DType t) { return t == DType::F16 || t == DType::BF16; }
 
 // Maps a C++ element type to its DType.
 template <class T> struct dtype_of;

@@ -3,10 +3,24 @@
 #include <set>
 
 #include "graph/no_cpu_impl.hpp"
+#include "graph/param_dtype.hpp"
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
 namespace kg {
+
+void narrow_param(ParamSpec& p, DType dtype) {
+  if (p.dtype != DType::F32) return;
+  p.dtype = dtype;
+  if (p.init.kind != ParamInit::Kind::Data) return;
+  std::int64_t n = 1;
+  for (std::int64_t d : p.shape) n *= d;
+  if (p.init.data.size() != static_cast<std::size_t>(n) * sizeof(float)) return;  // reported later
+  Tensor f = Tensor::wrap(p.init.data.data(), DType::F32, p.shape);
+  Tensor r = f.to(dtype);
+  const auto* b = static_cast<const std::byte*>(r.raw());
+  p.init.data.assign(b, b + r.nbytes());
+}
 
 std::string Node::op_name() const { return kind == Kind::Input ? "input" : op->name(); }
 std::string Node::label() const { return "[" + op_name() + " @ " + name + "]"; }
@@ -124,6 +138,9 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
       if (n.params[i].name.empty()) throw Error(util::cat("parameter ", i, " has an empty name"));
       n.params[i].name = n.name + "." + n.params[i].name;
     }
+    // An op computing in f16 or bf16 keeps its floating parameters in that dtype too.
+    if (is_half_float(n.dtype) && data->computes_in(n.dtype))
+      for (ParamSpec& p : n.params) narrow_param(p, n.dtype);
   } catch (const Error& e) {
     throw Error(label + " " + e.what());
   } catch (const std::exception& e) {

@@ -147,6 +147,21 @@ Tensor Tensor::to(DType dtype) const {
     throw Error(util::cat("Tensor::to: cannot convert ", dtype_name(dtype_), " to ", dtype_name(dtype)));
   Tensor t = empty(dtype, shape_);
   const std::int64_t n = numel();
+  // The conversions a model in reduced precision makes on every CPU run, without a double between.
+  if (dtype_ == DType::F32 && is_half_float(dtype)) {
+    const auto* src = static_cast<const float*>(data_);
+    auto* dst = static_cast<std::uint16_t*>(t.data_);
+    for (std::int64_t i = 0; i < n; ++i)
+      dst[i] = dtype == DType::BF16 ? util::float_to_bf16(src[i]) : util::float_to_half(src[i]);
+    return t;
+  }
+  if (is_half_float(dtype_) && dtype == DType::F32) {
+    const auto* src = static_cast<const std::uint16_t*>(data_);
+    auto* dst = static_cast<float*>(t.data_);
+    for (std::int64_t i = 0; i < n; ++i)
+      dst[i] = dtype_ == DType::BF16 ? util::bf16_to_float(src[i]) : util::half_to_float(src[i]);
+    return t;
+  }
   for (std::int64_t i = 0; i < n; ++i) store(t.data_, dtype, static_cast<std::size_t>(i), item(i));
   return t;
 }

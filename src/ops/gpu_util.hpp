@@ -40,9 +40,27 @@ inline Dim3 grid_1d(std::int64_t n, unsigned block, std::int64_t max_blocks = 65
   return {static_cast<unsigned>(b), 1, 1};
 }
 
-// The kernel entry for a dtype: "<stem>_f32" or "<stem>_f64".
+// The kernel entry for a floating dtype: "<stem>_f32", "<stem>_f64", "<stem>_f16" or "<stem>_bf16".
 inline std::string entry_for(const std::string& stem, DType t) {
-  return stem + (t == DType::F64 ? "_f64" : "_f32");
+  switch (t) {
+    case DType::F64: return stem + "_f64";
+    case DType::F16: return stem + "_f16";
+    case DType::BF16: return stem + "_bf16";
+    default: return stem + "_f32";
+  }
 }
+
+// The element type kernels use for a floating dtype: "float", "double", and kg_dtype.cuh's
+// "kg_f16" and "kg_bf16" (16-bit storage, computed in float).
+inline const char* device_type(DType t) {
+  switch (t) {
+    case DType::F64: return "double";
+    case DType::F16: return "kg_f16";
+    case DType::BF16: return "kg_bf16";
+    default: return "float";
+  }
+}
+// The type a kernel computes a floating dtype in: "double" for f64, "float" otherwise.
+inline const char* device_compute_type(DType t) { return t == DType::F64 ? "double" : "float"; }
 
 }  // namespace kg::ops

@@ -2,6 +2,8 @@
 // includes nothing outside this folder.
 #pragma once
 
+#include "kg_dtype.cuh"
+
 typedef long long kg_index;
 
 // The global thread index of a 1-D launch, and its stride for grid-stride loops.

@@ -5,8 +5,97 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+
+#include "kg/error.hpp"
+#include "util/str.hpp"
 
 namespace kg::ops {
+
+DType require_float_or_half(const std::vector<DType>& in) {
+  if (in.empty()) throw Error("expects at least one input");
+  for (DType t : in)
+    if (!is_floating(t))
+      throw Error(util::cat("supports f32, f64, f16 and bf16 inputs, got ", dtype_name(t)));
+  for (DType t : in)
+    if (t != in[0])
+      throw Error(util::cat("inputs must share one dtype, got ", dtype_name(in[0]), " and ", dtype_name(t)));
+  return in[0];
+}
+
+namespace {
+
+// A context over f32 copies whose parallel_for is the original context's.
+class Forwarding final : public CpuContext {
+ public:
+  Forwarding(const CpuContext& outer, std::span<const Tensor> in, std::span<const Tensor> ps, Tensor out)
+      : CpuContext(in, ps, std::move(out), outer.training, outer.seed), outer_(outer) {}
+  void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const override {
+    outer_.parallel_for(n, grain, fn);
+  }
+
+ private:
+  const CpuContext& outer_;
+};
+
+class ForwardingBackward final : public CpuBackwardContext {
+ public:
+  ForwardingBackward(const CpuContext& outer, std::span<const Tensor> in, std::span<const Tensor> ps, Tensor out,
+                     Tensor gout, std::span<Tensor> gin, std::span<Tensor> gps)
+      : CpuBackwardContext(in, ps, std::move(out), std::move(gout), gin, gps, outer.training, outer.seed),
+        outer_(outer) {}
+  void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const override {
+    outer_.parallel_for(n, grain, fn);
+  }
+
+ private:
+  const CpuContext& outer_;
+};
+
+// An f32 copy of a 16-bit float tensor; other tensors (and undefined ones) as they are.
+Tensor widened(const Tensor& t) {
+  if (!is_half_float(t.dtype()) || t.raw() == nullptr) return t;
+  return t.to(DType::F32);
+}
+std::vector<Tensor> widened(std::span<const Tensor> ts) {
+  std::vector<Tensor> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(widened(t));
+  return out;
+}
+// An f32 tensor to write in place of a 16-bit one (undefined stays undefined).
+Tensor f32_target(const Tensor& t) {
+  if (!is_half_float(t.dtype())) return t;
+  if (t.raw() == nullptr) return Tensor::wrap(nullptr, DType::F32, t.shape());
+  return Tensor::empty(DType::F32, t.shape());
+}
+// Rounds `computed` into `target` when they differ (a 16-bit target).
+void narrow_into(const Tensor& computed, Tensor& target) {
+  if (computed.raw() == target.raw() || target.raw() == nullptr) return;
+  Tensor r = computed.to(target.dtype());
+  std::memcpy(target.raw(), r.raw(), target.nbytes());
+}
+
+}  // namespace
+
+void cpu_forward_in_f32(CpuContext& ctx, const std::function<void(CpuContext&)>& f32_forward) {
+  std::vector<Tensor> in = widened(ctx.inputs), ps = widened(ctx.params);
+  Tensor out = f32_target(ctx.output);
+  Forwarding inner(ctx, in, ps, out);
+  f32_forward(inner);
+  narrow_into(out, ctx.output);
+}
+
+void cpu_backward_in_f32(CpuBackwardContext& ctx, const std::function<void(CpuBackwardContext&)>& f32_backward) {
+  std::vector<Tensor> in = widened(ctx.inputs), ps = widened(ctx.params);
+  std::vector<Tensor> gin, gps;
+  for (const Tensor& g : ctx.grad_inputs) gin.push_back(f32_target(g));
+  for (const Tensor& g : ctx.grad_params) gps.push_back(f32_target(g));
+  ForwardingBackward inner(ctx, in, ps, widened(ctx.output), widened(ctx.grad_output), gin, gps);
+  f32_backward(inner);
+  for (std::size_t i = 0; i < gin.size(); ++i) narrow_into(gin[i], ctx.grad_inputs[i]);
+  for (std::size_t i = 0; i < gps.size(); ++i) narrow_into(gps[i], ctx.grad_params[i]);
+}
 
 std::string device_literal(double v) {
   if (!std::isfinite(v)) {

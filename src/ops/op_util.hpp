@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,17 @@ inline DType require_float(const std::vector<DType>& in) {
       throw Error(util::cat("inputs must share one dtype, got ", dtype_name(in[0]), " and ", dtype_name(t)));
   return in[0];
 }
+
+// Throws unless every dtype is f32, f64, f16 or bf16 and they are all the same; returns it.
+DType require_float_or_half(const std::vector<DType>& in);
+
+// The CPU form of an op computing in f16 or bf16 (CustomOp::computes_in) by way of its f32 one:
+// the floating inputs and parameters are converted to f32, `f32_forward` runs on a context over
+// the copies (its parallel_for is ctx's), and its output is rounded to nearest even into
+// ctx.output. Correct, not fast.
+void cpu_forward_in_f32(CpuContext& ctx, const std::function<void(CpuContext&)>& f32_forward);
+// The same for a backward: every floating tensor converted, every wanted gradient rounded back.
+void cpu_backward_in_f32(CpuBackwardContext& ctx, const std::function<void(CpuBackwardContext&)>& f32_backward);
 
 // Calls fn(T{}) with T = float or double according to the tensor's dtype.
 template <class F> void dispatch_float(DType t, F&& fn) {

@@ -1,0 +1,130 @@
+// 16-bit float storage for the built-in kernels: kg_f16 (IEEE binary16) and kg_bf16 (bfloat16).
+// A kernel stores them and computes in float: kg_ld() reads any element type as its compute
+// type (float for the 16-bit ones, the type itself otherwise), kg_st() rounds a computed value
+// to nearest even into the element type. The same text compiles under NVRTC (the conversions
+// are single cvt instructions) and under the CUDA emulator (integer arithmetic, bit-identical).
+// Given to NVRTC as an in-memory header through kg_device.cuh; it includes nothing.
+#pragma once
+
+struct __align__(2) kg_f16 {
+  unsigned short bits;
+};
+struct __align__(2) kg_bf16 {
+  unsigned short bits;
+};
+
+// The type an element type computes in.
+template <class T>
+struct kg_compute {
+  typedef T type;
+};
+template <>
+struct kg_compute<kg_f16> {
+  typedef float type;
+};
+template <>
+struct kg_compute<kg_bf16> {
+  typedef float type;
+};
+template <class T>
+using kg_compute_t = typename kg_compute<T>::type;
+
+// ---- conversions ----
+__device__ __forceinline__ float kg_f16_to_float(unsigned short h) {
+#ifdef KG_CUDA_EMU
+  const unsigned sign = (unsigned)(h & 0x8000u) << 16;
+  unsigned exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400u)) {
+        man <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp - 15 + 127) << 23) | (man << 13);
+  }
+  return __uint_as_float(bits);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ unsigned short kg_float_to_f16(float f) {
+#ifdef KG_CUDA_EMU
+  const unsigned x = __float_as_uint(f);
+  const unsigned sign = (x >> 16) & 0x8000u;
+  const int exp = (int)((x >> 23) & 0xff) - 127 + 15;
+  unsigned man = x & 0x7fffffu;
+  if (((x >> 23) & 0xff) == 0xff) return (unsigned short)(sign | 0x7c00u | (man ? 0x200u : 0u));
+  if (exp >= 31) return (unsigned short)(sign | 0x7c00u);
+  if (exp <= 0) {
+    if (exp < -10) return (unsigned short)sign;
+    man |= 0x800000u;
+    const unsigned shift = (unsigned)(14 - exp);
+    unsigned h = man >> shift;
+    const unsigned rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (h & 1u))) ++h;
+    return (unsigned short)(sign | h);
+  }
+  unsigned h = sign | ((unsigned)exp << 10) | (man >> 13);
+  const unsigned rem = man & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return (unsigned short)h;
+#else
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#endif
+}
+
+__device__ __forceinline__ float kg_bf16_to_float(unsigned short b) { return __uint_as_float((unsigned)b << 16); }
+
+__device__ __forceinline__ unsigned short kg_float_to_bf16(float f) {
+  const unsigned x = __float_as_uint(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u);  // quiet NaN
+  return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+// ---- element access ----
+// A value of an element type as its compute type.
+__device__ __forceinline__ float kg_to_compute(kg_f16 v) { return kg_f16_to_float(v.bits); }
+__device__ __forceinline__ float kg_to_compute(kg_bf16 v) { return kg_bf16_to_float(v.bits); }
+__device__ __forceinline__ float kg_to_compute(float v) { return v; }
+__device__ __forceinline__ double kg_to_compute(double v) { return v; }
+
+// A computed value rounded into element type T.
+template <class T>
+__device__ __forceinline__ T kg_from_compute(kg_compute_t<T> v) {
+  return (T)v;
+}
+template <>
+__device__ __forceinline__ kg_f16 kg_from_compute<kg_f16>(float v) {
+  kg_f16 r;
+  r.bits = kg_float_to_f16(v);
+  return r;
+}
+template <>
+__device__ __forceinline__ kg_bf16 kg_from_compute<kg_bf16>(float v) {
+  kg_bf16 r;
+  r.bits = kg_float_to_bf16(v);
+  return r;
+}
+
+// Reads p[i] as the compute type; writes v (a compute-type value) rounded into p[i].
+template <class T>
+__device__ __forceinline__ kg_compute_t<T> kg_ld(const T* p, long long i = 0) {
+  return kg_to_compute(p[i]);
+}
+template <class T>
+__device__ __forceinline__ void kg_st(T* p, long long i, kg_compute_t<T> v) {
+  p[i] = kg_from_compute<T>(v);
+}
