@@ -75,6 +75,13 @@ struct LoadOptions {
   // plan for the slice, run over the batch's rows) where every op computes each sample from that
   // sample alone, and keeps the fastest; that load runs a few forwards on zeros (docs/cpu.md).
   bool tune = false;
+  // Inference in a reduced precision: DType::F16 or DType::BF16 runs every op that can compute in
+  // it (CustomOp::computes_in, and every elementwise op through a generated kernel) with its f32
+  // parameters converted at load, and keeps f32 for the others (softmax, norms, losses), with casts
+  // between. Inputs and outputs keep their recorded dtypes; state_dict() gives the converted
+  // parameters, and weights load into them from files of any float dtype. DType::F32 (the
+  // default): as recorded. Not for models lowered for training.
+  DType precision = DType::F32;
   // Models lowered for training: the scalar output that LoadedModel::backward() starts from.
   // Empty: the only output of rank 0 (none or several: backward() is unavailable).
   std::string loss;
@@ -197,6 +204,9 @@ class LoadedModel {
   std::vector<std::vector<std::int64_t>> output_shapes() const;
   // The memory plan.
   const MemoryPlan& memory_plan() const;
+  // The graph this load runs: the model's, rewritten by the load's passes where they apply
+  // (LoadOptions::precision's casts and 16-bit nodes, the CPU's channels-last region).
+  const Graph& graph() const;
   // Per-node times of the last forward (empty unless LoadOptions::profile).
   std::vector<NodeTime> profile() const;
 

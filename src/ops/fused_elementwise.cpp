@@ -104,7 +104,13 @@ KgFusedWalk gpu_walk(const WalkPlan& p) {
   return w;
 }
 
-const char* c_type(DType t) { return t == DType::F64 ? "double" : "float"; }
+// The generated module's head: the compute type kg_t the members' device functions run in and the
+// storage type kg_s of the group's tensors (a 16-bit float is read into float and rounded back).
+std::string module_head(DType dtype) {
+  return util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
+                   device_compute_type(dtype), " kg_t;\ntypedef ", device_type(dtype),
+                   " kg_s;\n#include \"pointwise.cuh\"\n");
+}
 
 class FusedRuntime final : public RuntimeOp {
  public:
@@ -208,8 +214,12 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
   if (inputs_ < 1 || inputs_ > KG_FUSE_MAX_INPUTS)
     throw Error(
         util::cat("kg.fused_elementwise: a group reads 1 to ", KG_FUSE_MAX_INPUTS, " inputs, got ", inputs_));
-  if (dtype_ != DType::F32 && dtype_ != DType::F64)
-    throw Error(util::cat("kg.fused_elementwise: groups compute in f32 or f64, not ", dtype_name(dtype_)));
+  if (!is_floating(dtype_))
+    throw Error(util::cat("kg.fused_elementwise: groups are of f32, f64, f16 or bf16 tensors, not ",
+                          dtype_name(dtype_)));
+  if (is_half_float(dtype_) && mode_ == LoweringMode::Training)
+    throw Error(util::cat("kg.fused_elementwise: a ", dtype_name(dtype_),
+                          " group runs in inference only (16-bit training is not supported)"));
   std::vector<char> used(static_cast<std::size_t>(inputs_), 0);
   std::string key = util::cat(dtype_name(dtype_), inputs_, mode_ == LoweringMode::Training ? "T" : "I");
   for (std::size_t m = 0; m < members_.size(); ++m) {
@@ -287,8 +297,7 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
   const bool small =
       (!out.empty() || ctx.output_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
 
-  std::string src = util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
-                              c_type(dtype_), " kg_t;\n#include \"pointwise.cuh\"\n");
+  std::string src = module_head(dtype_);
   for (std::size_t m = 0; m < members_.size(); ++m)
     src += util::cat("// ", members_[m].op.name(), " @ ", members_[m].node, "\nnamespace kg_m", m, " {\n",
                      members_[m].form.device_source, "\n}  // namespace kg_m", m, "\n");
@@ -302,8 +311,8 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     body += ");\n";
   }
   std::string params;
-  for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_t* __restrict__ x", j, ", ");
-  params += "kg_t* __restrict__ y, long long n";
+  for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_s* __restrict__ x", j, ", ");
+  params += "kg_s* __restrict__ y, long long n";
   if (walks) params += ", KgFusedWalk w";
   src += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_, "(", params,
                    ") {\n  auto eval = [&](", eval_params, ") -> kg_t {\n", body, "    return v",
@@ -311,11 +320,11 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
   auto read = [&](int j, const char* i) -> std::string {
     switch (plan.reads[static_cast<std::size_t>(j)]) {
       case Read::Same:
-        return util::cat("x", j, "[", i, "]");
+        return util::cat("kg_to_compute(x", j, "[", i, "])");
       case Read::Scalar:
-        return util::cat("x", j, "[0]");
+        return util::cat("kg_to_compute(x", j, "[0])");
       case Read::Walk:
-        return util::cat("x", j, "[o", j, "]");
+        return util::cat("kg_to_compute(x", j, "[o", j, "])");
     }
     return {};
   };
@@ -325,26 +334,27 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     for (int j = 0; j < inputs_; ++j) {
       if (plan.reads[static_cast<std::size_t>(j)] == Read::Same) {
         aligned += util::cat(" && kg_aligned16(x", j, ")");
-        pack_loads += util::cat("        const KgPack<kg_t> p", j,
-                                " = reinterpret_cast<const KgPack<kg_t>*>(x", j, ")[i];\n");
-        pack_args += util::cat(j ? ", " : "", "p", j, ".v[k]");
+        pack_loads += util::cat("        const KgPack<kg_s> p", j,
+                                " = reinterpret_cast<const KgPack<kg_s>*>(x", j, ")[i];\n");
+        pack_args += util::cat(j ? ", " : "", "kg_to_compute(p", j, ".v[k])");
       } else {
-        scalars += util::cat("  const kg_t s", j, " = x", j, "[0];\n");
+        scalars += util::cat("  const kg_t s", j, " = kg_to_compute(x", j, "[0]);\n");
         pack_args += util::cat(j ? ", " : "", "s", j);
       }
     }
     std::string scalar_args;
     for (int j = 0; j < inputs_; ++j) scalar_args += util::cat(j ? ", " : "", read(j, "i"));
     src += util::cat(
-        scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_t);\n  kg_index done = 0;\n  if (",
-        aligned, ") {\n    kg_for_each_unrolled<KgPack<kg_t>>(\n      n / W,\n      [&](kg_index i) {\n",
+        scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_s);\n  kg_index done = 0;\n  if (",
+        aligned, ") {\n    kg_for_each_unrolled<KgPack<kg_s>>(\n      n / W,\n      [&](kg_index i) {\n",
         pack_loads,
-        "        KgPack<kg_t> r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) r.v[k] = eval(",
-        pack_args, ");\n        return r;\n      },\n",
-        "      [&](kg_index i, const KgPack<kg_t>& r) { reinterpret_cast<KgPack<kg_t>*>(y)[i] = r; });\n",
-        "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_t>(\n    n - done,\n",
-        "    [&](kg_index t) { const kg_index i = done + t; return eval(", scalar_args, "); },\n",
-        "    [&](kg_index t, kg_t v) { y[done + t] = v; });\n}\n");
+        "        KgPack<kg_s> r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) r.v[k] = "
+        "kg_from_compute<kg_s>(eval(",
+        pack_args, "));\n        return r;\n      },\n",
+        "      [&](kg_index i, const KgPack<kg_s>& r) { reinterpret_cast<KgPack<kg_s>*>(y)[i] = r; });\n",
+        "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_s>(\n    n - done,\n",
+        "    [&](kg_index t) { const kg_index i = done + t; return kg_from_compute<kg_s>(eval(", scalar_args,
+        ")); },\n", "    [&](kg_index t, kg_s v) { y[done + t] = v; });\n}\n");
   } else {
     std::string offsets, walk, args;
     for (int j = 0; j < inputs_; ++j) {
@@ -355,12 +365,12 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
       args += util::cat(j ? ", " : "", read(j, "i"));
     }
     offsets.back() = ';';
-    src += util::cat("  kg_for_each_unrolled<kg_t>(\n    n,\n    [&](kg_index i) {\n      kg_index", offsets,
+    src += util::cat("  kg_for_each_unrolled<kg_s>(\n    n,\n    [&](kg_index i) {\n      kg_index", offsets,
                      "\n      kg_index r = i;\n      for (int d = 0; d < w.rank; ++d) {\n",
                      "        const kg_index q = kg_div<", small ? "true" : "false", ">(w.size[d], r);\n",
                      "        const kg_index k = r - q * w.size[d].d;\n       ", walk,
-                     "\n        r = q;\n      }\n", "      return eval(", args,
-                     ");\n    },\n    [&](kg_index i, kg_t v) { y[i] = v; });\n}\n");
+                     "\n        r = q;\n      }\n", "      return kg_from_compute<kg_s>(eval(", args,
+                     "));\n    },\n    [&](kg_index i, kg_s v) { y[i] = v; });\n}\n");
   }
   return Lowered{name(), std::move(src), entry_,
                  std::make_shared<FusedRuntime>(entry_, label, dtype_, plan.reads)};
@@ -368,8 +378,7 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
 
 std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const {
   if (mode_ != LoweringMode::Training) return {};
-  std::string src = util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
-                              c_type(dtype_), " kg_t;\n#include \"pointwise.cuh\"\n");
+  std::string src = module_head(dtype_);
   for (std::size_t m = 0; m < members_.size(); ++m)
     src += util::cat("namespace kg_m", m, " {\n", members_[m].form.device_source, "\n}  // namespace kg_m", m,
                      "\n");
@@ -407,13 +416,19 @@ std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const
 }
 
 void FusedElementwiseOp::cpu_forward(CpuContext& ctx) const {
+  // 16-bit groups: the members run in float on widened copies, the result is rounded once.
+  if (is_half_float(dtype_)) return cpu_forward_in_f32(ctx, [&](CpuContext& c) { forward(c, DType::F32); });
+  forward(ctx, dtype_);
+}
+
+void FusedElementwiseOp::forward(CpuContext& ctx, DType dtype) const {
   const std::int64_t n = ctx.output.numel();
   if (n == 0) return;
   std::vector<std::vector<std::int64_t>> shapes;
   for (const auto& x : ctx.inputs) shapes.push_back(x.shape());
   const WalkPlan plan = plan_walk(shapes, ctx.output.shape(), "[kg.fused_elementwise]");
   const std::size_t mcount = members_.size();
-  dispatch_float(dtype_, [&](auto zero) {
+  dispatch_float(dtype, [&](auto zero) {
     using T = decltype(zero);
     T* y = ctx.output.data<T>();
     ctx.parallel_for(tiles_of(n, kChunk), 16, [&](std::int64_t c0, std::int64_t c1) {
@@ -435,7 +450,7 @@ void FusedElementwiseOp::cpu_forward(CpuContext& ctx) const {
                              buf + (static_cast<std::size_t>(inputs_) + static_cast<std::size_t>(a)) * kChunk)
                        : in[static_cast<std::size_t>(-1 - a)]);
           T* result = m + 1 == mcount ? y + o0 : buf + (static_cast<std::size_t>(inputs_) + m) * kChunk;
-          members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, result, len, 0});
+          members_[m].form.cpu(ElementwiseSpan{dtype, args, nullptr, result, len, 0});
         }
       }
     });

@@ -30,7 +30,9 @@ struct FusedMember {
 class FusedElementwiseOp final : public CustomOp {
  public:
   // `members` end with the root, whose value is the output; `inputs` is the number of group
-  // inputs; `dtype` is every member's (f32 or f64). Checks the description (kg::Error).
+  // inputs; `dtype` is the group's tensors' (f32 or f64, whose members compute in it, or f16 or
+  // bf16 in inference, whose members compute in f32: their forms are the f32 ones). Checks the
+  // description (kg::Error).
   FusedElementwiseOp(std::vector<FusedMember> members, int inputs, DType dtype, LoweringMode mode);
 
   std::string name() const override { return "kg.fused_elementwise"; }
@@ -49,11 +51,16 @@ class FusedElementwiseOp final : public CustomOp {
   BackwardSaves backward_saves() const override { return {.inputs = true, .output = false}; }
 
   const std::vector<FusedMember>& members() const { return members_; }
+  DType dtype() const { return dtype_; }
+  LoweringMode mode() const { return mode_; }
   int inputs() const { return inputs_; }
   // The forward kernel's entry point (a hash of the group's description).
   const std::string& entry() const { return entry_; }
 
  private:
+  // The forward on tensors of `dtype` (the group's, or f32 for a 16-bit group's widened copies).
+  void forward(CpuContext& ctx, DType dtype) const;
+
   std::vector<FusedMember> members_;
   int inputs_;
   DType dtype_;

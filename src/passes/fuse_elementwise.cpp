@@ -26,7 +26,8 @@ namespace {
 
 bool same_shape(const Shape& a, const Shape& b) { return a == b; }
 
-// The node's form when it may join a group in `mode`.
+}  // namespace
+
 std::optional<ElementwiseForm> fusable_form(const Graph& g, const Node& n, LoweringMode mode) {
   if (n.kind != Node::Kind::Op || !n.params.empty() || n.inputs.empty()) return std::nullopt;
   if (n.dtype != DType::F32 && n.dtype != DType::F64) return std::nullopt;
@@ -58,6 +59,8 @@ std::optional<ElementwiseForm> fusable_form(const Graph& g, const Node& n, Lower
   if (!same_shape(b, n.shape)) return std::nullopt;
   return form;
 }
+
+namespace {
 
 struct Group {
   std::vector<int> members;  // node ids, topological order, root last

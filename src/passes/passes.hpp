@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kg/graph.hpp"
@@ -65,5 +66,15 @@ GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& o
 GraphAndOutputs split_nodes(const Graph& graph, const std::vector<int>& outputs);
 // Groups of elementwise nodes (ops with an ElementwiseForm) become kg.fused_elementwise nodes.
 GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode);
+// The per-element form of node `n` when it may be fused in `mode` (one dtype, f32 or f64, no
+// parameters, output the broadcast of its inputs; in training a derivative and no broadcasting).
+std::optional<ElementwiseForm> fusable_form(const Graph& g, const Node& n, LoweringMode mode);
+// At load, for inference in a reduced precision (LoadOptions::precision, f16 or bf16): every f32
+// node whose op computes in that dtype (CustomOp::computes_in), every fused elementwise group and
+// every lone fusable node runs in it, with its f32 parameters converted; the other nodes keep f32,
+// with a cast inserted once per value wherever the two meet. Inputs and outputs keep their
+// recorded dtypes. Returns `graph` itself when no node runs in the reduced precision.
+GraphAndOutputs reduce_precision(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs,
+                                 DType precision);
 
 }  // namespace kg::passes

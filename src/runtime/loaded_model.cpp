@@ -20,6 +20,7 @@ LoadedModel::LoadedModel(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Device LoadedModel::device() const { return impl_->device; }
 std::vector<std::string> LoadedModel::output_names() const { return impl_->output_names; }
 const MemoryPlan& LoadedModel::memory_plan() const { return impl_->plan.memory; }
+const Graph& LoadedModel::graph() const { return *impl_->graph; }
 std::vector<NodeTime> LoadedModel::profile() const { return impl_->last_profile; }
 void LoadedModel::set_training(bool training) {
   if (training && impl_->mode != LoweringMode::Training)

@@ -136,16 +136,31 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
   // The graph this load runs: the model's, or on the CPU its channels-last form (oneDNN).
   std::shared_ptr<Graph> graph = graph_;
   std::vector<int> live = live_;
+  if (options.precision != DType::F32) {
+    if (!is_half_float(options.precision))
+      throw Error(util::cat("LoadOptions::precision: a model loads in f32 (as recorded), f16 or bf16, not ",
+                            dtype_name(options.precision)));
+    if (mode_ == LoweringMode::Training)
+      throw Error(util::cat("LoadOptions::precision: ", dtype_name(options.precision),
+                            " is for inference; this model was lowered for training (it trains in f32)"));
+    passes::GraphAndOutputs low = passes::reduce_precision(graph, outs, options.precision);
+    if (low.graph != graph) {
+      graph = low.graph;
+      outs = low.outputs;
+      live = passes::live_nodes(*graph, outs);
+      bound = plan::bind_shapes(*graph, live, input_shapes);
+    }
+  }
   if (!cuda && mode_ == LoweringMode::Inference && !options.checked && options.vendor_libraries &&
       !backend::vendor_libraries_disabled_by_env()) {
-    passes::GraphAndOutputs cl = passes::channels_last(graph_, outs, options.tune);
-    if (cl.graph != graph_) {
+    passes::GraphAndOutputs cl = passes::channels_last(graph, outs, options.tune);
+    if (cl.graph != graph) {
       graph = cl.graph;
       outs = cl.outputs;
       live = passes::live_nodes(*graph, outs);
       bound = plan::bind_shapes(*graph, live, input_shapes);
     } else if (!ops::dnnl::available()) {
-      note_cpu_library_missing(*graph_);
+      note_cpu_library_missing(*graph);
     }
   }
   impl->graph = graph;
