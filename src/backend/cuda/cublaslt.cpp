@@ -33,6 +33,7 @@ namespace {
   X(cublasLtMatmulPreferenceSetAttribute) \
   X(cublasLtMatmulAlgoGetHeuristic)       \
   X(cublasLtMatmulAlgoConfigGetAttribute) \
+  X(cublasLtMatmulAlgoCheck)              \
   X(cublasLtMatmul)
 
 // Function pointers of cuBLASLt, typed by the toolkit's cublasLt.h.
@@ -128,6 +129,50 @@ struct TuneScratch {
     if (ws) d.cuMemFree(ws);
   }
 };
+
+// A cuBLASLt algorithm as text for the tuning cache (its opaque words in hex, then the workspace),
+// and back; nullopt for text that is not one.
+std::string algo_text(const cublasLtMatmulAlgo_t& a, std::size_t ws) {
+  std::string s;
+  char hex[17];
+  for (std::uint64_t w : a.data) {
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(w));
+    s += hex;
+  }
+  return util::cat(s, " ", ws);
+}
+std::optional<std::pair<cublasLtMatmulAlgo_t, std::size_t>> parse_algo(const std::string& s) {
+  cublasLtMatmulAlgo_t a{};
+  constexpr std::size_t words = sizeof a.data / sizeof a.data[0];
+  if (s.size() < words * 16 + 2 || s[words * 16] != ' ') return std::nullopt;
+  for (std::size_t i = 0; i < words; ++i) {
+    std::uint64_t w = 0;
+    for (std::size_t k = 0; k < 16; ++k) {
+      const char c = s[i * 16 + k];
+      const int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      if (v < 0) return std::nullopt;
+      w = w << 4 | static_cast<std::uint64_t>(v);
+    }
+    a.data[i] = w;
+  }
+  std::size_t ws = 0;
+  for (std::size_t k = words * 16 + 1; k < s.size(); ++k) {
+    if (s[k] < '0' || s[k] > '9') return std::nullopt;
+    ws = ws * 10 + static_cast<std::size_t>(s[k] - '0');
+  }
+  return std::pair{a, ws};
+}
+
+}  // namespace
+
+std::string tuning_key(const GemmCall& g, bool tf32) {
+  return util::cat("gemm ", dtype_name(g.dtype), g.dtype == DType::F32 && tf32 ? "/tf32" : "", " m", g.m, " n",
+                   g.n, " k", g.k, " t", g.trans_a, g.trans_b, " ld", g.lda, ",", g.ldb, ",", g.ldc, " batch",
+                   g.batch, " stride", g.stride_a, ",", g.stride_b, ",", g.stride_c, g.bias ? " bias" : "",
+                   g.relu ? " relu" : "");
+}
+
+namespace {
 
 std::unique_ptr<VendorPlan> LtImpl::plan(const GemmCall& g, const VendorOptions& o, CUstream stream,
                                          const std::string& label) const {
@@ -242,7 +287,27 @@ std::unique_ptr<VendorPlan> LtImpl::plan(const GemmCall& g, const VendorOptions&
   if (candidates.empty()) return nullptr;
 
   const cublasLtMatmulHeuristicResult_t* best = candidates.front();
-  if (o.tune && candidates.size() > 1) {
+  // A choice measured before on this device and library (keyed with the alignments this plan's
+  // addresses allow), if the library still takes it for this call.
+  const std::string scope = util::cat(o.device_scope, " cublasLt ", f_.cublasLtGetVersion());
+  const std::string key =
+      util::cat(tuning_key(g, o.tf32), " align", align_a, ",", align_b, ",", align_c);
+  bool cached = false;
+  if (o.cache)
+    if (auto text = o.cache->find(scope, key))
+      if (auto algo = parse_algo(*text)) {
+        cublasLtMatmulHeuristicResult_t checked{};
+        if (algo->second <= o.max_workspace_bytes &&
+            f_.cublasLtMatmulAlgoCheck(handle_, p->op_, p->a_layout_, p->b_layout_, p->c_layout_, p->c_layout_,
+                                       &algo->first, &checked) == CUBLAS_STATUS_SUCCESS &&
+            checked.workspaceSize <= o.max_workspace_bytes) {
+          results[0].algo = algo->first;
+          results[0].workspaceSize = std::max(algo->second, checked.workspaceSize);
+          best = &results[0];
+          cached = true;
+        }
+      }
+  if (!cached && o.tune && candidates.size() > 1) {
     std::size_t need = 1;
     for (const auto* c : candidates) need = std::max(need, c->workspaceSize);
     TuneScratch t{d_, stream};
@@ -269,6 +334,7 @@ std::unique_ptr<VendorPlan> LtImpl::plan(const GemmCall& g, const VendorOptions&
   }
   p->algo_ = best->algo;
   p->workspace_ = best->workspaceSize;
+  if (o.cache && o.tune && !cached) o.cache->store(scope, key, algo_text(p->algo_, p->workspace_));
 
   std::int32_t algo_id = -1;
   std::uint32_t tile = 0;
@@ -279,7 +345,8 @@ std::unique_ptr<VendorPlan> LtImpl::plan(const GemmCall& g, const VendorOptions&
                                           &written);
   p->description_ =
       util::cat("cublasLt ", dtype_name(g.dtype), g.dtype == DType::F32 && o.tf32 ? "/tf32" : "", " algo ",
-                algo_id, " tile ", tile, ", ", p->workspace_, " B workspace");
+                algo_id, " tile ", tile, cached ? " (tuned, cached)" : o.tune ? " (tuned)" : "", ", ",
+                p->workspace_, " B workspace");
   return p;
 }
 

@@ -223,6 +223,30 @@ struct TuneWorkspace {
   }
 };
 
+// A cuDNN algorithm number from the tuning cache; nullopt for anything else.
+std::optional<int> parse_algo(const std::optional<std::string>& text) {
+  if (!text || text->empty() || text->size() > 3) return std::nullopt;
+  int v = 0;
+  for (char ch : *text) {
+    if (ch < '0' || ch > '9') return std::nullopt;
+    v = v * 10 + (ch - '0');
+  }
+  return v;
+}
+
+}  // namespace
+
+std::string tuning_key(const Conv2dCall& c, bool tf32) {
+  const char* pass = c.pass == Conv2dCall::Pass::Forward ? "fwd" : c.pass == Conv2dCall::Pass::BackwardData ? "bwd-data" : "bwd-filter";
+  return util::cat("conv ", pass, " ", dtype_name(c.dtype), c.dtype == DType::F32 && tf32 ? "/tf32" : "", " x",
+                   c.batch, ",", c.in_channels, ",", c.height, ",", c.width, " w", c.out_channels, ",", c.kernel_h,
+                   ",", c.kernel_w, " y", c.out_height, ",", c.out_width, " pad", c.pad_h, ",", c.pad_w, " stride",
+                   c.stride_h, ",", c.stride_w, " dil", c.dilation_h, ",", c.dilation_w, " groups", c.groups,
+                   c.bias ? " bias" : "");
+}
+
+namespace {
+
 std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptions& o, CUstream stream,
                                           const std::string& label) const {
   cudnnDataType_t data;
@@ -333,8 +357,19 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
   }
   if (!best) return nullptr;
   cudnnConvolutionFwdAlgo_t algo = best->algo;
-  bool tuned = false;
-  if (o.tune) {
+  bool tuned = false, cached = false;
+  const std::string scope = util::cat(o.device_scope, " cudnn ", f_.cudnnGetVersion());
+  const std::string key = tuning_key(c, o.tf32);
+  if (o.cache)
+    if (auto a = parse_algo(o.cache->find(scope, key))) {
+      std::size_t need = 0;
+      const auto cand = static_cast<cudnnConvolutionFwdAlgo_t>(*a);
+      if (f_.cudnnGetConvolutionForwardWorkspaceSize(h, p->x_desc_, p->w_desc_, p->conv_desc_, p->y_desc_, cand,
+                                                     &need) == CUDNN_STATUS_SUCCESS &&
+          need <= o.max_workspace_bytes)
+        algo = cand, cached = true;
+    }
+  if (o.tune && !cached) {
     // Time the algorithms on the call's own buffers (this writes y), with room for the largest
     // workspace that the heuristic's candidates need.
     TuneWorkspace t{d_, stream};
@@ -360,6 +395,7 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
       }
   }
   p->algo_ = algo;
+  if (o.cache && o.tune && !cached) o.cache->store(scope, key, std::to_string(static_cast<int>(algo)));
   std::size_t ws = 0;
   check(f_.cudnnGetConvolutionForwardWorkspaceSize(h, p->x_desc_, p->w_desc_, p->conv_desc_, p->y_desc_, algo,
                                                    &ws),
@@ -367,7 +403,8 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
   if (ws > o.max_workspace_bytes) return nullptr;
   p->workspace_ = ws;
   p->description_ = util::cat("cudnn ", dtype_name(c.dtype), c.dtype == DType::F32 && o.tf32 ? "/tf32" : "",
-                              " ", algo_name(algo), tuned ? " (tuned)" : "", ", ", ws, " B workspace");
+                              " ", algo_name(algo), cached ? " (tuned, cached)" : tuned ? " (tuned)" : "", ", ", ws,
+                              " B workspace");
   return p;
 }
 
@@ -399,8 +436,12 @@ std::unique_ptr<VendorPlan> DnnImpl::plan_backward(std::unique_ptr<DnnPlan> p, c
     return m;
   };
   std::size_t ws = 0;
-  bool tuned = false;
+  bool tuned = false, cached = false;
   const char* what = data ? "backward data" : "backward filter";
+  const std::string scope = util::cat(o.device_scope, " cudnn ", f_.cudnnGetVersion());
+  const std::string key = tuning_key(c, o.tf32);
+  // A stored choice (-1: none).
+  const int stored = o.cache ? parse_algo(o.cache->find(scope, key)).value_or(-1) : -1;
   if (data) {
     int max_count = 0;
     check(f_.cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count), label,
@@ -413,7 +454,15 @@ std::unique_ptr<VendorPlan> DnnImpl::plan_backward(std::unique_ptr<DnnPlan> p, c
     int best = pick(perf, found);
     if (best < 0) return nullptr;
     p->data_algo_ = perf[static_cast<std::size_t>(best)].algo;
-    if (o.tune) {
+    if (stored >= 0) {
+      std::size_t need = 0;
+      const auto cand = static_cast<cudnnConvolutionBwdDataAlgo_t>(stored);
+      if (f_.cudnnGetConvolutionBackwardDataWorkspaceSize(h, p->w_desc_, p->y_desc_, p->conv_desc_, p->x_desc_,
+                                                          cand, &need) == CUDNN_STATUS_SUCCESS &&
+          need <= o.max_workspace_bytes)
+        p->data_algo_ = cand, cached = true;
+    }
+    if (o.tune && !cached) {
       const std::size_t largest = largest_of(perf, found);
       TuneWorkspace t{d_, stream};
       d_.check(d_.cuMemAlloc(&t.ws, largest), label + " cuDNN tuning: cuMemAlloc of the workspace");
@@ -445,7 +494,15 @@ std::unique_ptr<VendorPlan> DnnImpl::plan_backward(std::unique_ptr<DnnPlan> p, c
     int best = pick(perf, found);
     if (best < 0) return nullptr;
     p->filter_algo_ = perf[static_cast<std::size_t>(best)].algo;
-    if (o.tune) {
+    if (stored >= 0) {
+      std::size_t need = 0;
+      const auto cand = static_cast<cudnnConvolutionBwdFilterAlgo_t>(stored);
+      if (f_.cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p->x_desc_, p->y_desc_, p->conv_desc_, p->w_desc_,
+                                                            cand, &need) == CUDNN_STATUS_SUCCESS &&
+          need <= o.max_workspace_bytes)
+        p->filter_algo_ = cand, cached = true;
+    }
+    if (o.tune && !cached) {
       const std::size_t largest = largest_of(perf, found);
       TuneWorkspace t{d_, stream};
       d_.check(d_.cuMemAlloc(&t.ws, largest), label + " cuDNN tuning: cuMemAlloc of the workspace");
@@ -467,10 +524,11 @@ std::unique_ptr<VendorPlan> DnnImpl::plan_backward(std::unique_ptr<DnnPlan> p, c
   }
   if (ws > o.max_workspace_bytes) return nullptr;
   p->workspace_ = ws;
-  p->description_ =
-      util::cat("cudnn ", dtype_name(c.dtype), c.dtype == DType::F32 && o.tf32 ? "/tf32" : "", " ", what,
-                " algo ", data ? static_cast<int>(p->data_algo_) : static_cast<int>(p->filter_algo_),
-                tuned ? " (tuned)" : "", ", ", ws, " B workspace");
+  const int chosen = data ? static_cast<int>(p->data_algo_) : static_cast<int>(p->filter_algo_);
+  if (o.cache && o.tune && !cached) o.cache->store(scope, key, std::to_string(chosen));
+  p->description_ = util::cat("cudnn ", dtype_name(c.dtype), c.dtype == DType::F32 && o.tf32 ? "/tf32" : "", " ",
+                              what, " algo ", chosen, cached ? " (tuned, cached)" : tuned ? " (tuned)" : "", ", ", ws,
+                              " B workspace");
   return p;
 }
 

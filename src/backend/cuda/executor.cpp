@@ -20,6 +20,7 @@
 #include "backend/cuda/trainer.hpp"
 #include "backend/cuda/vendor.hpp"
 #include "backend/poison.hpp"
+#include "compile/compiler.hpp"
 #include "lower/launch_plan.hpp"
 #include "plan/plan_builder.hpp"
 #include "util/memory.hpp"
@@ -231,6 +232,8 @@ std::optional<VendorOptions> GpuExecutor::vendor_options() const {
   // The fastest algorithms of large convolutions want large workspaces (hundreds of MB at batch
   // 256): up to 1 GiB, and never more than an eighth of what the device has free after the plan.
   vo.max_workspace_bytes = std::min<std::size_t>(std::size_t{1} << 30, ctx_.memory_info().free / 8);
+  vo.cache = &compile::TuningCache::global();
+  vo.device_scope = util::cat(ctx_.name(), " sm_", ctx_.arch(), " driver ", ctx_.driver_version());
   return vo;
 }
 
@@ -270,14 +273,27 @@ void GpuExecutor::plan_vendor_calls() {
     chosen.push_back(i);
   }
   if (workspace) workspace_ = DeviceBuffer(ctx_, workspace);
-  if (!options_.tune) return;
-  // Measured on the model's own buffers: the library (with its epilogue) against the op's kernels.
+  // The library (with its epilogue) against the op's kernels, measured on the model's own buffers
+  // by a tuned load and kept in the tuning cache; an untuned load takes a kept verdict.
+  const std::string scope = vo.device_scope + " tactics";
   for (std::size_t i : chosen) {
     Step& st = steps_[i];
+    const auto& sl = lp_.steps[i];
+    const std::string key =
+        util::cat(sl.module.name, " ", compile::content_hash(sl.module.ptx).substr(0, 16), " ",
+                  std::visit([&](const auto& call) { return tuning_key(call, vo.tf32); }, sl.library->call),
+                  " epilogue", sl.epilogue.size());
+    const std::optional<std::string> kept = vo.cache->find(scope, key);
+    if (kept == "own") {
+      st.vendor.reset();
+      continue;
+    }
+    if (kept == "library" || !options_.tune) continue;
     const double vendor_ms = time_step(i, 5);
     auto plan = std::move(st.vendor);
     const double own_ms = time_step(i, 5);
     if (vendor_ms <= own_ms) st.vendor = std::move(plan);
+    vo.cache->store(scope, key, st.vendor ? "library" : "own");
   }
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "compile/tuning_cache.hpp"
 #include "kg/runtime_op.hpp"
 
 namespace kg::cuda {
@@ -22,7 +23,18 @@ struct VendorOptions {
   bool tune = false;
   // The most workspace one call may use.
   std::size_t max_workspace_bytes = std::size_t{64} << 20;  // the executor sets its own
+  // Where measured choices are kept: a tuned plan measures only what it does not find there and
+  // stores what won; an untuned plan takes a stored choice where there is one (and the heuristic's
+  // otherwise). Null: nothing is kept. `device_scope` names the device and driver the choices hold
+  // for ("NVIDIA H200 sm_90 driver 13000"); each library adds its version.
+  compile::TuningCache* cache = nullptr;
+  std::string device_scope;
 };
+
+// What a call's measured choice depends on besides the device and the library: its shapes,
+// dtype, layout and options (not its addresses). Keys of the tuning cache.
+std::string tuning_key(const GemmCall& g, bool tf32);
+std::string tuning_key(const Conv2dCall& c, bool tf32);
 
 // One planned call: descriptors and the chosen algorithm for the call's shapes and addresses.
 class VendorPlan {
