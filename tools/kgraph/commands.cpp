@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "graph/dump.hpp"
+#include "compile/tuning_cache.hpp"
 #include "graph/render.hpp"
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
@@ -154,6 +155,31 @@ void print_output(std::ostream& out, const std::string& name, const kg::Tensor& 
   if (rows > max_rows) out << "  ... " << rows - max_rows << " more rows\n";
 }
 
+// Which nodes of a reduced-precision load run in it, which keep f32, and the casts between.
+void print_precision(std::ostream& out, const kg::LoadedModel& loaded, kg::DType precision) {
+  std::vector<std::string> low, kept, casts;
+  const kg::Graph& g = loaded.graph();
+  for (const kg::Node& n : g.nodes()) {
+    if (n.kind != kg::Node::Kind::Op) continue;
+    if (n.op_name() == "pw.cast") {
+      casts.push_back(n.name);
+    } else if (n.dtype == precision) {
+      low.push_back(n.name);
+    } else if (kg::is_floating(n.dtype)) {
+      kept.push_back(n.name + " (" + n.op_name() + ", " + std::string(kg::dtype_name(n.dtype)) + ")");
+    }
+  }
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+    return s;
+  };
+  out << "precision " << kg::dtype_name(precision) << ": " << low.size() << " nodes in "
+      << kg::dtype_name(precision) << ", " << kept.size() << " kept in their recorded dtype"
+      << (kept.empty() ? "" : ": " + list(kept)) << "; " << casts.size() << " casts"
+      << (casts.empty() ? "" : ": " + list(casts)) << "\n";
+}
+
 }  // namespace
 
 void list_models(std::ostream& out) {
@@ -202,6 +228,7 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
   if (binding) {
     kg::LoadOptions options;
     options.profile = device.kind == kg::Device::Kind::Cuda;
+    options.precision = *kg::parse_dtype(args.precision);
     kg::LoadedModel loaded = model.load(device, source.shapes(*binding), options);
     out << "\nloaded on " << device.to_string() << " for " << binding->to_string() << ":\n";
     const auto in_shapes = loaded.input_shapes();
@@ -214,6 +241,7 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
       out << "  output " << names[i] << ": " << kg::sizes_to_string(shapes.at(i)) << " "
           << kg::dtype_name(output_dtype(model, i)) << "\n";
     out << "memory plan: " << loaded.memory_plan().to_string() << "\n";
+    if (options.precision != kg::DType::F32) print_precision(out, loaded, options.precision);
     if (options.profile) {
       // One run on zeros (the second one: the first also warms the caches), node by node.
       std::vector<kg::Tensor> zeros;
@@ -245,6 +273,50 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
   }
 }
 
+void tune(const TuneArgs& args, std::ostream& out) {
+  const kg::Device device = kg::Device::parse(args.device);
+  if (device.kind != kg::Device::Kind::Cuda)
+    throw kg::Error("tune measures tactics on a GPU (--device cuda or cuda:N); on the CPU, 'kgraph run --tune' "
+                    "times oneDNN's implementations and batch slices at each tuned load");
+  const ModelSource source = ModelSource::open(args.model);
+  const kg::Model& model = source.model();
+  const DimBinding binding = source.bind(args.dims);
+  kg::compile::TuningCache& cache = kg::compile::TuningCache::global();
+  if (args.fresh) cache.clear();
+  kg::LoadOptions options;
+  options.tune = true;
+  options.profile = true;
+  options.tf32 = args.tf32;
+  options.precision = *kg::parse_dtype(args.precision);
+  auto timed_load = [&](const kg::LoadOptions& o) {
+    const auto t0 = std::chrono::steady_clock::now();
+    kg::LoadedModel m = model.load(device, source.shapes(binding), o);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return std::pair{std::move(m), ms};
+  };
+  auto [tuned, tuned_ms] = timed_load(options);
+  out << "model " << args.model << " on " << device.to_string() << " for " << binding.to_string() << ", "
+      << args.precision << (args.tf32 ? " (tf32)" : "") << ": tuned load " << format_ms(tuned_ms) << "\n";
+  std::vector<kg::Tensor> zeros;
+  for (const auto& shape : tuned.input_shapes())
+    zeros.push_back(kg::Tensor::zeros(source.inputs().at(zeros.size()).dtype, shape));
+  for (int r = 0; r < 2; ++r) tuned.forward(zeros);
+  out << "tactics (one run, each node timed alone):\n";
+  double total = 0;
+  for (const auto& t : tuned.profile()) {
+    out << "  " << t.node << "  " << t.op << "  " << t.kernel << "  " << format_ms(t.ms) << "\n";
+    total += t.ms;
+  }
+  out << "  total " << format_ms(total) << "\n";
+  options.tune = false;
+  options.profile = false;
+  const double later_ms = timed_load(options).second;
+  out << "a later load reads the kept choices: " << format_ms(later_ms) << " (untuned, from the tuning cache "
+      << (cache.dir().empty() ? std::string("in memory only: no private cache folder")
+                              : cache.dir().string())
+      << ")\n";
+}
+
 void run(const RunArgs& args, std::ostream& out) {
   const kg::Device device = kg::Device::parse(args.device);
   const ModelSource source = ModelSource::open(args.model);
@@ -264,6 +336,7 @@ void run(const RunArgs& args, std::ostream& out) {
   options.cuda_graph = !args.no_cuda_graph;
   options.threads = args.threads;
   options.profile = args.profile;
+  options.precision = *kg::parse_dtype(args.precision);
   std::optional<kg::LoadedModel> loaded_or;
   try {
     loaded_or.emplace(model.load(device, input_shapes, options));
@@ -280,6 +353,7 @@ void run(const RunArgs& args, std::ostream& out) {
   }
 
   out << "model " << args.model << " on " << loaded.device().to_string()
+      << (options.precision != kg::DType::F32 ? kg::util::cat(" in ", args.precision) : std::string())
       << (args.checked ? " (checked: every kernel's writes verified)" : "") << "\n";
   for (std::size_t i = 0; i < inputs.size(); ++i)
     out << "input " << source.inputs()[i].name << ": " << kg::sizes_to_string(inputs[i].shape()) << " "

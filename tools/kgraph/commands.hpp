@@ -18,6 +18,7 @@ struct InspectArgs {
   std::string render_path;     // render the graph to this .svg/.png/.pdf
   bool recorded = false;       // the graph as recorded (no inference fusion)
   std::string device = "cpu";  // with dims: where to load; on cuda the nodes' tactics and times too
+  std::string precision = "f32";  // LoadOptions::precision: f32, f16 or bf16
 };
 
 struct RunArgs {
@@ -37,6 +38,7 @@ struct RunArgs {
   bool no_cuda_graph = false;  // LoadOptions::cuda_graph off
   int threads = 0;             // LoadOptions::threads (0: KG_NUM_THREADS, else one per core)
   bool profile = false;        // LoadOptions::profile: print the last run's per-node table
+  std::string precision = "f32";  // LoadOptions::precision: f32, f16 or bf16
 };
 
 struct CompileArgs {
@@ -44,6 +46,15 @@ struct CompileArgs {
   std::optional<int> arch;  // compute capability (default: the GPU's, else 90)
   DimOptions dims;          // the sizes the launches are packed for (default batch 1)
   bool all = false;         // every built-in kernel file instead of a model
+};
+
+struct TuneArgs {
+  std::string model;
+  DimOptions dims;                // the sizes to tune for (default batch 1)
+  std::string device = "cuda";    // a GPU: cuda or cuda:N
+  std::string precision = "f32";  // LoadOptions::precision
+  bool tf32 = false;              // LoadOptions::tf32
+  bool fresh = false;             // forget every kept choice first
 };
 
 // Lists the model zoo: name, input shape, parameter count.
@@ -57,5 +68,9 @@ void run(const RunArgs& args, std::ostream& out);
 // Compiles a model's kernels (packing and checking every launch) or every built-in kernel file
 // for an architecture, without a GPU; prints one line per kernel and warms the disk cache.
 void compile(const CompileArgs& args, std::ostream& out);
+// Loads the model on a GPU with LoadOptions::tune (measuring what the tuning cache lacks and keeping
+// it), prints each node's tactic and time, then loads it again untuned to show that a later load
+// reads the kept choices.
+void tune(const TuneArgs& args, std::ostream& out);
 
 }  // namespace kgraph

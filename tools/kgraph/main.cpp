@@ -36,6 +36,9 @@ int fail(const std::string& message, int code) {
 }
 
 constexpr const char* kModelHelp = "A zoo model name (see 'kgraph models') or an ONNX file (.onnx)";
+constexpr const char* kPrecisionHelp =
+    "f32 (the default: as recorded), f16 or bf16: run the ops that can in that precision, parameters "
+    "converted at load, softmax, norms and losses kept in f32; inputs and outputs stay f32";
 
 // --dim NAME=SIZE, repeatable; each --dim takes one value (so it cannot swallow MODEL).
 CLI::Option* add_dim_option(CLI::App* command, std::vector<std::string>& values, const std::string& what) {
@@ -69,6 +72,7 @@ int main(int argc, char** argv) {
       "  kgraph run lenet5 --random --batch 2\n"
       "  kgraph run bert.onnx --batch 2 --dim sequence=16\n"
       "  kgraph compile lenet5 --arch 90\n"
+      "  kgraph tune resnet18 --batch 256 --precision bf16\n"
       "  kgraph train --epochs 2\n"
       "Run 'kgraph <command> --help' for a command's options.");
 
@@ -100,6 +104,10 @@ int main(int argc, char** argv) {
                    "With --batch or --dim, load there: cpu (the default), cuda, cuda:N or auto; on cuda also "
                    "run once and print each node's tactic (kernel or vendor library) and time")
       ->option_text("DEVICE");
+
+  inspect->add_option("--precision", ia.precision, kPrecisionHelp)
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}))
+      ->option_text("P");
 
   kgraph::RunArgs ra;
   std::int64_t run_batch = 0;
@@ -140,6 +148,9 @@ int main(int argc, char** argv) {
   run->add_flag("--checked", ra.checked,
                 "Checked mode: every kernel's writes verified (cpu: emulated with guard pages; cuda: guard "
                 "canaries and poisoned outputs). Slow; finds a broken op inside the model");
+  run->add_option("--precision", ra.precision, kPrecisionHelp)
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}))
+      ->option_text("P");
   run->add_flag("--tf32", ra.tf32, "cuda: f32 matrix products and convolutions may use TF32 tensor cores");
   run->add_flag(
       "--no-vendor", ra.no_vendor,
@@ -180,13 +191,31 @@ int main(int argc, char** argv) {
   add_dim_option(compile, compile_dims, "; the launches are packed for it");
   compile->add_flag("--all", ca.all, "Every built-in kernel file instead of a model");
 
+  kgraph::TuneArgs tua;
+  std::int64_t tune_batch = 0;
+  std::vector<std::string> tune_dims;
+  CLI::App* tune = app.add_subcommand(
+      "tune", "Measure a model's tactics on a GPU for its sizes and keep them in the tuning cache");
+  tune->add_option("MODEL", tua.model, kModelHelp)->required();
+  CLI::Option* tune_batch_opt =
+      tune->add_option("--batch", tune_batch, "Size of the dims named batch (default 1)")
+          ->check(kgraph_cli::positive_integer)
+          ->option_text("N");
+  add_dim_option(tune, tune_dims, "");
+  tune->add_option("--device", tua.device, "cuda (the default) or cuda:N")->option_text("DEVICE");
+  tune->add_option("--precision", tua.precision, kPrecisionHelp)
+      ->check(CLI::IsMember({"f32", "f16", "bf16"}))
+      ->option_text("P");
+  tune->add_flag("--tf32", tua.tf32, "f32 matrix products and convolutions may use TF32 tensor cores");
+  tune->add_flag("--fresh", tua.fresh, "Forget every kept choice first (of every model and device)");
+
   kgraph::TrainArgs ta;
   CLI::App* train = kgraph::add_train_command(app, ta);
 
   // --no-fusion on every command that builds a model: the fusion passes are skipped (through
   // KG_NO_FUSION, which every Model made in this process reads), for comparison.
   bool no_fusion = false;
-  for (CLI::App* c : {inspect, run, compile, train})
+  for (CLI::App* c : {inspect, run, compile, tune, train})
     c->add_flag(
         "--no-fusion", no_fusion,
         "Skip the fusion passes (elementwise groups, convolution epilogues): every node is its own kernel");
@@ -204,7 +233,7 @@ int main(int argc, char** argv) {
     for (const CLI::App* sub : app.get_subcommands()) where += " " + sub->get_name();
     if (app.get_subcommands().empty() && argc > 1 && argv[1][0] != '-')
       return fail(std::string("unknown command '") + argv[1] +
-                      "' (expected models, inspect, run, compile or train; see 'kgraph --help')",
+                      "' (expected models, inspect, run, compile, tune or train; see 'kgraph --help')",
                   2);
     return fail(one_line(e.what()) + " (see '" + where + " --help')", 2);
   }
@@ -215,10 +244,12 @@ int main(int argc, char** argv) {
     ra.dims = dim_options(run_batch_opt, run_batch, run_dims);
     if (*compile_arch_opt) ca.arch = compile_arch;
     ca.dims = dim_options(compile_batch_opt, compile_batch, compile_dims);
+    tua.dims = dim_options(tune_batch_opt, tune_batch, tune_dims);
     if (*models) kgraph::list_models(std::cout);
     if (*inspect) kgraph::inspect(ia, std::cout);
     if (*run) kgraph::run(ra, std::cout);
     if (*compile) kgraph::compile(ca, std::cout);
+    if (*tune) kgraph::tune(tua, std::cout);
     if (*train) kgraph::train(ta, std::cout);
     std::cout.flush();
     if (!std::cout) return fail("cannot write to standard output", 1);
