@@ -2,6 +2,10 @@
 
 #include <cblas.h>
 
+#include "kg/error.hpp"
+#include "ops/op_util.hpp"
+#include "util/str.hpp"
+
 #if KG_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.h>
 #endif
@@ -28,6 +32,20 @@ void gemm(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, doub
   cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
               static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
               static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
+}
+
+DType gemm_dtype(const std::vector<DType>& in) {
+  for (DType t : in)
+    if (!is_floating(t))
+      throw Error(util::cat("supports f32 and f64 inputs (and f16, bf16 summed in f32), got ", dtype_name(t)));
+  return require_float_or_half(in);
+}
+
+void require_gemm_backward(const std::string& op, DType dtype) {
+  if (!is_half_float(dtype)) return;
+  throw Error(util::cat(op, " computes in ", dtype_name(dtype),
+                        " for inference only: it has no backward in that dtype, so a model that trains "
+                        "through it must keep it in f32 (or f64)"));
 }
 
 }  // namespace kg::ops

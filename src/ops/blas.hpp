@@ -1,8 +1,12 @@
 // Row-major GEMM: float through oneDNN when the build has it (else OpenBLAS), double through
-// OpenBLAS.
+// OpenBLAS. Also the dtype rules of the ops built on it (nn.linear, nn.matmul).
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kg/dtype.hpp"
 
 namespace kg::ops {
 
@@ -13,5 +17,13 @@ void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, double alpha,
           const double* a, std::int64_t lda, const double* b, std::int64_t ldb, double beta,
           double* c, std::int64_t ldc);
+
+// The one dtype of a GEMM op's inputs: f32 or f64, or f16 or bf16 (stored 16-bit, summed in
+// f32). Throws for any other dtype and for inputs of different dtypes.
+DType gemm_dtype(const std::vector<DType>& in);
+
+// Throws unless the GEMM op `op` (its name) has a backward in `dtype`: f32 and f64 do; the
+// 16-bit dtypes are for inference only.
+void require_gemm_backward(const std::string& op, DType dtype);
 
 }  // namespace kg::ops

@@ -2,6 +2,9 @@
 // with arbitrary element strides so one kernel serves x·Wᵀ, batched matmul and transposes.
 // 64×64 output tiles, 16-deep k slices in shared memory, 256 threads each computing 4×4
 // (gemm_shared.cuh, which the host code that sizes the grids includes too).
+// T is the storage type (float, double, kg_f16 or kg_bf16); the tiles, the accumulators and the
+// bias add are in its compute type (kg_compute_t<T>: float for the 16-bit types), and C is
+// rounded into T once, when stored.
 #pragma once
 
 #include "gemm_shared.cuh"
@@ -25,9 +28,10 @@ struct KgGemmArgs {
 // (it synchronises the block).
 template <class T>
 __device__ __forceinline__ void kg_gemm_accumulate(const KgGemmArgs<T>& p, const T* a, const T* b, kg_index m0,
-                                                   kg_index n0, T (&acc)[4][4]) {
-  __shared__ T as[KG_GEMM_BK][KG_GEMM_BM];
-  __shared__ T bs[KG_GEMM_BK][KG_GEMM_BN];
+                                                   kg_index n0, kg_compute_t<T> (&acc)[4][4]) {
+  typedef kg_compute_t<T> C;
+  __shared__ C as[KG_GEMM_BK][KG_GEMM_BM];
+  __shared__ C bs[KG_GEMM_BK][KG_GEMM_BN];
   const int tid = threadIdx.x;
   const int tm = (tid / 16) * 4, tn = (tid % 16) * 4;
   for (kg_index k0 = 0; k0 < p.k; k0 += KG_GEMM_BK) {
@@ -37,14 +41,14 @@ __device__ __forceinline__ void kg_gemm_accumulate(const KgGemmArgs<T>& p, const
       const int idx = tid + r * KG_GEMM_THREADS;
       const int kk = idx % KG_GEMM_BK, mm = idx / KG_GEMM_BK;
       const kg_index gm = m0 + mm, gk = k0 + kk;
-      as[kk][mm] = (gm < p.m && gk < p.k) ? a[gm * p.sam + gk * p.sak] : T(0);
+      as[kk][mm] = (gm < p.m && gk < p.k) ? kg_ld(a, gm * p.sam + gk * p.sak) : C(0);
       const kg_index gn = n0 + mm;
-      bs[kk][mm] = (gn < p.n && gk < p.k) ? b[gk * p.sbk + gn * p.sbn] : T(0);
+      bs[kk][mm] = (gn < p.n && gk < p.k) ? kg_ld(b, gk * p.sbk + gn * p.sbn) : C(0);
     }
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < KG_GEMM_BK; ++kk) {
-      T av[4], bv[4];
+      C av[4], bv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) av[i] = as[kk][tm + i];
 #pragma unroll
@@ -58,20 +62,21 @@ __device__ __forceinline__ void kg_gemm_accumulate(const KgGemmArgs<T>& p, const
   }
 }
 
-// Zeroes a thread's accumulators.
-template <class T>
-__device__ __forceinline__ void kg_gemm_zero(T (&acc)[4][4]) {
+// Zeroes a thread's accumulators (of the compute type).
+template <class C>
+__device__ __forceinline__ void kg_gemm_zero(C (&acc)[4][4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = T(0);
+    for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
 }
 
 // Writes this thread's 4×4 share of the tile at (m0, n0): C(m, n) = acc + bias[n] (overwriting),
-// within the m × n bounds.
+// within the m × n bounds, the sum rounded into T.
 template <class T>
 __device__ __forceinline__ void kg_gemm_store(const KgGemmArgs<T>& p, T* c, kg_index m0, kg_index n0,
-                                              const T (&acc)[4][4]) {
+                                              const kg_compute_t<T> (&acc)[4][4]) {
+  typedef kg_compute_t<T> C;
   const int tid = threadIdx.x;
   const int tm = (tid / 16) * 4, tn = (tid % 16) * 4;
 #pragma unroll
@@ -82,7 +87,7 @@ __device__ __forceinline__ void kg_gemm_store(const KgGemmArgs<T>& p, T* c, kg_i
     for (int j = 0; j < 4; ++j) {
       const kg_index gn = n0 + tn + j;
       if (gn >= p.n) continue;
-      c[gm * p.scm + gn] = acc[i][j] + (p.bias ? p.bias[gn] : T(0));
+      kg_st(c, gm * p.scm + gn, acc[i][j] + (p.bias ? kg_ld(p.bias, gn) : C(0)));
     }
   }
 }
@@ -94,7 +99,7 @@ __device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p) {
   const T* b = p.b + (kg_index)blockIdx.z * p.batch_b;
   T* c = p.c + (kg_index)blockIdx.z * p.batch_c;
   const kg_index m0 = (kg_index)blockIdx.y * KG_GEMM_BM, n0 = (kg_index)blockIdx.x * KG_GEMM_BN;
-  T acc[4][4];
+  kg_compute_t<T> acc[4][4];
   kg_gemm_zero(acc);
   kg_gemm_accumulate(p, a, b, m0, n0, acc);
   kg_gemm_store(p, c, m0, n0, acc);
@@ -107,7 +112,7 @@ __device__ __forceinline__ void kg_gemm_grid(const KgGemmArgs<T>& p, kg_index ba
   for (kg_index z = blockIdx.z; z < batches; z += gridDim.z)
     for (kg_index m0 = (kg_index)blockIdx.y * KG_GEMM_BM; m0 < p.m; m0 += (kg_index)gridDim.y * KG_GEMM_BM)
       for (kg_index n0 = (kg_index)blockIdx.x * KG_GEMM_BN; n0 < p.n; n0 += (kg_index)gridDim.x * KG_GEMM_BN) {
-        T acc[4][4];
+        kg_compute_t<T> acc[4][4];
         kg_gemm_zero(acc);
         kg_gemm_accumulate(p, p.a + z * p.batch_a, p.b + z * p.batch_b, m0, n0, acc);
         kg_gemm_store(p, p.c + z * p.batch_c, m0, n0, acc);

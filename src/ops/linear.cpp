@@ -1,5 +1,6 @@
 // nn.linear: y = x Wᵀ + b over the last dim, and its backward: dx = dy W, dW = dyᵀ x and
-// db = the column sums of dy, with x and dy seen as [rows, features].
+// db = the column sums of dy, with x and dy seen as [rows, features]. The forward also computes
+// in f16 and bf16 (stored 16-bit, summed in f32); the backward takes f32 and f64 only.
 #include <algorithm>
 #include <cmath>
 
@@ -127,10 +128,11 @@ class LinearRuntime final : public RuntimeOp {
     return LibraryCall{g, {}};
   }
 
-  // dx = dy · W and dW = dyᵀ · x for cuBLASLt; db by the backward module's column sums.
+  // dx = dy · W and dW = dyᵀ · x for cuBLASLt; db by the backward module's column sums. None in
+  // 16-bit: the op has no backward there.
   std::optional<LibraryBackward> backward_library_calls(const LaunchTensors& t) const override {
     const std::int64_t r = rows(t.grad_output.shape);
-    if (r == 0 || in_ == 0) return std::nullopt;
+    if (r == 0 || in_ == 0 || is_half_float(dtype_)) return std::nullopt;
     LibraryBackward b;
     if (t.grad_inputs.at(0).ptr) {  // [rows, in] = [rows, out] · [out, in]
       GemmCall g;
@@ -167,6 +169,7 @@ class LinearRuntime final : public RuntimeOp {
   }
 
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    require_gemm_backward("nn.linear", dtype_);
     const std::int64_t r = rows(t.grad_output.shape);
     std::vector<Launch> ls;
     for (int l = kGradInput; l <= (bias_ ? kGradBias : kGradWeight); ++l) {
@@ -226,11 +229,14 @@ class LinearOp final : public CustomOp {
     return out;
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override {
-    DType t = require_float(in);
-    if (t != dtype_)
+    const DType t = gemm_dtype(in);
+    // Recorded in f32 and recorded again on a 16-bit input, the op computes in that dtype: the
+    // graph re-declares its f32 parameters in it (computes_in).
+    if (t != dtype_ && !(is_half_float(t) && dtype_ == DType::F32))
       throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
     return t;
   }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override {
     // PyTorch: kaiming_uniform(a=sqrt(5)) gives U(-1/sqrt(in), 1/sqrt(in)); the bias the same.
@@ -240,11 +246,13 @@ class LinearOp final : public CustomOp {
     return p;
   }
 
-  std::optional<Lowered> lower(const LowerContext&) const override {
-    return Lowered{"nn.linear", kernel_file("linear.cu"), entry_for("kg_linear", dtype_),
-                   std::make_shared<LinearRuntime>(in_, out_, bias_, dtype_)};
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const DType t = node_dtype(ctx);
+    return Lowered{"nn.linear", kernel_file("linear.cu"), entry_for("kg_linear", t),
+                   std::make_shared<LinearRuntime>(in_, out_, bias_, t)};
   }
-  std::string lower_backward_source(const LowerContext&) const override {
+  std::string lower_backward_source(const LowerContext& ctx) const override {
+    require_gemm_backward(name(), node_dtype(ctx));
     return kernel_file("linear_backward.cu");
   }
 
@@ -253,6 +261,7 @@ class LinearOp final : public CustomOp {
   BackwardSaves backward_saves() const override { return {true, false}; }
 
   void cpu_backward(CpuBackwardContext& ctx) const override {
+    require_gemm_backward(name(), ctx.grad_output.dtype());
     const Tensor& dyt = ctx.grad_output;
     const std::int64_t rows = dyt.numel() / out_;
     dispatch_float(dyt.dtype(), [&](auto zero) {
@@ -281,6 +290,9 @@ class LinearOp final : public CustomOp {
   }
 
   void cpu_forward(CpuContext& ctx) const override {
+    // 16-bit: the f32 form on f32 copies, the output rounded back.
+    if (is_half_float(ctx.output.dtype()))
+      return cpu_forward_in_f32(ctx, [&](CpuContext& c) { cpu_forward(c); });
     const Tensor& x = ctx.inputs[0];
     const std::int64_t rows = x.numel() / std::max<std::int64_t>(in_, 1);
     dispatch_float(x.dtype(), [&](auto zero) {
@@ -306,6 +318,12 @@ class LinearOp final : public CustomOp {
 
  private:
   static constexpr std::int64_t kSmallGemm = 1 << 17;  // multiply-adds below which BLAS is skipped
+
+  // The dtype the node computes in, that of its kernel entries: the parameters' as declared, or
+  // the 16-bit dtype the node was recorded in again (computes_in).
+  DType node_dtype(const LowerContext& ctx) const {
+    return is_half_float(ctx.output_dtype) ? ctx.output_dtype : dtype_;
+  }
 
   // y[r, j] = b[j] + x[r, :] · w[j, :], with 16 independent partial sums so the loop vectorises.
   template <class T>
@@ -334,7 +352,7 @@ class LinearOp final : public CustomOp {
 
   std::int64_t in_, out_;
   bool bias_;
-  DType dtype_;  // of the parameters: the input's
+  DType dtype_;  // of the parameters as declared: the input's at record time
 };
 
 }  // namespace

@@ -1,4 +1,5 @@
-// nn.linear on the GPU: y[r, j] = sum_k x[r, k] w[j, k] + b[j], through the tiled GEMM.
+// nn.linear on the GPU: y[r, j] = sum_k x[r, k] w[j, k] + b[j], through the tiled GEMM. The
+// 16-bit entries keep x, w, b and y in kg_f16 / kg_bf16 and sum in float (gemm.cuh).
 #include "gemm.cuh"
 
 template <class T>
@@ -31,4 +32,16 @@ extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
     kg_linear_f64(const double* __restrict__ x, const double* __restrict__ w, const double* __restrict__ bias,
                   double* __restrict__ y, long long rows, long long in, long long out) {
   kg_linear<double>(x, w, bias, y, rows, in, out);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_linear_f16(const kg_f16* __restrict__ x, const kg_f16* __restrict__ w, const kg_f16* __restrict__ bias,
+                  kg_f16* __restrict__ y, long long rows, long long in, long long out) {
+  kg_linear<kg_f16>(x, w, bias, y, rows, in, out);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_linear_bf16(const kg_bf16* __restrict__ x, const kg_bf16* __restrict__ w, const kg_bf16* __restrict__ bias,
+                   kg_bf16* __restrict__ y, long long rows, long long in, long long out) {
+  kg_linear<kg_bf16>(x, w, bias, y, rows, in, out);
 }

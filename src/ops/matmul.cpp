@@ -1,7 +1,8 @@
 // nn.matmul: torch.matmul semantics (1-D and 2-D operands, batched operands whose leading dims
 // broadcast), computed with one GEMM per batch entry or one GEMM when B is shared. The backward
 // is dA = dC Bᵀ and dB = Aᵀ dC per output batch entry, summed over the entries that share an
-// operand's matrix (its broadcast dims).
+// operand's matrix (its broadcast dims). The forward also computes in f16 and bf16 (stored
+// 16-bit, summed in f32); the backward takes f32 and f64 only.
 #include <algorithm>
 
 #include "kg/ops.hpp"
@@ -254,6 +255,7 @@ class MatmulRuntime final : public RuntimeOp {
 
   // ---- backward (matmul_backward.cu): launch 0 writes dA, launch 1 dB ----
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    require_gemm_backward("nn.matmul", dtype_);
     std::vector<Launch> ls;
     for (int launch = 0; launch < 2; ++launch) {
       const GradLaunch g = grad_launch(launch, t);
@@ -335,14 +337,16 @@ class MatmulOp final : public CustomOp {
     if (b.rank() >= 2) out.push_back(b[b.rank() - 1]);
     return out;
   }
-  DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  DType infer_output_dtype(const std::vector<DType>& in) const override { return gemm_dtype(in); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   // The entries are the output dtype's.
   std::optional<Lowered> lower(const LowerContext& ctx) const override {
     return Lowered{"nn.matmul", kernel_file("matmul.cu"), entry_for("kg_matmul", ctx.output_dtype),
                    std::make_shared<MatmulRuntime>(rank_a_, rank_b_, ctx.output_dtype)};
   }
-  std::string lower_backward_source(const LowerContext&) const override {
+  std::string lower_backward_source(const LowerContext& ctx) const override {
+    require_gemm_backward(name(), ctx.output_dtype);
     return kernel_file("matmul_backward.cu");
   }
 
@@ -351,6 +355,7 @@ class MatmulOp final : public CustomOp {
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {true, false}; }
   void cpu_backward(CpuBackwardContext& ctx) const override {
+    require_gemm_backward(name(), ctx.grad_output.dtype());
     const Tensor &a = ctx.inputs[0], &b = ctx.inputs[1];
     const auto [m, k, n] = matmul_sizes(a.shape(), b.shape());
     const Levels lv = broadcast_levels(a.shape(), b.shape());
@@ -403,6 +408,9 @@ class MatmulOp final : public CustomOp {
   }
 
   void cpu_forward(CpuContext& ctx) const override {
+    // 16-bit: the f32 form on f32 copies, the output rounded back.
+    if (is_half_float(ctx.output.dtype()))
+      return cpu_forward_in_f32(ctx, [&](CpuContext& c) { cpu_forward(c); });
     const Tensor &a = ctx.inputs[0], &b = ctx.inputs[1];
     const auto &sa = a.shape(), &sb = b.shape();
     // A as [batch_a..., m, k] and B as [batch_b..., k, n]; a 1-D A is one row, a 1-D B one column.

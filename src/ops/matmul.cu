@@ -3,7 +3,8 @@
 // split over up to KG_MATMUL_MAX_LEVELS broadcast levels (adjacent dims that broadcast alike are
 // merged on the host), each with its size and the element strides of A and B (0 where that
 // operand is broadcast). Grid: x over n tiles, y over m tiles, z over batch entries; y and z are
-// capped (65535) and the kernel loops over the rest. KgMatmulBatch is matmul_shared.cuh's.
+// capped (65535) and the kernel loops over the rest. KgMatmulBatch is matmul_shared.cuh's. The
+// 16-bit entries keep A, B and C in kg_f16 / kg_bf16 and sum in float (gemm.cuh).
 #include "gemm.cuh"
 #include "matmul_shared.cuh"
 
@@ -53,4 +54,18 @@ extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
                   long long m, long long n, long long k, long long sam, long long sak, long long sbk,
                   long long sbn, KgMatmulBatch batch) {
   kg_matmul<double>(a, b, c, m, n, k, sam, sak, sbk, sbn, batch);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_matmul_f16(const kg_f16* __restrict__ a, const kg_f16* __restrict__ b, kg_f16* __restrict__ c,
+                  long long m, long long n, long long k, long long sam, long long sak, long long sbk,
+                  long long sbn, KgMatmulBatch batch) {
+  kg_matmul<kg_f16>(a, b, c, m, n, k, sam, sak, sbk, sbn, batch);
+}
+
+extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
+    kg_matmul_bf16(const kg_bf16* __restrict__ a, const kg_bf16* __restrict__ b, kg_bf16* __restrict__ c,
+                   long long m, long long n, long long k, long long sam, long long sak, long long sbk,
+                   long long sbn, KgMatmulBatch batch) {
+  kg_matmul<kg_bf16>(a, b, c, m, n, k, sam, sak, sbk, sbn, batch);
 }

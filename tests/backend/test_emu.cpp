@@ -226,7 +226,7 @@ std::vector<double> naive_linear(const kg::Tensor& x, const kg::Tensor& w, const
 
 TEST(Emu, FindsKernelSignatures) {
   const auto ks = kg::emu::find_kernels(kg::compile::kernel_source("linear.cu"));
-  ASSERT_EQ(ks.size(), 2u);
+  ASSERT_EQ(ks.size(), 4u);  // f32, f64, f16, bf16
   EXPECT_EQ(ks[0].name, "kg_linear_f32");
   EXPECT_TRUE(ks[0].extern_c);
   EXPECT_EQ(ks[0].launch_bounds, "KG_GEMM_THREADS");
