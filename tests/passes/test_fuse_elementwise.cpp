@@ -423,7 +423,11 @@ TEST(FuseElementwise, ABadGroupDescriptionIsAnError) {
                         {"nn.relu @ r", "not an earlier member"});
   kg_test::expect_error([&] { FusedElementwiseOp({member({-1})}, 2, kg::DType::F32, mode); },
                         {"group input 1 is read by no member"});
-  kg_test::expect_error([&] { FusedElementwiseOp({member({-1})}, 1, kg::DType::I32, mode); }, {"f32 or f64"});
+  kg_test::expect_error([&] { FusedElementwiseOp({member({-1})}, 1, kg::DType::I32, mode); },
+                        {"f32, f64, f16 or bf16", "not i32"});
+  kg_test::expect_error(
+      [&] { FusedElementwiseOp({member({-1})}, 1, kg::DType::BF16, kg::LoweringMode::Training); },
+      {"bf16 group runs in inference only"});
   FusedMember no_cpu = member({-1});
   no_cpu.form.cpu = nullptr;
   kg_test::expect_error([&] { FusedElementwiseOp({no_cpu}, 1, kg::DType::F32, mode); }, {"no CPU form"});

@@ -185,6 +185,40 @@ TEST(Precision, OnlyOpsThatDeclareItRunInTheReducedDtype) {
   EXPECT_TRUE(kg_test::all_close(got[1], want[1], 0.0, 0.0)) << "the f64 branch is untouched";
 }
 
+// A broadcasting elementwise group (the generated kernel's walk path) and an odd-sized one (its
+// scalar tail) in bf16 and f16: the CPU form, and the generated kernel under the emulator, against
+// the f32 run. Each input is rounded once on the way in and the result once on the way out.
+TEST(Precision, BroadcastingGroupsMatchTheF32Run) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  auto graph = kg::Graph::create();
+  kg::SymTensor x = graph->input(kg::DType::F32, {kg::Dim::named("batch"), 4, 37}, "x");
+  kg::SymTensor y = graph->input(kg::DType::F32, {4, 1}, "y");
+  kg::SymTensor b = kg::relu(kg::add(kg::mul(x, y, "scale"), x, "shift"), "act");  // broadcasts y
+  kg::SymTensor c = kg::sigmoid(kg::sub(x, 0.25, "centre"), "gate");               // same shape
+  kg::Model model(graph, {b, c});
+  const std::vector<std::vector<std::int64_t>> shapes{{3, 4, 37}, {4, 1}};
+  const kg::Tensor xv = kg_test::random_tensor(rng, kg::DType::F32, shapes[0], -2, 2);
+  const kg::Tensor yv = kg_test::random_tensor(rng, kg::DType::F32, shapes[1], -2, 2);
+  const auto want = model.load(kg::Device::cpu(), shapes).forward({xv, yv});
+  for (kg::DType precision : {kg::DType::BF16, kg::DType::F16})
+    for (bool checked : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << kg::dtype_name(precision) << (checked ? " emulated" : " cpu"));
+      kg::LoadOptions opt;
+      opt.precision = precision;
+      opt.checked = checked;
+      opt.poison_buffers = !checked;
+      kg::LoadedModel m = model.load(kg::Device::cpu(), shapes, opt);
+      EXPECT_EQ(ops_by_name(m).at("act")->dtype, precision);
+      const auto got = m.forward({xv, yv});
+      // x·y + x from rounded x and y: a few units in the last place of the largest term (|x·y| < 4).
+      const double ulp = precision == kg::DType::BF16 ? 1.0 / 128 : 1.0 / 1024;
+      EXPECT_TRUE(kg_test::all_close(got[0], want[0], 2 * ulp, 8 * ulp));
+      EXPECT_TRUE(kg_test::all_close(got[1], want[1], 2 * ulp, ulp));
+    }
+}
+
 // A graph with nothing to convert loads as it is.
 TEST(Precision, AGraphWithNothingToConvertIsUnchanged) {
   auto graph = kg::Graph::create();

@@ -6,10 +6,22 @@
 #include <vector>
 
 #include "kg/error.hpp"
+#include "util/half.hpp"
 #include "util/str.hpp"
 
 namespace kg::emu {
 namespace {
+
+// A 16-bit float element (bfloat16 when Bf, else IEEE half): read as a double, written rounded to
+// nearest even, so the call's sums stay in double whatever the storage.
+template <bool Bf>
+struct Half16 {
+  std::uint16_t bits;
+  Half16() = default;
+  explicit Half16(double v)
+      : bits(Bf ? util::float_to_bf16(static_cast<float>(v)) : util::float_to_half(static_cast<float>(v))) {}
+  explicit operator double() const { return Bf ? util::bf16_to_float(bits) : util::half_to_float(bits); }
+};
 
 template <class T>
 T* at(DevicePtr p) {
@@ -120,8 +132,12 @@ void run_library_reference(const LibraryCall& call, const std::string& label) {
           run(float{});
         else if (c.dtype == DType::F64)
           run(double{});
+        else if (c.dtype == DType::F16)
+          run(Half16<false>{});
+        else if (c.dtype == DType::BF16)
+          run(Half16<true>{});
         else
-          throw Error(util::cat(label, " the emulator's library reference takes f32 and f64 calls, not ",
+          throw Error(util::cat(label, " the emulator's library reference takes f32, f64, f16 and bf16 calls, not ",
                                 dtype_name(c.dtype)));
       },
       call.call);
