@@ -5,6 +5,10 @@
 // index_ops.cu) run the same map, merged the same way. index.gather and index.gather_elements
 // read indices (i32 or i64): an index out of range is an error on the CPU and clamped on the GPU.
 // index.range, index.constant_of_shape and index.shape only read their inputs' shapes.
+// The ops that move floating data (the gathers and the index maps) compute in f16 and bf16
+// (CustomOp::computes_in) as they are: their copies go by width, index.pad's constant is rounded
+// into the dtype (element_bits). index.range and index.constant_of_shape make the dtype their
+// attribute names, so they do not: a 16-bit model keeps theirs and casts after them.
 #include "ops/index_ops.hpp"
 
 #include <algorithm>
@@ -330,6 +334,7 @@ class MapRuntime final : public RuntimeOp {
 template <class Derived>
 class MapOp : public CustomOp {
  public:
+  bool computes_in(DType t) const override { return is_half_float(t); }
   std::optional<Lowered> lower(const LowerContext& ctx) const override {
     const Derived self = static_cast<const Derived&>(*this);
     const DType dtype = ctx.output_dtype;
@@ -405,6 +410,7 @@ class GatherOp final : public CustomOp {
   explicit GatherOp(std::int64_t axis) : axis_(axis) {}
   std::string name() const override { return "index.gather"; }
   std::string attributes() const override { return util::cat("axis=", axis_); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 2);
@@ -534,6 +540,7 @@ class GatherElementsOp final : public CustomOp {
   explicit GatherElementsOp(std::int64_t axis) : axis_(axis) {}
   std::string name() const override { return "index.gather_elements"; }
   std::string attributes() const override { return util::cat("axis=", axis_); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 2);

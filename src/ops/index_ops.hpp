@@ -3,7 +3,9 @@
 // (copied by element width: bool, i8 .. i64, u8, f16, bf16, f32, f64). Sizes that ONNX gives as
 // run-time tensors are DimRefs (ops/dim_ref.hpp): a constant, or a dim of one of the op's inputs,
 // so that a dynamic batch survives. Ops whose only inputs are such shape sources never read
-// their data. The GPU kernels are index_ops.cu; none of these ops has a backward.
+// their data. The GPU kernels are index_ops.cu; none of these ops has a backward. The ops that
+// move floating data (gather, gather_elements, expand, tile, pad, slice_axes) compute in f16 and
+// bf16 (CustomOp::computes_in), so a model loaded in reduced precision keeps them in its dtype.
 #pragma once
 
 #include <cstdint>

@@ -3,7 +3,10 @@
 // Every op runs over the N*C planes in parallel; on the GPU (pool.cu) one thread per output
 // element, one warp per plane for the global average. The backward passes scatter each output
 // gradient over its window on the CPU and gather it per input element on the GPU
-// (pool_backward.cu).
+// (pool_backward.cu). Every op also computes in f16 and bf16 (CustomOp::computes_in), for
+// inference: the kernels compare and sum in float, the CPU runs the f32 implementation on f32
+// copies (cpu_forward_in_f32) and nn.upsample_nearest2d copies the elements as they are; a
+// backward of a 16-bit node is an error naming the op and the dtype.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -26,6 +29,22 @@ namespace kg::ops {
 namespace {
 
 std::string size2_text(Size2 s) { return s.h == s.w ? util::cat(s.h) : util::cat(s.h, "x", s.w); }
+
+// The dtype of a pooling node: f32 or f64, or f16 or bf16 (forward only), one for every input.
+DType pool_dtype(const std::vector<DType>& in) {
+  for (DType t : in)
+    if (!is_floating(t))
+      throw Error(
+          util::cat("supports f32 and f64 inputs (and f16 and bf16 for inference), got ", dtype_name(t)));
+  return require_float_or_half(in);
+}
+
+// Throws for the backward of a 16-bit node: the 16-bit forms are for inference.
+void require_backward_dtype(const std::string& op, DType t) {
+  if (is_half_float(t))
+    throw Error(util::cat(op, " has no backward in ", dtype_name(t),
+                          ": 16-bit pooling runs in inference only (train the model in f32)"));
+}
 
 #if KG_HAVE_AVX512_PATHS
 KG_AVX512_BEGIN
@@ -271,8 +290,13 @@ class PoolRuntime final : public RuntimeOp {
  public:
   enum class Kind { Max, Avg, Global, Upsample };
   // `w` is the window (for Upsample: the scale factors as the kernel).
-  PoolRuntime(Kind kind, Window w, bool count_include_pad, std::string stem, DType dtype)
-      : kind_(kind), w_(w), count_include_pad_(count_include_pad), stem_(std::move(stem)), dtype_(dtype) {}
+  PoolRuntime(Kind kind, Window w, bool count_include_pad, std::string op_name, std::string stem, DType dtype)
+      : kind_(kind),
+        w_(w),
+        count_include_pad_(count_include_pad),
+        op_name_(std::move(op_name)),
+        stem_(std::move(stem)),
+        dtype_(dtype) {}
 
   void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
     const auto& in = t.inputs.at(0).shape;
@@ -287,6 +311,7 @@ class PoolRuntime final : public RuntimeOp {
   }
 
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    require_backward_dtype(op_name_, dtype_);  // pool_backward.cu has f32 and f64 entries only
     const DeviceTensor& dx = t.grad_inputs.at(0);
     Launch L;
     L.entry = entry_for(stem_ + "_backward", dtype_);
@@ -322,7 +347,8 @@ class PoolRuntime final : public RuntimeOp {
   Kind kind_;
   Window w_;
   bool count_include_pad_;
-  std::string stem_;  // of the forward entry; the backward's adds "_backward"
+  std::string op_name_;  // for errors
+  std::string stem_;     // of the forward entry; the backward's adds "_backward"
   DType dtype_;       // of the kernel entries
 };
 
@@ -330,7 +356,7 @@ class PoolRuntime final : public RuntimeOp {
 Lowered pool_lowering(const LowerContext& ctx, const std::string& op_name, const char* stem,
                       PoolRuntime::Kind kind, Window w, bool count_include_pad = false) {
   return Lowered{op_name, kernel_file("pool.cu"), entry_for(stem, ctx.output_dtype),
-                 std::make_shared<PoolRuntime>(kind, w, count_include_pad, stem, ctx.output_dtype)};
+                 std::make_shared<PoolRuntime>(kind, w, count_include_pad, op_name, stem, ctx.output_dtype)};
 }
 
 // The backward kernels of the whole family.
@@ -348,12 +374,16 @@ class MaxPool2dOp final : public CustomOp {
     w_.check();
     return w_.out_shape(in);
   }
-  DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  DType infer_output_dtype(const std::vector<DType>& in) const override { return pool_dtype(in); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
   std::optional<Lowered> lower(const LowerContext& ctx) const override {
     return pool_lowering(ctx, name(), "kg_max_pool2d", PoolRuntime::Kind::Max, w_);
   }
 
   void cpu_forward(CpuContext& ctx) const override {
+    // 16-bit: the maximum of the f32 copies is one of them, so rounding it back is exact.
+    if (is_half_float(ctx.output.dtype()))
+      return cpu_forward_in_f32(ctx, [&](CpuContext& c) { cpu_forward(c); });
     const Tensor& x = ctx.inputs[0];
     const MaxPoolGeom g{x.dim(2),     x.dim(3),     ctx.output.dim(2), ctx.output.dim(3),
                         w_.kernel.h,  w_.kernel.w,  w_.stride.h,       w_.stride.w,
@@ -374,6 +404,7 @@ class MaxPool2dOp final : public CustomOp {
   BackwardSaves backward_saves() const override { return {true, false}; }
   std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
+    require_backward_dtype(name(), ctx.grad_output.dtype());
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
     const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.grad_output.dim(2), wo = ctx.grad_output.dim(3);
@@ -436,12 +467,16 @@ class AvgPool2dOp final : public CustomOp {
     w_.check();
     return w_.out_shape(in);
   }
-  DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  DType infer_output_dtype(const std::vector<DType>& in) const override { return pool_dtype(in); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
   std::optional<Lowered> lower(const LowerContext& ctx) const override {
     return pool_lowering(ctx, name(), "kg_avg_pool2d", PoolRuntime::Kind::Avg, w_, count_include_pad_);
   }
 
   void cpu_forward(CpuContext& ctx) const override {
+    // 16-bit: summed in f32, rounded once.
+    if (is_half_float(ctx.output.dtype()))
+      return cpu_forward_in_f32(ctx, [&](CpuContext& c) { cpu_forward(c); });
     const Tensor& x = ctx.inputs[0];
     const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.output.dim(2), wo = ctx.output.dim(3);
     dispatch_float(x.dtype(), [&](auto zero) {
@@ -471,6 +506,7 @@ class AvgPool2dOp final : public CustomOp {
   BackwardSaves backward_saves() const override { return {false, false}; }
   std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
+    require_backward_dtype(name(), ctx.grad_output.dtype());
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
     const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.grad_output.dim(2), wo = ctx.grad_output.dim(3);
@@ -528,13 +564,17 @@ class GlobalAvgPoolOp final : public CustomOp {
       throw Error(util::cat("needs a non-empty H and W to average, got ", x.to_string()));
     return Shape{x[0], x[1], Dim(1), Dim(1)};
   }
-  DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  DType infer_output_dtype(const std::vector<DType>& in) const override { return pool_dtype(in); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
   std::optional<Lowered> lower(const LowerContext& ctx) const override {
     return pool_lowering(ctx, name(), "kg_global_avg_pool", PoolRuntime::Kind::Global,
                          Window{1, 1, 0, 1, false});
   }
 
   void cpu_forward(CpuContext& ctx) const override {
+    // 16-bit: summed in f32, rounded once.
+    if (is_half_float(ctx.output.dtype()))
+      return cpu_forward_in_f32(ctx, [&](CpuContext& c) { cpu_forward(c); });
     const Tensor& x = ctx.inputs[0];
     const std::int64_t hw = x.dim(2) * x.dim(3);
     dispatch_float(x.dtype(), [&](auto zero) {
@@ -563,6 +603,7 @@ class GlobalAvgPoolOp final : public CustomOp {
   BackwardSaves backward_saves() const override { return {false, false}; }
   std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
+    require_backward_dtype(name(), ctx.grad_output.dtype());
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
     const std::int64_t hw = x.dim(2) * x.dim(3);
@@ -595,7 +636,8 @@ class UpsampleNearest2dOp final : public CustomOp {
     };
     return Shape{x[0], x[1], scaled(x[2], scale_.h), scaled(x[3], scale_.w)};
   }
-  DType infer_output_dtype(const std::vector<DType>& in) const override { return require_float(in); }
+  DType infer_output_dtype(const std::vector<DType>& in) const override { return pool_dtype(in); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
   std::optional<Lowered> lower(const LowerContext& ctx) const override {
     // The kernel reads the scale factors from the window's kernel size.
     return pool_lowering(ctx, name(), "kg_upsample_nearest2d", PoolRuntime::Kind::Upsample,
@@ -606,10 +648,11 @@ class UpsampleNearest2dOp final : public CustomOp {
     const Tensor& x = ctx.inputs[0];
     const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.output.dim(2), wo = ctx.output.dim(3);
     const std::int64_t sh = scale_.h, sw = scale_.w;
-    dispatch_float(x.dtype(), [&](auto zero) {
+    // A copy of elements, by their width: the 16-bit dtypes move as they are.
+    dispatch_width(dtype_size(x.dtype()), [&](auto zero) {
       using T = decltype(zero);
-      const T* xp = x.data<T>();
-      T* yp = ctx.output.data<T>();
+      const T* xp = static_cast<const T*>(x.raw());
+      T* yp = static_cast<T*>(ctx.output.raw());
       ctx.parallel_for(x.dim(0) * x.dim(1), plane_grain(ho * wo), [&](std::int64_t b, std::int64_t e) {
         for (std::int64_t pl = b; pl < e; ++pl) {
           const T* src = xp + pl * h * w;
@@ -631,6 +674,7 @@ class UpsampleNearest2dOp final : public CustomOp {
   BackwardSaves backward_saves() const override { return {false, false}; }
   std::string lower_backward_source(const LowerContext&) const override { return pool_backward_source(); }
   void cpu_backward(CpuBackwardContext& ctx) const override {
+    require_backward_dtype(name(), ctx.grad_output.dtype());
     if (!ctx.wants_input_grad(0)) return;
     const Tensor& x = ctx.inputs[0];
     const std::int64_t h = x.dim(2), w = x.dim(3), ho = ctx.grad_output.dim(2), wo = ctx.grad_output.dim(3);

@@ -2,7 +2,9 @@
 // nn.max_pool2d, nn.avg_pool2d, nn.upsample_nearest2d (one thread per output element, in a
 // grid-stride loop; consecutive threads take consecutive output columns) and
 // nn.global_avg_pool (one warp per plane, summed with shuffles). The window arithmetic is that
-// of the CPU implementations in ops/pool.cpp, including their NaN rule and divisors.
+// of the CPU implementations in ops/pool.cpp, including their NaN rule and divisors. Every entry
+// exists for f32, f64, f16 and bf16 (kg_dtype.cuh's storage types): the 16-bit ones compare and
+// sum in float and round once into the output.
 // KG_POOL_THREADS and the geometry passed by value, KgPoolShape, are pool_shared.cuh's.
 #include "kg_device.cuh"
 #include "pool_shared.cuh"
@@ -46,15 +48,18 @@ __device__ __forceinline__ void kg_pool_launch(const KgPoolShape& s, const Body&
 }
 
 // ---- nn.max_pool2d ----
-// The largest value of the window's taps inside the input; a NaN among them wins.
+// The largest value of the window's taps inside the input; a NaN among them wins. Compared in
+// the compute type; the element picked is stored as it was read (its bits, NaN payloads too).
 
 template <class T>
 __device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __restrict__ y,
                                               const KgPoolShape& s) {
+  typedef kg_compute_t<T> C;
   kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
     const T* src = x + pl * s.h * s.w;
     const long long iy0 = oy * s.sh - s.ph, ix0 = ox * s.sw - s.pw;
-    T m = kg_pool_lowest(T(0));
+    C m = kg_pool_lowest(C(0));
+    T pick = kg_from_compute<T>(m);
     for (long long ky = 0; ky < s.kh; ++ky) {
       const long long iy = iy0 + ky * s.dh;
       if (iy < 0 || iy >= s.h) continue;
@@ -62,11 +67,14 @@ __device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __rest
       for (long long kx = 0; kx < s.kw; ++kx) {
         const long long ix = ix0 + kx * s.dw;
         if (ix < 0 || ix >= s.w) continue;
-        const T v = row[ix];
-        if (v > m || v != v) m = v;
+        const C v = kg_ld(row, ix);
+        if (v > m || v != v) {
+          m = v;
+          pick = row[ix];
+        }
       }
     }
-    y[i] = m;
+    y[i] = pick;
   });
 }
 
@@ -77,6 +85,7 @@ __device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __rest
 template <class T>
 __device__ __forceinline__ void kg_avg_pool2d(const T* __restrict__ x, T* __restrict__ y,
                                               const KgPoolShape& s, int count_include_pad) {
+  typedef kg_compute_t<T> C;
   kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
     const T* src = x + pl * s.h * s.w;
     long long y0 = oy * s.sh - s.ph, y1 = min(y0 + s.kh, s.h + s.ph);
@@ -86,15 +95,16 @@ __device__ __forceinline__ void kg_avg_pool2d(const T* __restrict__ x, T* __rest
     x0 = max(x0, 0LL);
     y1 = min(y1, s.h);
     x1 = min(x1, s.w);
-    T sum = T(0);
+    C sum = C(0);
     for (long long iy = y0; iy < y1; ++iy)
-      for (long long ix = x0; ix < x1; ++ix) sum += src[iy * s.w + ix];
+      for (long long ix = x0; ix < x1; ++ix) sum += kg_ld(src, iy * s.w + ix);
     const long long count = count_include_pad ? padded : max(y1 - y0, 0LL) * max(x1 - x0, 0LL);
-    y[i] = sum / (T)count;
+    kg_st(y, i, sum / (C)count);
   });
 }
 
 // ---- nn.upsample_nearest2d ----
+// A copy: every element type moves as it is.
 
 template <class T>
 __device__ __forceinline__ void kg_upsample_nearest2d(const T* __restrict__ x, T* __restrict__ y,
@@ -110,18 +120,20 @@ __device__ __forceinline__ void kg_upsample_nearest2d(const T* __restrict__ x, T
 template <class T>
 __device__ __forceinline__ void kg_global_avg_pool(const T* __restrict__ x, T* __restrict__ y,
                                                    long long planes, long long hw) {
+  typedef kg_compute_t<T> C;
   const int lane = threadIdx.x % 32;
   const long long nwarps = (long long)gridDim.x * (blockDim.x / 32);
   for (long long pl = kg_thread_index() / 32; pl < planes; pl += nwarps) {
     const T* src = x + pl * hw;
-    T sum = T(0);
-    for (long long j = lane; j < hw; j += 32) sum += src[j];
+    C sum = C(0);
+    for (long long j = lane; j < hw; j += 32) sum += kg_ld(src, j);
     sum = kg_warp_sum(sum);
-    if (lane == 0) y[pl] = sum / (T)hw;
+    if (lane == 0) kg_st(y, pl, sum / (C)hw);
   }
 }
 
 // ---- entries ----
+// One per element type: kg_<op>_f32, _f64, _f16 and _bf16.
 
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_max_pool2d_f32(const float* __restrict__ x, float* __restrict__ y, KgPoolShape s) {
@@ -130,6 +142,14 @@ extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_max_pool2d_f64(const double* __restrict__ x, double* __restrict__ y, KgPoolShape s) {
   kg_max_pool2d<double>(x, y, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_max_pool2d_f16(const kg_f16* __restrict__ x, kg_f16* __restrict__ y, KgPoolShape s) {
+  kg_max_pool2d<kg_f16>(x, y, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_max_pool2d_bf16(const kg_bf16* __restrict__ x, kg_bf16* __restrict__ y, KgPoolShape s) {
+  kg_max_pool2d<kg_bf16>(x, y, s);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
@@ -142,6 +162,16 @@ extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
                       int count_include_pad) {
   kg_avg_pool2d<double>(x, y, s, count_include_pad);
 }
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_avg_pool2d_f16(const kg_f16* __restrict__ x, kg_f16* __restrict__ y, KgPoolShape s,
+                      int count_include_pad) {
+  kg_avg_pool2d<kg_f16>(x, y, s, count_include_pad);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_avg_pool2d_bf16(const kg_bf16* __restrict__ x, kg_bf16* __restrict__ y, KgPoolShape s,
+                       int count_include_pad) {
+  kg_avg_pool2d<kg_bf16>(x, y, s, count_include_pad);
+}
 
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_upsample_nearest2d_f32(const float* __restrict__ x, float* __restrict__ y, KgPoolShape s) {
@@ -150,6 +180,14 @@ extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_upsample_nearest2d_f64(const double* __restrict__ x, double* __restrict__ y, KgPoolShape s) {
   kg_upsample_nearest2d<double>(x, y, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_upsample_nearest2d_f16(const kg_f16* __restrict__ x, kg_f16* __restrict__ y, KgPoolShape s) {
+  kg_upsample_nearest2d<kg_f16>(x, y, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_upsample_nearest2d_bf16(const kg_bf16* __restrict__ x, kg_bf16* __restrict__ y, KgPoolShape s) {
+  kg_upsample_nearest2d<kg_bf16>(x, y, s);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
@@ -161,4 +199,14 @@ extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
     kg_global_avg_pool_f64(const double* __restrict__ x, double* __restrict__ y, long long planes,
                            long long hw) {
   kg_global_avg_pool<double>(x, y, planes, hw);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_global_avg_pool_f16(const kg_f16* __restrict__ x, kg_f16* __restrict__ y, long long planes,
+                           long long hw) {
+  kg_global_avg_pool<kg_f16>(x, y, planes, hw);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_global_avg_pool_bf16(const kg_bf16* __restrict__ x, kg_bf16* __restrict__ y, long long planes,
+                            long long hw) {
+  kg_global_avg_pool<kg_bf16>(x, y, planes, hw);
 }

@@ -1,5 +1,7 @@
 // Shape ops. nn.flatten and nn.reshape are views of their input's bytes; nn.permute (also
-// transpose), nn.concat and nn.slice copy into a new buffer.
+// transpose), nn.concat and nn.slice copy into a new buffer. All of them move elements by their
+// width (the _u8 ... _u64 kernels, dispatch_width on the CPU), so every dtype works alike and
+// each op computes in f16 and bf16 (CustomOp::computes_in) as it is.
 #include "ops/shape_ops_shared.cuh"
 
 #include <algorithm>
@@ -51,6 +53,7 @@ class FlattenOp final : public CustomOp {
   std::string name() const override { return "nn.flatten"; }
   std::string attributes() const override { return util::cat("start_dim=", start_, " end_dim=", end_); }
   bool is_view() const override { return true; }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 1);
@@ -85,6 +88,7 @@ class ReshapeOp final : public CustomOp {
   std::string name() const override { return "nn.reshape"; }
   std::string attributes() const override { return util::cat("sizes=", sizes_to_string(sizes_)); }
   bool is_view() const override { return true; }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 1);
@@ -167,6 +171,7 @@ class PermuteOp final : public CustomOp {
   std::string attributes() const override {
     return transpose_ ? util::cat("transpose=", t0_, ",", t1_) : util::cat("dims=", sizes_to_string(dims_));
   }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   // The permutation for an input of `rank` dims: output dim i is input dim perm[i].
   std::vector<std::size_t> perm(std::size_t rank) const {
@@ -529,6 +534,7 @@ class ConcatOp final : public CustomOp {
   explicit ConcatOp(std::int64_t dim) : dim_(dim) {}
   std::string name() const override { return "nn.concat"; }
   std::string attributes() const override { return util::cat("dim=", dim_); }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     if (in.empty()) throw Error("expects at least one input, got none");
@@ -717,6 +723,7 @@ class SliceOp final : public CustomOp {
   std::string attributes() const override {
     return util::cat("dim=", dim_, " start=", start_, " end=", end_, " step=", step_);
   }
+  bool computes_in(DType t) const override { return is_half_float(t); }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
     require_inputs(in, 1);

@@ -23,6 +23,8 @@ class ViewOp final : public CustomOp {
   std::string name() const override { return "nn.view"; }
   std::string attributes() const override { return "dims=" + dims_to_string(dims_); }
   bool is_view() const override { return true; }
+  // Bytes under a new shape: the same for every dtype.
+  bool computes_in(DType t) const override { return is_half_float(t); }
   DType infer_output_dtype(const std::vector<DType>& in) const override {
     if (in.empty()) throw Error("expects an input");
     return in[0];
