@@ -21,6 +21,9 @@
 // BatchNorm, residual add, activation) to each block of results while it is in cache, and
 // splits the work over the runtime's threads: (image, group, block of pixels) items for the
 // f32 kernel, with the next item's input prefetched while the current one computes.
+//
+// A convolution in f16 or bf16 (inference only) runs the f32 algorithms on f32 copies of its
+// input and parameters and rounds the result once (cpu_forward_in_f32).
 #include "ops/conv.hpp"
 
 #include <cblas.h>
@@ -1722,6 +1725,8 @@ ConvAlgo conv_algo_for(const Conv2dOp& op, const std::vector<std::int64_t>& inpu
 }
 
 void conv2d_cpu(const Conv2dOp& op, ConvAlgo algo, CpuContext& ctx) {
+  if (is_half_float(ctx.output.dtype()))
+    return cpu_forward_in_f32(ctx, [&](CpuContext& c) { conv2d_cpu(op, algo, c); });
   const Tensor& x = ctx.inputs[0];
   const ConvGeom g = geometry(op, x.shape(), ctx.output.shape());
   dispatch_float(x.dtype(), [&](auto zero) {
@@ -1734,26 +1739,48 @@ void conv2d_cpu(const Conv2dOp& op, ConvAlgo algo, CpuContext& ctx) {
 
 namespace {
 
-// The GPU lowering's view of a convolution (conv_gpu.hpp).
-ConvGpuConfig gpu_config(const Conv2dOp& op) {
+// The GPU lowering's view of a convolution (conv_gpu.hpp) run in `dtype`, the node's: the op's
+// own, or f16 / bf16 for an f32 convolution loaded in a reduced precision.
+ConvGpuConfig gpu_config(const Conv2dOp& op, DType dtype) {
   ConvGpuConfig c;
   c.in_channels = op.in_channels();
   c.out_channels = op.out_channels();
   c.kernel = op.kernel();
   c.options = op.options();
-  c.dtype = op.dtype();
+  c.dtype = dtype;
   return c;
 }
 
 // ... and of a fused one, with its epilogue.
-ConvGpuConfig gpu_config(const FusedConv2dOp& op) {
-  ConvGpuConfig c = gpu_config(op.conv());
+ConvGpuConfig gpu_config(const FusedConv2dOp& op, DType dtype) {
+  ConvGpuConfig c = gpu_config(op.conv(), dtype);
   c.batch_norm = op.spec().batch_norm;
   c.bn_eps = op.spec().bn_eps;
   c.residual = op.spec().residual;
   c.activation = op.spec().activation;
   c.activation_form = op.spec().activation_form;
   return c;
+}
+
+// The one dtype of a convolution's inputs: f32, f64, or f16 / bf16 (for inference).
+DType input_dtype(const std::vector<DType>& in) {
+  for (DType t : in)
+    if (!is_floating(t))
+      throw Error(
+          util::cat("supports f32 and f64 inputs (and f16 and bf16 for inference), got ", dtype_name(t)));
+  return require_float_or_half(in);
+}
+
+// True when a node of dtype `t` may hold parameters declared as `declared`: the same dtype, or
+// f32 ones that the graph converted for a node computing in f16 or bf16 (CustomOp::computes_in).
+bool params_fit(DType declared, DType t) {
+  return declared == t || (declared == DType::F32 && is_half_float(t));
+}
+
+// The error for the gradients of a 16-bit convolution, which are not implemented.
+[[noreturn]] void no_half_backward(const std::string& op, DType t) {
+  throw Error(util::cat(op, " has no ", dtype_name(t),
+                        " backward: 16-bit convolutions run in inference only (train the model in f32)"));
 }
 
 }  // namespace
@@ -1804,8 +1831,8 @@ Shape Conv2dOp::infer_output_shape(const std::vector<Shape>& in) const {
 }
 
 DType Conv2dOp::infer_output_dtype(const std::vector<DType>& in) const {
-  DType t = require_float(in);
-  if (t != dtype_)
+  DType t = input_dtype(in);
+  if (!params_fit(dtype_, t))
     throw Error(util::cat("input is ", dtype_name(t), " but the parameters are ", dtype_name(dtype_)));
   return t;
 }
@@ -1823,14 +1850,18 @@ std::vector<ParamSpec> Conv2dOp::parameters(const std::vector<Shape>&) const {
 
 void Conv2dOp::cpu_forward(CpuContext& ctx) const { conv2d_cpu(*this, ConvAlgo::Auto, ctx); }
 
-std::optional<Lowered> Conv2dOp::lower(const LowerContext&) const {
-  return lower_conv(gpu_config(*this), name());
+std::optional<Lowered> Conv2dOp::lower(const LowerContext& ctx) const {
+  return lower_conv(gpu_config(*this, ctx.output_dtype), name());
 }
 
-std::string Conv2dOp::lower_backward_source(const LowerContext&) const { return conv2d_backward_source(); }
+std::string Conv2dOp::lower_backward_source(const LowerContext& ctx) const {
+  if (is_half_float(ctx.output_dtype)) no_half_backward(name(), ctx.output_dtype);
+  return conv2d_backward_source();
+}
 
 void Conv2dOp::cpu_backward(CpuBackwardContext& ctx) const {
   const Tensor& x = ctx.inputs[0];
+  if (is_half_float(x.dtype())) no_half_backward(name(), x.dtype());
   const ConvGeom g = geometry(*this, x.shape(), ctx.grad_output.shape());
   dispatch_float(x.dtype(), [&](auto zero) {
     using T = decltype(zero);
@@ -1847,8 +1878,8 @@ void Conv2dOp::cpu_backward(CpuBackwardContext& ctx) const {
 FusedConv2dOp::FusedConv2dOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params)
     : conv_(std::move(conv)), spec_(std::move(spec)), params_(std::move(params)) {}
 
-std::optional<Lowered> FusedConv2dOp::lower(const LowerContext&) const {
-  return lower_conv(gpu_config(*this), name());
+std::optional<Lowered> FusedConv2dOp::lower(const LowerContext& ctx) const {
+  return lower_conv(gpu_config(*this, ctx.output_dtype), name());
 }
 
 std::string FusedConv2dOp::attributes() const {
@@ -1877,11 +1908,17 @@ Shape FusedConv2dOp::infer_output_shape(const std::vector<Shape>& in) const {
 }
 
 DType FusedConv2dOp::infer_output_dtype(const std::vector<DType>& in) const {
-  DType t = require_float(in);
+  DType t = input_dtype(in);
+  for (const ParamSpec& p : params_)
+    if (is_floating(p.dtype) && !params_fit(p.dtype, t))
+      throw Error(
+          util::cat("input is ", dtype_name(t), " but parameter '", p.name, "' is ", dtype_name(p.dtype)));
   return conv_.infer_output_dtype({t});
 }
 
 void FusedConv2dOp::cpu_forward(CpuContext& ctx) const {
+  if (is_half_float(ctx.output.dtype()))
+    return cpu_forward_in_f32(ctx, [&](CpuContext& c) { cpu_forward(c); });
   const Tensor& x = ctx.inputs[0];
   const ConvGeom g = geometry(conv_, x.shape(), ctx.output.shape());
   const bool has_bias = conv_.options().bias;

@@ -29,10 +29,17 @@
 // (bias - mean) * scale, in double as on the CPU), then the residual add and the activation.
 // A null bias / bn_weight / residual pointer leaves that step out.
 //
-// The entries here are direct and gemm without an activation. Other kernels get their source
-// from ops/conv_gpu.cpp: elementwise.cu for an activation's formula, this file up to the
-// "---- entries ----" line, and one entry with the same parameters as those below that calls
-// kg_conv2d_direct, kg_conv2d_gemm or kg_conv2d_tiled with an activation functor.
+// The kernels are templates over the element type T of every tensor (float, double, or
+// kg_dtype.cuh's 16-bit kg_f16 and kg_bf16): they read elements as the compute type C =
+// kg_compute_t<T> (float for the 16-bit types), accumulate, stage shared memory and apply the
+// epilogue in C, and round once when the result is stored. The activation functor takes and
+// returns C.
+//
+// The entries here are direct and gemm without an activation, and the epilogue alone, for each
+// element type. Other kernels get their source from ops/conv_gpu.cpp: elementwise.cu for an
+// activation's formula, this file up to the "---- entries ----" line, and one entry with the
+// same parameters as those below that calls kg_conv2d_direct, kg_conv2d_gemm or kg_conv2d_tiled
+// with an activation functor.
 #include "conv_shared.cuh"  // KG_CONV_* and KgConvShape, shared with ops/conv_gpu.cpp
 #include "kg_device.cuh"
 
@@ -47,35 +54,42 @@ struct KgConvEpilogue {
   double eps;
 };
 
-template <class T>
+// An activation functor of compute type C that applies nothing.
+template <class C>
 struct KgConvIdentity {
-  __device__ __forceinline__ T operator()(T v) const { return v; }
+  __device__ __forceinline__ C operator()(C v) const { return v; }
 };
 
+// *p through the read-only data cache, as the compute type.
 __device__ __forceinline__ float kg_conv_ldg(const float* p) { return __ldg(p); }
 __device__ __forceinline__ double kg_conv_ldg(const double* p) { return __ldg(p); }
+__device__ __forceinline__ float kg_conv_ldg(const kg_f16* p) { return kg_f16_to_float(__ldg(&p->bits)); }
+__device__ __forceinline__ float kg_conv_ldg(const kg_bf16* p) { return kg_bf16_to_float(__ldg(&p->bits)); }
 
 // The per-channel affine map of output channel o: y = conv * scale + shift.
 template <class T>
-__device__ __forceinline__ void kg_conv_affine(const KgConvEpilogue<T>& ep, long long o, T& scale, T& shift) {
+__device__ __forceinline__ void kg_conv_affine(const KgConvEpilogue<T>& ep, long long o,
+                                               kg_compute_t<T>& scale, kg_compute_t<T>& shift) {
+  typedef kg_compute_t<T> C;
   if (ep.bn_weight) {
-    const double s = (double)ep.bn_weight[o] / sqrt((double)ep.bn_var[o] + ep.eps);
-    const double b = ep.bias ? (double)ep.bias[o] : 0.0;
-    scale = (T)s;
-    shift = (T)((double)ep.bn_bias[o] + (b - (double)ep.bn_mean[o]) * s);
+    const double s = (double)kg_ld(ep.bn_weight, o) / sqrt((double)kg_ld(ep.bn_var, o) + ep.eps);
+    const double b = ep.bias ? (double)kg_ld(ep.bias, o) : 0.0;
+    scale = (C)s;
+    shift = (C)((double)kg_ld(ep.bn_bias, o) + (b - (double)kg_ld(ep.bn_mean, o)) * s);
   } else {
-    scale = T(1);
-    shift = ep.bias ? ep.bias[o] : T(0);
+    scale = C(1);
+    shift = ep.bias ? kg_ld(ep.bias, o) : C(0);
   }
 }
 
-// y[at] = act(acc * scale + shift + residual[at]).
+// y[at] = act(acc * scale + shift + residual[at]), computed in C and rounded into T once.
 template <class T, class Act>
 __device__ __forceinline__ void kg_conv_store(const KgConvEpilogue<T>& ep, const Act& act, T* __restrict__ y,
-                                              long long at, T acc, T scale, T shift) {
-  T v = acc * scale + shift;
-  if (ep.residual) v += ep.residual[at];
-  y[at] = act(v);
+                                              long long at, kg_compute_t<T> acc, kg_compute_t<T> scale,
+                                              kg_compute_t<T> shift) {
+  kg_compute_t<T> v = acc * scale + shift;
+  if (ep.residual) v += kg_ld(ep.residual, at);
+  kg_st(y, at, act(v));
 }
 
 // a / b and a % b for 0 <= a, b < 2^31.
@@ -91,6 +105,7 @@ template <class T, int OCB, class Act>
 __device__ __forceinline__ void kg_conv2d_direct_run(const T* __restrict__ x, const T* __restrict__ w,
                                                      T* __restrict__ y, const KgConvShape& s,
                                                      const KgConvEpilogue<T>& ep, const Act& act) {
+  typedef kg_compute_t<T> C;
   const unsigned groups = (unsigned)s.groups, og = (unsigned)(s.o / s.groups),
                  cg = (unsigned)(s.c / s.groups);
   const unsigned nob = (og + OCB - 1) / OCB;  // channel blocks per group
@@ -111,9 +126,9 @@ __device__ __forceinline__ void kg_conv2d_direct_run(const T* __restrict__ x, co
     int woff[OCB];
 #pragma unroll
     for (int j = 0; j < OCB; ++j) woff[j] = (j < nvalid ? j : 0) * kdim;
-    T acc[OCB];
+    C acc[OCB];
 #pragma unroll
-    for (int j = 0; j < OCB; ++j) acc[j] = T(0);
+    for (int j = 0; j < OCB; ++j) acc[j] = C(0);
     const int iy0 = (int)(oy * s.sh - s.ph), ix0 = (int)(ox * s.sw - s.pw);
     const T* xc = x + ((long long)img * s.c + (long long)g * cg) * hwi;
     const T* wk = w + (long long)oc0 * kdim;  // the weights of tap (c, ky, 0)
@@ -125,7 +140,7 @@ __device__ __forceinline__ void kg_conv2d_direct_run(const T* __restrict__ x, co
         for (int kx = 0; kx < kw; ++kx) {
           const int ix = ix0 + kx * dw;
           if ((unsigned)ix >= (unsigned)wd) continue;
-          const T v = row[ix];
+          const C v = kg_ld(row, ix);
 #pragma unroll
           for (int j = 0; j < OCB; ++j) acc[j] += v * kg_conv_ldg(wk + woff[j] + kx);
         }
@@ -135,7 +150,7 @@ __device__ __forceinline__ void kg_conv2d_direct_run(const T* __restrict__ x, co
     for (int j = 0; j < OCB; ++j) {
       if (j >= nvalid) break;
       const long long o = oc0 + j;
-      T scale, shift;
+      C scale, shift;
       kg_conv_affine(ep, o, scale, shift);
       kg_conv_store(ep, act, y, ((long long)img * s.o + o) * hwo + pix, acc[j], scale, shift);
     }
@@ -155,9 +170,10 @@ __device__ __forceinline__ void kg_conv2d_direct(const T* __restrict__ x, const 
 }
 
 // ---- tiled (stride 1, no dilation) ----
-// Grid: x over n × groups × channel chunks × tiles_h × tiles_w blocks. Dynamic shared memory:
-// the input window, cc × (tile_h + KH - 1) × (tile_w + KW - 1), rounded up to KG_CONV_SMEM_ALIGN
-// bytes, then the weights, cc × KH × KW × och.
+// Grid: x over n × groups × channel chunks × tiles_h × tiles_w blocks. Dynamic shared memory, of
+// the compute type (16-bit elements are widened as they are staged): the input window, cc ×
+// (tile_h + KH - 1) × (tile_w + KW - 1), rounded up to KG_CONV_SMEM_ALIGN bytes, then the
+// weights, cc × KH × KW × och.
 
 // n consecutive values from 16-byte aligned shared memory, as one or two vector loads.
 template <int N>
@@ -189,14 +205,15 @@ template <class T, int KH, int KW, int OCB, int PX, class Act>
 __device__ __forceinline__ void kg_conv2d_tiled(const T* __restrict__ x, const T* __restrict__ w,
                                                 T* __restrict__ y, const KgConvShape& s,
                                                 const KgConvEpilogue<T>& ep, const Act& act) {
+  typedef kg_compute_t<T> C;
   extern __shared__ __align__(16) unsigned char kg_conv_smem[];
   constexpr int KHW = KH * KW;
   const int th = (int)s.tile_h, tw = (int)s.tile_w, tcb = tw / PX, cc = (int)s.cc, och = (int)s.och;
   const int ih = th + KH - 1, iw = tw + KW - 1;
-  const int xs_elems = (cc * ih * iw * (int)sizeof(T) + KG_CONV_SMEM_ALIGN - 1) / KG_CONV_SMEM_ALIGN *
-                       (KG_CONV_SMEM_ALIGN / (int)sizeof(T));
-  T* xs = reinterpret_cast<T*>(kg_conv_smem);
-  T* ws = xs + xs_elems;
+  const int xs_elems = (cc * ih * iw * (int)sizeof(C) + KG_CONV_SMEM_ALIGN - 1) / KG_CONV_SMEM_ALIGN *
+                       (KG_CONV_SMEM_ALIGN / (int)sizeof(C));
+  C* xs = reinterpret_cast<C*>(kg_conv_smem);
+  C* ws = xs + xs_elems;
   const int og = (int)(s.o / s.groups), cg = (int)(s.c / s.groups);
   const int h = (int)s.h, wd = (int)s.w, ho = (int)s.ho, wo = (int)s.wo;
   const long long hwi = s.h * s.w;
@@ -218,11 +235,11 @@ __device__ __forceinline__ void kg_conv2d_tiled(const T* __restrict__ x, const T
   const bool active = tid < (och / OCB) * per_cb;
   const int cb = tid / per_cb, r = (tid - cb * per_cb) / tcb, q = tid - cb * per_cb - r * tcb;
 
-  T acc[OCB][PX];
+  C acc[OCB][PX];
 #pragma unroll
   for (int j = 0; j < OCB; ++j)
 #pragma unroll
-    for (int p = 0; p < PX; ++p) acc[j][p] = T(0);
+    for (int p = 0; p < PX; ++p) acc[j][p] = C(0);
 
   const T* xg = x + ((long long)img * s.c + (long long)g * cg) * hwi;
   const T* wg = w + ((long long)g * og + ob0) * kdim;
@@ -234,26 +251,27 @@ __device__ __forceinline__ void kg_conv2d_tiled(const T* __restrict__ x, const T
     for (int i = tid; i < nc * plane; i += blockDim.x) {
       const int c = i / plane, rem = i - c * plane, yy = rem / iw, xx = rem - yy * iw;
       const int iy = iy0 + yy, ix = ix0 + xx;
-      xs[i] = ((unsigned)iy < (unsigned)h && (unsigned)ix < (unsigned)wd) ? xg[(c0 + c) * hwi + iy * wd + ix]
-                                                                          : T(0);
+      xs[i] = ((unsigned)iy < (unsigned)h && (unsigned)ix < (unsigned)wd)
+                  ? kg_ld(xg, (c0 + c) * hwi + iy * wd + ix)
+                  : C(0);
     }
     // Their weights as [c][tap][o], 0 past the group's channels.
     for (int i = tid; i < nc * KHW * och; i += blockDim.x) {
       const int o = i % och, ct = i / och, c = ct / KHW, tap = ct - c * KHW;
-      ws[i] = ob0 + o < og ? kg_conv_ldg(wg + (long long)o * kdim + (c0 + c) * KHW + tap) : T(0);
+      ws[i] = ob0 + o < og ? kg_conv_ldg(wg + (long long)o * kdim + (c0 + c) * KHW + tap) : C(0);
     }
     __syncthreads();
     if (active) {
       for (int c = 0; c < nc; ++c) {
 #pragma unroll
         for (int ky = 0; ky < KH; ++ky) {
-          T xr[PX + KW - 1];
-          const T* row = xs + (c * ih + r + ky) * iw + q * PX;
+          C xr[PX + KW - 1];
+          const C* row = xs + (c * ih + r + ky) * iw + q * PX;
 #pragma unroll
           for (int i = 0; i < PX + KW - 1; ++i) xr[i] = row[i];
 #pragma unroll
           for (int kx = 0; kx < KW; ++kx) {
-            T wv[OCB];
+            C wv[OCB];
             kg_conv_load_vec<OCB>(ws + ((c * KH + ky) * KW + kx) * och + cb * OCB, wv);
 #pragma unroll
             for (int j = 0; j < OCB; ++j)
@@ -273,7 +291,7 @@ __device__ __forceinline__ void kg_conv2d_tiled(const T* __restrict__ x, const T
     const int om = ob0 + cb * OCB + j;
     if (om >= og) break;
     const long long o = (long long)g * og + om;
-    T scale, shift;
+    C scale, shift;
     kg_conv_affine(ep, o, scale, shift);
     const long long row_at = (((long long)img * s.o + o) * ho + oy) * wo;
 #pragma unroll
@@ -292,8 +310,9 @@ template <class T, class Act>
 __device__ __forceinline__ void kg_conv2d_gemm(const T* __restrict__ x, const T* __restrict__ w,
                                                T* __restrict__ y, const KgConvShape& s,
                                                const KgConvEpilogue<T>& ep, const Act& act) {
-  __shared__ T as[KG_CONV_BK][KG_CONV_BM];
-  __shared__ T bs[KG_CONV_BK][KG_CONV_BN];
+  typedef kg_compute_t<T> C;
+  __shared__ C as[KG_CONV_BK][KG_CONV_BM];  // staged in the compute type
+  __shared__ C bs[KG_CONV_BK][KG_CONV_BN];
   __shared__ long long koff[KG_CONV_BK];  // input offset of tap k from the window's corner
   __shared__ int kdy[KG_CONV_BK], kdx[KG_CONV_BK];
   const int og = (int)(s.o / s.groups), cg = (int)(s.c / s.groups);
@@ -326,11 +345,11 @@ __device__ __forceinline__ void kg_conv2d_gemm(const T* __restrict__ x, const T*
   const int h = (int)s.h, wd = (int)s.w;
 
   const int tm = (tid / 16) * 4, tn = (tid % 16) * 4;
-  T acc[4][4];
+  C acc[4][4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = T(0);
+    for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
 
   for (int k0 = 0; k0 < kdim; k0 += KG_CONV_BK) {
     if (tid < KG_CONV_BK) {
@@ -353,7 +372,7 @@ __device__ __forceinline__ void kg_conv2d_gemm(const T* __restrict__ x, const T*
       const int idx = tid + r * KG_CONV_THREADS;
       const int kk = idx % KG_CONV_BK, mm = idx / KG_CONV_BK;
       const int gm = m0 + mm, gk = k0 + kk;
-      as[kk][mm] = (gm < og && gk < kdim) ? kg_conv_ldg(wg + (long long)gm * kdim + gk) : T(0);
+      as[kk][mm] = (gm < og && gk < kdim) ? kg_conv_ldg(wg + (long long)gm * kdim + gk) : C(0);
     }
     __syncthreads();
     // B: 16 taps × 64 pixels, consecutive threads along the pixels.
@@ -362,12 +381,12 @@ __device__ __forceinline__ void kg_conv2d_gemm(const T* __restrict__ x, const T*
       const int kk = brow + 4 * r;
       const int iy = iy0 + kdy[kk], ix = ix0 + kdx[kk];
       const bool inside = pvalid && iy >= 0 && iy < h && ix >= 0 && ix < wd;
-      bs[kk][bcol] = inside ? xb[corner + koff[kk]] : T(0);
+      bs[kk][bcol] = inside ? kg_ld(xb, corner + koff[kk]) : C(0);
     }
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < KG_CONV_BK; ++kk) {
-      T av[4], bv[4];
+      C av[4], bv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) av[i] = as[kk][tm + i];
 #pragma unroll
@@ -397,7 +416,7 @@ __device__ __forceinline__ void kg_conv2d_gemm(const T* __restrict__ x, const T*
     const int m = m0 + tm + i;
     if (m >= og) continue;
     const long long o = g * og + m;
-    T scale, shift;
+    C scale, shift;
     kg_conv_affine(ep, o, scale, shift);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -431,9 +450,9 @@ __device__ __forceinline__ void kg_conv2d_epilogue(T* __restrict__ y, const KgCo
   const long long hwo = s.ho * s.wo, total = s.n * s.o * hwo;
   for (long long at = blockIdx.x * (long long)blockDim.x + threadIdx.x; at < total;
        at += (long long)gridDim.x * blockDim.x) {
-    T scale, shift;
+    kg_compute_t<T> scale, shift;
     kg_conv_affine(ep, (at / hwo) % s.o, scale, shift);
-    kg_conv_store(ep, act, y, at, y[at], scale, shift);
+    kg_conv_store(ep, act, y, at, kg_ld(y, at), scale, shift);
   }
 }
 
@@ -502,4 +521,72 @@ extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
                            double* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
   kg_conv2d_epilogue<double>(y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
                            KgConvIdentity<double>());
+}
+
+// 16-bit storage (kg_f16, kg_bf16), computed in float.
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_direct_f16(const kg_f16* __restrict__ x, const kg_f16* __restrict__ w,
+                         const kg_f16* __restrict__ bias, const kg_f16* __restrict__ bn_weight,
+                         const kg_f16* __restrict__ bn_bias, const kg_f16* __restrict__ bn_mean,
+                         const kg_f16* __restrict__ bn_var, const kg_f16* __restrict__ residual,
+                         kg_f16* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_direct<kg_f16>(x, w, y, s,
+                           kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                           KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_direct_bf16(const kg_bf16* __restrict__ x, const kg_bf16* __restrict__ w,
+                          const kg_bf16* __restrict__ bias, const kg_bf16* __restrict__ bn_weight,
+                          const kg_bf16* __restrict__ bn_bias, const kg_bf16* __restrict__ bn_mean,
+                          const kg_bf16* __restrict__ bn_var, const kg_bf16* __restrict__ residual,
+                          kg_bf16* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_direct<kg_bf16>(x, w, y, s,
+                            kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                            KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_gemm_f16(const kg_f16* __restrict__ x, const kg_f16* __restrict__ w,
+                       const kg_f16* __restrict__ bias, const kg_f16* __restrict__ bn_weight,
+                       const kg_f16* __restrict__ bn_bias, const kg_f16* __restrict__ bn_mean,
+                       const kg_f16* __restrict__ bn_var, const kg_f16* __restrict__ residual,
+                       kg_f16* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_gemm<kg_f16>(x, w, y, s,
+                         kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                         KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_gemm_bf16(const kg_bf16* __restrict__ x, const kg_bf16* __restrict__ w,
+                        const kg_bf16* __restrict__ bias, const kg_bf16* __restrict__ bn_weight,
+                        const kg_bf16* __restrict__ bn_bias, const kg_bf16* __restrict__ bn_mean,
+                        const kg_bf16* __restrict__ bn_var, const kg_bf16* __restrict__ residual,
+                        kg_bf16* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_gemm<kg_bf16>(x, w, y, s,
+                          kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                          KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_epilogue_f16(const kg_f16* __restrict__ x, const kg_f16* __restrict__ w,
+                           const kg_f16* __restrict__ bias, const kg_f16* __restrict__ bn_weight,
+                           const kg_f16* __restrict__ bn_bias, const kg_f16* __restrict__ bn_mean,
+                           const kg_f16* __restrict__ bn_var, const kg_f16* __restrict__ residual,
+                           kg_f16* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_epilogue<kg_f16>(y, s,
+                             kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                             KgConvIdentity<float>());
+}
+
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_epilogue_bf16(const kg_bf16* __restrict__ x, const kg_bf16* __restrict__ w,
+                            const kg_bf16* __restrict__ bias, const kg_bf16* __restrict__ bn_weight,
+                            const kg_bf16* __restrict__ bn_bias, const kg_bf16* __restrict__ bn_mean,
+                            const kg_bf16* __restrict__ bn_var, const kg_bf16* __restrict__ residual,
+                            kg_bf16* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_epilogue<kg_bf16>(y, s,
+                              kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
+                              KgConvIdentity<float>());
 }

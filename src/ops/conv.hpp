@@ -18,7 +18,8 @@ namespace kg::ops {
 // nn.conv2d on [N, C, H, W]. Parameters, in this order: weight [out, in/groups, kh, kw] and,
 // with options.bias, bias [out]. The configuration is checked by infer_output_shape (so that
 // errors carry the node's label); `in_channels` is -1 when the input's channel count is not
-// known at record time, which infer_output_shape reports.
+// known at record time, which infer_output_shape reports. It computes in f32, f64, f16 and bf16
+// (the 16-bit ones for inference, accumulating in f32; they have no backward).
 class Conv2dOp final : public CustomOp {
  public:
   Conv2dOp(std::int64_t in_channels, std::int64_t out_channels, Size2 kernel,
@@ -27,14 +28,17 @@ class Conv2dOp final : public CustomOp {
   // "in=64 out=128 k=3 s=2 p=1", with "d=", "groups=" and "bias=false" when not the default.
   std::string attributes() const override;
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
+  // The input's dtype, which must be the parameters' (or f16 / bf16 with f32 parameters, which
+  // the graph converts for a node computing in it).
   DType infer_output_dtype(const std::vector<DType>& in) const override;
   std::vector<ParamSpec> parameters(const std::vector<Shape>& in) const override;
   void cpu_forward(CpuContext& ctx) const override;
-  // The GPU kernel (conv_gpu.cpp).
+  // The GPU kernel (conv_gpu.cpp), in the node's dtype.
   std::optional<Lowered> lower(const LowerContext& ctx) const override;
+  bool computes_in(DType dtype) const override { return is_half_float(dtype); }
   // Gradients of the input, the weight and the bias: im2col and BLAS GEMMs on the CPU; the
   // kernels of conv_backward.cu on the GPU. The backward reads the input (for the weight's
-  // gradient) and the weight, never the output.
+  // gradient) and the weight, never the output. In f16 and bf16 both are errors naming the op.
   bool has_cpu_backward() const override { return true; }
   BackwardSaves backward_saves() const override { return {true, false}; }
   void cpu_backward(CpuBackwardContext& ctx) const override;
@@ -44,6 +48,7 @@ class Conv2dOp final : public CustomOp {
   std::int64_t out_channels() const { return out_; }
   Size2 kernel() const { return kernel_; }
   const nn::Conv2dOptions& options() const { return opt_; }
+  // The dtype the parameters were declared in (a node's may differ: see infer_output_dtype).
   DType dtype() const { return dtype_; }
 
  private:
@@ -72,7 +77,8 @@ bool conv_algo_available(ConvAlgo algo, DType dtype);
 ConvAlgo conv_algo_for(const Conv2dOp& op, const std::vector<std::int64_t>& input, DType dtype);
 
 // Computes `op` (with its bias) from ctx.inputs[0] and ctx.params into ctx.output with the
-// given algorithm; throws kg::Error when it is not available.
+// given algorithm (for f16 and bf16 tensors, on f32 copies); throws kg::Error when it is not
+// available.
 void conv2d_cpu(const Conv2dOp& op, ConvAlgo algo, CpuContext& ctx);
 
 // What a fused convolution applies after the convolution, in this order.
@@ -97,7 +103,9 @@ struct ConvEpilogueSpec {
 // (weight, bias?) then, with spec.batch_norm, the batch norm's (weight, bias, running_mean,
 // running_var, num_batches_tracked). `params` are the specs with their full dotted names, as
 // the fused node holds them; parameters() returns them unchanged. Built only by the fusion pass
-// for inference: with a batch norm inside, running in train mode is an error.
+// for inference: with a batch norm inside, running in train mode is an error. Computes in f32,
+// f64, f16 and bf16 (every input, output and floating parameter of one dtype; the 16-bit ones
+// accumulate and apply the epilogue in f32, an activation's form included).
 class FusedConv2dOp final : public CustomOp {
  public:
   FusedConv2dOp(Conv2dOp conv, ConvEpilogueSpec spec, std::vector<ParamSpec> params);
@@ -109,8 +117,9 @@ class FusedConv2dOp final : public CustomOp {
   DType infer_output_dtype(const std::vector<DType>& in) const override;
   std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override { return params_; }
   void cpu_forward(CpuContext& ctx) const override;
-  // The GPU kernel (conv_gpu.cpp); no lowered backward (inference only).
+  // The GPU kernel (conv_gpu.cpp), in the node's dtype; no lowered backward (inference only).
   std::optional<Lowered> lower(const LowerContext& ctx) const override;
+  bool computes_in(DType dtype) const override { return is_half_float(dtype); }
 
   const Conv2dOp& conv() const { return conv_; }
   const ConvEpilogueSpec& spec() const { return spec_; }

@@ -72,7 +72,8 @@ TilePlan tile_plan(const ConvGpuConfig& cfg, const std::vector<std::int64_t>& ou
   const std::int64_t groups = cfg.options.groups, og = cfg.out_channels / groups,
                      cg = cfg.in_channels / groups;
   const std::int64_t kh = cfg.kernel.h, kw = cfg.kernel.w, ocb = channels_per_thread(og);
-  const auto esize = static_cast<std::int64_t>(dtype_size(cfg.dtype));
+  // Shared memory holds the compute type (16-bit elements are widened to float as they are staged).
+  const std::int64_t esize = cfg.dtype == DType::F64 ? 8 : 4;
   TilePlan t;
   const std::int64_t ogp = ceil_div(og, ocb) * ocb;
   t.och = std::min(ogp, kTiledMaxChannels);
@@ -125,8 +126,10 @@ class ConvRuntime final : public RuntimeOp {
 
   // The convolution for cuDNN, and the rest (bias, folded BatchNorm, residual, activation) as
   // one launch of the module's epilogue entry over the library's output.
+  // 16-bit convolutions too: the library computes in f32 and rounds its output, which the epilogue
+  // then reads in place and computes on in float.
   std::optional<LibraryCall> library_call(const LaunchTensors& t) const override {
-    if (cfg_.dtype != DType::F32 && cfg_.dtype != DType::F64) return std::nullopt;
+    if (!is_floating(cfg_.dtype)) return std::nullopt;
     const auto& in = t.inputs.at(0).shape;
     const auto& out = t.output.shape;
     const auto& op = cfg_.options;
@@ -440,9 +443,10 @@ ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg) {
 
 Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   const ConvGpuAlgo algo = conv_gpu_algo(cfg);
-  // The backward kernels compute a plain convolution's gradients: no fused epilogue.
+  // The backward kernels compute a plain f32 or f64 convolution's gradients: no fused epilogue,
+  // no 16-bit dtype (inference only).
   const bool activated = cfg.activation || cfg.activation_form;
-  const bool backward = !cfg.batch_norm && !cfg.residual && !activated;
+  const bool backward = !cfg.batch_norm && !cfg.residual && !activated && !is_half_float(cfg.dtype);
   auto rt = std::make_shared<ConvRuntime>(cfg, algo, "[" + op_name + "]", backward);
   const char* algo_name = algo == ConvGpuAlgo::Gemm    ? "gemm"
                           : algo == ConvGpuAlgo::Tiled ? "tiled"
@@ -453,8 +457,11 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
                    rt};
   }
   // One entry of its own, calling conv.cu's body with the tiled kernel's template arguments and
-  // the activation, whose formula comes from elementwise.cu (without that file's entries).
-  const char* t = cfg.dtype == DType::F64 ? "double" : "float";
+  // the activation, whose formula comes from elementwise.cu (without that file's entries). The
+  // kernels take the element type `t`; the functors work in its compute type `ct` (float for the
+  // 16-bit types, so an activation's device function written for float serves them too).
+  const char* t = device_type(cfg.dtype);
+  const char* ct = device_compute_type(cfg.dtype);
   std::string stem = activated ? "kg_fused_conv2d_" : "kg_conv2d_";
   std::string body = util::cat("kg_conv2d_", algo_name, "<", t);
   if (algo == ConvGpuAlgo::Tiled) {
@@ -464,7 +471,7 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   } else {
     stem += algo_name;
   }
-  std::string source, functor = util::cat("KgConvIdentity<", t, ">()");
+  std::string source, functor = util::cat("KgConvIdentity<", ct, ">()");
   if (cfg.activation) {
     const UnaryEntry& act = kUnaryOps[static_cast<std::size_t>(cfg.activation->fn)];
     stem += util::cat("_", std::string(act.kernel).substr(3));  // "kg_relu" -> "relu"
@@ -481,7 +488,7 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
     // The formulas a form may call: elementwise.cu's (without its entries) and pointwise.cuh's.
     source = util::cat("#define KG_EW_ONE_ENTRY\n", kernel_file("elementwise.cu"),
                        "\n#include \"pointwise.cuh\"\n");
-    functor = util::cat("KgConvActivation<", t, ">{(", t, ")act_param}");
+    functor = util::cat("KgConvActivation<", ct, ">{(", ct, ")act_param}");
   }
   const std::string entry = entry_for(stem, cfg.dtype);
   source += conv_body();

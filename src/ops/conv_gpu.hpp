@@ -19,6 +19,7 @@ struct ConvGpuConfig {
   std::int64_t in_channels = 0, out_channels = 0;
   Size2 kernel = 1;
   nn::Conv2dOptions options;
+  // Of every tensor: f32, f64, or f16 / bf16 (16-bit storage, computed in float).
   DType dtype = DType::F32;
   bool batch_norm = false;  // parameters after the convolution's: weight, bias, mean, var, count
   double bn_eps = 1e-5;
@@ -35,8 +36,8 @@ enum class ConvGpuAlgo { Direct, Gemm, Tiled };
 ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg);
 
 // The kernel and RuntimeOp of the convolution `cfg` describes; `op_name` names it in errors
-// and caches. Without an epilogue, the RuntimeOp also describes the backward launches of
-// conv2d_backward_source().
+// and caches. Without an epilogue, in f32 or f64, the RuntimeOp also describes the backward
+// launches of conv2d_backward_source().
 Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name);
 
 // The backward kernels of nn.conv2d (conv_backward.cu).
