@@ -233,7 +233,9 @@ TEST(GemmHalf, LinearLoweringMatchesTheCpu) {
         return std::vector<kg::SymTensor>{kg::nn::linear(xs[0], c.out, "fc", c.bias)};
       };
       check_own_kernels_emulated(build, {x}, tolerance(dt), tolerance(dt) / 100 * s);
-      kg_test::check_lowering(build, {x}, tolerance(dt), tolerance(dt) / 100 * s);
+      // cuBLASLt may reduce split sums of a 16-bit product in the 16-bit type (as PyTorch allows
+      // by default), so the library path gets one 16-bit step of the output's scale.
+      kg_test::check_lowering(build, {x}, tolerance(dt), tolerance(dt) / 10 * s);
     }
   }
 }
@@ -252,7 +254,7 @@ TEST(GemmHalf, MatmulLoweringMatchesTheCpu) {
       };
       const double atol = tolerance(dt) / 100 * output_scale(c.a.back(), 1.0, 1.0);
       check_own_kernels_emulated(build, {a, b}, tolerance(dt), atol);
-      kg_test::check_lowering(build, {a, b}, tolerance(dt), atol);
+      kg_test::check_lowering(build, {a, b}, tolerance(dt), 10 * atol);  // as for linear above
     }
   }
 }

@@ -291,7 +291,7 @@ TEST(PrecisionGpu, ResNet18MatchesTheF32Cpu) {
   if (!kg::Device::cuda_available()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng(fresh_seed());
   const kg::Model model = kg::models::build("resnet18");
-  const std::vector<std::int64_t> shape{2, 3, 64, 64};
+  const std::vector<std::int64_t> shape{2, 3, 224, 224};
   const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, shape);
   kg::LoadedModel ref = model.load(kg::Device::cpu(), {shape});
   const auto params = ref.state_dict();  // the default init
