@@ -253,6 +253,72 @@ class MatmulRuntime final : public RuntimeOp {
     return LibraryCall{g, {}};
   }
 
+  // The gradients for cuBLASLt: dA = dY · Bᵀ and dB = Aᵀ · dY, each one GEMM (B without batch
+  // dims: every entry of A is rows of one product) or a strided batch over one level where
+  // neither operand is broadcast. A broadcast operand's gradient is a sum over the entries that
+  // read it, which the backward kernels do: nullopt then, and in 16-bit (no backward there).
+  std::optional<LibraryBackward> backward_library_calls(const LaunchTensors& t) const override {
+    if (is_half_float(dtype_)) return std::nullopt;
+    const auto &sa = t.inputs.at(0).shape, &sb = t.inputs.at(1).shape;
+    const auto [m, k, n] = matmul_sizes(sa, sb);
+    const Levels lv = broadcast_levels(sa, sb);
+    std::int64_t rows = m, batch = 1, stride_a = 0, stride_b = 0;
+    if (single_gemm(lv)) {
+      rows = m * lv.batches();
+    } else if (lv.size.size() == 1 && lv.stride_a[0] != 0 && lv.stride_b[0] != 0) {
+      batch = lv.size[0];
+      stride_a = lv.stride_a[0];
+      stride_b = lv.stride_b[0];
+    } else {
+      return std::nullopt;
+    }
+    if (rows == 0 || n == 0 || k == 0 || batch == 0) return std::nullopt;
+    const DeviceTensor &da = t.grad_inputs.at(0), &db = t.grad_inputs.at(1);
+    if ((da.ptr && !t.inputs[1].ptr) || (db.ptr && !t.inputs[0].ptr)) return std::nullopt;  // not saved
+    LibraryBackward b;
+    auto gemm = [&] {
+      GemmCall g;
+      g.dtype = dtype_;
+      g.batch = batch;
+      return g;
+    };
+    if (da.ptr) {  // [rows, k] = [rows, n] · ([k, n] stored)ᵀ
+      GemmCall g = gemm();
+      g.a = t.grad_output.ptr;
+      g.b = t.inputs[1].ptr;
+      g.trans_b = true;
+      g.c = da.ptr;
+      g.m = rows;
+      g.n = k;
+      g.k = n;
+      g.lda = n;
+      g.ldb = n;
+      g.ldc = k;
+      g.stride_a = m * n;
+      g.stride_b = stride_b;
+      g.stride_c = stride_a;
+      b.calls.push_back({g, {}});
+    }
+    if (db.ptr) {  // [k, n] = ([rows, k] stored)ᵀ · [rows, n]
+      GemmCall g = gemm();
+      g.a = t.inputs[0].ptr;
+      g.trans_a = true;
+      g.b = t.grad_output.ptr;
+      g.c = db.ptr;
+      g.m = k;
+      g.n = n;
+      g.k = rows;
+      g.lda = k;
+      g.ldb = n;
+      g.ldc = n;
+      g.stride_a = stride_a;
+      g.stride_b = m * n;
+      g.stride_c = stride_b;
+      b.calls.push_back({g, {}});
+    }
+    return b;
+  }
+
   // ---- backward (matmul_backward.cu): launch 0 writes dA, launch 1 dB ----
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     require_gemm_backward("nn.matmul", dtype_);

@@ -274,6 +274,79 @@ TEST(LibraryCall, ConvolutionAndLinearBackwardsAreTheirGradients) {
   }
 }
 
+// nn.matmul's gradients as cuBLASLt calls, run by the emulator's library reference over host
+// buffers, against dA = dY·Bᵀ and dB = Aᵀ·dY summed in double; broadcast operands get no call.
+TEST(LibraryCall, MatmulBackwardIsItsGradients) {
+  std::mt19937_64 rng(fresh_seed());
+  struct Case {
+    const char* name;
+    std::vector<std::int64_t> a, b;
+    bool described;
+  };
+  const std::vector<Case> cases = {
+      {"2-D", {3, 5}, {5, 4}, true},
+      {"B without batch dims: one GEMM", {2, 3, 5}, {5, 4}, true},
+      {"a vector B", {2, 3, 5}, {5}, true},
+      {"batched", {2, 3, 5}, {2, 5, 4}, true},
+      {"two batch levels", {2, 2, 3, 5}, {2, 2, 5, 4}, true},  // merged into one level
+      {"A broadcast", {3, 5}, {2, 5, 4}, false},
+      {"B broadcast over one of two levels", {2, 3, 3, 5}, {1, 3, 5, 4}, false},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const kg::Tensor a = random_tensor(rng, kg::DType::F32, c.a), b = random_tensor(rng, kg::DType::F32, c.b);
+    auto g = kg::Graph::create();
+    const kg::SymTensor ain = g->input(kg::DType::F32, kg::Shape::of(c.a), "a");
+    const kg::SymTensor bin = g->input(kg::DType::F32, kg::Shape::of(c.b), "b");
+    const kg::Model model(g, {kg::matmul(ain, bin, "mm")});
+    const kg::Tensor y = model.load(kg::Device::cpu(), {c.a, c.b}).forward({a, b}).at(0);
+    const kg::Tensor dy = random_tensor(rng, kg::DType::F32, y.shape());
+    kg::lower::LowerTarget lt;
+    lt.concrete.resize(model.graph().nodes().size());
+    lt.concrete[static_cast<std::size_t>(model.graph().inputs()[0])] = c.a;
+    lt.concrete[static_cast<std::size_t>(model.graph().inputs()[1])] = c.b;
+    lt.concrete[static_cast<std::size_t>(model.outputs().at(0).second)] = y.shape();
+    const auto lowered = kg::lower::lower_model(model, lt);
+    ASSERT_EQ(lowered.executables.size(), 1u);
+    kg::Tensor da = kg_test::nan_tensor(kg::DType::F32, c.a), db = kg_test::nan_tensor(kg::DType::F32, c.b);
+    kg::LaunchTensors t;
+    t.inputs = {{host(a), c.a, kg::DType::F32}, {host(b), c.b, kg::DType::F32}};
+    t.output = {0, y.shape(), kg::DType::F32};
+    t.grad_output = {host(dy), y.shape(), kg::DType::F32};
+    t.grad_inputs = {{host(da), c.a, kg::DType::F32}, {host(db), c.b, kg::DType::F32}};
+    const auto described = lowered.executables[0].runtime_op->backward_library_calls(t);
+    ASSERT_EQ(described.has_value(), c.described);
+    if (!described) continue;
+    ASSERT_EQ(described->calls.size(), 2u);
+    EXPECT_TRUE(described->launches.empty());
+    for (const auto& call : described->calls) kg::emu::run_library_reference(call, "[test]");
+    // The reference: batch entries e of the output, A and B each read at their own entry.
+    const std::int64_t k = c.a.back(), m = c.a.size() >= 2 ? c.a[c.a.size() - 2] : 1;
+    const std::int64_t n = c.b.size() >= 2 ? c.b.back() : 1;
+    const std::int64_t entries = y.numel() / (m * n);
+    const std::int64_t a_entries = a.numel() / (m * k), b_entries = b.numel() / (k * n);
+    std::vector<double> want_a(static_cast<std::size_t>(a.numel()), 0.0), want_b(static_cast<std::size_t>(b.numel()), 0.0);
+    for (std::int64_t e = 0; e < entries; ++e) {
+      const std::int64_t ea = a_entries == 1 ? 0 : e, eb = b_entries == 1 ? 0 : e;
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j) {
+          const double d = dy.item((e * m + i) * n + j);
+          for (std::int64_t p = 0; p < k; ++p) {
+            want_a[static_cast<std::size_t>((ea * m + i) * k + p)] += d * b.item((eb * k + p) * n + j);
+            want_b[static_cast<std::size_t>((eb * k + p) * n + j)] += d * a.item((ea * m + i) * k + p);
+          }
+        }
+    }
+    EXPECT_TRUE(kg_test::matches(da, want_a, 1e-5, 1e-6));
+    EXPECT_TRUE(kg_test::matches(db, want_b, 1e-5, 1e-6));
+    // A gradient nobody wants gets no call.
+    t.grad_inputs[0].ptr = 0;
+    const auto fewer = lowered.executables[0].runtime_op->backward_library_calls(t);
+    ASSERT_TRUE(fewer.has_value());
+    EXPECT_EQ(fewer->calls.size(), 1u);
+  }
+}
+
 TEST(ForwardDevice, CpuReadsHostAddressesInPlace) {
   std::mt19937_64 rng(fresh_seed());
   kg::Model model = kg::models::build("lenet5");
@@ -402,6 +475,33 @@ TEST(LibraryCallGpu, TrainingGradientsWithVendorLibrariesMatchTheCpu) {
       }
     }
   }
+}
+
+// A batched matmul between two layers' outputs: its gradients on cuBLASLt (both operands'),
+// against the CPU's backward.
+TEST(LibraryCallGpu, MatmulGradientsWithVendorLibrariesMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  auto g = kg::Graph::create();
+  const kg::SymTensor x = g->input(kg::DType::F32, {kg::Dim::named("batch"), 6}, "x");
+  const kg::SymTensor t = g->input(kg::DType::F32, {kg::Dim::named("batch"), 6}, "t");
+  const kg::SymTensor p = kg::reshape(kg::nn::linear(x, 12, "p"), {0, 3, 4}, "p3");
+  const kg::SymTensor q = kg::reshape(kg::nn::linear(x, 8, "q"), {0, 4, 2}, "q3");
+  const kg::SymTensor y = kg::flatten(kg::matmul(p, q, "mm"), 1, -1, "flat");
+  const kg::Model model(g, {kg::mse_loss(y, t, "loss")}, kg::LoweringMode::Training);
+  const std::vector<std::vector<std::int64_t>> shapes{{5, 6}, {5, 6}};
+  const kg::Tensor xv = random_tensor(rng, kg::DType::F32, shapes[0]),
+                   tv = random_tensor(rng, kg::DType::F32, shapes[1]);
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), shapes);
+  cpu.forward({xv, tv});
+  cpu.backward();
+  const auto want = cpu.gradients();
+  kg::LoadedModel gpu = model.load(kg::Device::cuda(), shapes);
+  gpu.load_state_dict(cpu.state_dict());
+  gpu.forward({xv, tv});
+  gpu.backward();
+  const auto got = gpu.gradients();
+  for (const auto& [name, w] : want) EXPECT_TRUE(all_close(got.at(name), w, 1e-4, 1e-6)) << name;
 }
 
 TEST(LibraryCallGpu, ForwardDeviceReadsAndReturnsDeviceBuffers) {
