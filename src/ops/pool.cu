@@ -51,28 +51,22 @@ __device__ __forceinline__ void kg_pool_launch(const KgPoolShape& s, const Body&
 // The largest value of the window's taps inside the input; a NaN among them wins. Compared in
 // the compute type; the element picked is stored as it was read (its bits, NaN payloads too).
 
-// I is the index type: int where every index of the input and the output fits in 31 bits (the
-// usual case; 64-bit integer arithmetic would dominate this memory-bound loop), else long long.
-template <class T, class I>
-__device__ __forceinline__ void kg_max_pool2d_as(const T* __restrict__ x, T* __restrict__ y,
-                                                 const KgPoolShape& s) {
+template <class T>
+__device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __restrict__ y,
+                                              const KgPoolShape& s) {
   typedef kg_compute_t<T> C;
-  const I h = (I)s.h, w = (I)s.w, wo = (I)s.wo, hwo = (I)(s.ho * s.wo), kh = (I)s.kh, kw = (I)s.kw;
-  const I sh = (I)s.sh, sw = (I)s.sw, ph = (I)s.ph, pw = (I)s.pw, dh = (I)s.dh, dw = (I)s.dw;
-  const long long total = s.planes * s.ho * s.wo;
-  for (long long t = kg_thread_index(); t < total; t += kg_grid_stride()) {
-    const I i = (I)t, pl = i / hwo, pix = i - pl * hwo, oy = pix / wo, ox = pix - oy * wo;
-    const T* src = x + pl * h * w;
-    const I iy0 = oy * sh - ph, ix0 = ox * sw - pw;
+  kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
+    const T* src = x + pl * s.h * s.w;
+    const long long iy0 = oy * s.sh - s.ph, ix0 = ox * s.sw - s.pw;
     C m = kg_pool_lowest(C(0));
     T pick = kg_from_compute<T>(m);
-    for (I ky = 0; ky < kh; ++ky) {
-      const I iy = iy0 + ky * dh;
-      if (iy < 0 || iy >= h) continue;
-      const T* row = src + iy * w;
-      for (I kx = 0; kx < kw; ++kx) {
-        const I ix = ix0 + kx * dw;
-        if (ix < 0 || ix >= w) continue;
+    for (long long ky = 0; ky < s.kh; ++ky) {
+      const long long iy = iy0 + ky * s.dh;
+      if (iy < 0 || iy >= s.h) continue;
+      const T* row = src + iy * s.w;
+      for (long long kx = 0; kx < s.kw; ++kx) {
+        const long long ix = ix0 + kx * s.dw;
+        if (ix < 0 || ix >= s.w) continue;
         const C v = kg_ld(row, ix);
         if (v > m || v != v) {
           m = v;
@@ -80,20 +74,8 @@ __device__ __forceinline__ void kg_max_pool2d_as(const T* __restrict__ x, T* __r
         }
       }
     }
-    y[t] = pick;
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __restrict__ y,
-                                              const KgPoolShape& s) {
-  const long long limit = 1LL << 31;
-  // The padded window's reach too: iy0 + (kh - 1) * dh and its ix likewise stay in range.
-  const long long reach_h = s.ho * s.sh + s.ph + s.kh * s.dh, reach_w = s.wo * s.sw + s.pw + s.kw * s.dw;
-  if (s.planes * s.h * s.w < limit && s.planes * s.ho * s.wo < limit && reach_h < limit && reach_w < limit)
-    kg_max_pool2d_as<T, int>(x, y, s);
-  else
-    kg_max_pool2d_as<T, long long>(x, y, s);
+    y[i] = pick;
+  });
 }
 
 // ---- nn.avg_pool2d ----
