@@ -1,6 +1,8 @@
 // On a GPU: what a tuned load measures is kept in the tuning cache, and a later untuned load runs
 // the same tactics without measuring (its profile says "cached" for every library call), with the
 // same results.
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "compile/tuning_cache.hpp"
@@ -31,6 +33,13 @@ TEST(TuningCacheGpu, AnUntunedLoadRunsWhatATunedLoadKept) {
   opt.tune = true;
   kg::LoadedModel tuned = model.load(kg::Device::cuda(), {shape}, opt);
   const kg::Tensor want = tuned.forward({in})[0];
+  // The measurements are on disk: at least the library-or-own verdict of both library nodes.
+  std::size_t lines = 0;
+  for (const auto& f : std::filesystem::directory_iterator(kg::compile::TuningCache::global().dir())) {
+    std::ifstream in_file(f.path());
+    for (std::string line; std::getline(in_file, line);) lines += line.rfind("#", 0) != 0;
+  }
+  EXPECT_GE(lines, 2u);
   opt.tune = false;
   kg::LoadedModel later = model.load(kg::Device::cuda(), {shape}, opt);
   later.load_state_dict(tuned.state_dict());
