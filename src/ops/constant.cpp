@@ -48,6 +48,9 @@ class ConstantOp final : public CustomOp {
     return Shape::of(shape_);
   }
   DType infer_output_dtype(const std::vector<DType>&) const override { return dtype_; }
+  // An f32 constant (an imported model's weight) may be kept in f16 or bf16: its value is a
+  // parameter, converted at load, and the copy below moves bytes whatever the dtype.
+  bool computes_in(DType t) const override { return is_half_float(t) && dtype_ == DType::F32; }
   std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override {
     return {{"value", shape_, dtype_, init_, trainable_ && is_floating(dtype_)}};
   }

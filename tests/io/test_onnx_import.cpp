@@ -420,10 +420,11 @@ struct Case {
 };
 
 // Runs the exported model on `device` (checked: every kernel under the CUDA emulator, or with
-// guard canaries on a GPU) against ONNX Runtime's outputs stored beside it.
+// guard canaries on a GPU; in `precision`) against ONNX Runtime's f32 outputs stored beside it.
 void check_against_ort(const std::string& model_name, const std::vector<std::string>& inputs,
                        const std::vector<std::string>& outputs, double tolerance,
-                       kg::Device device = kg::Device::cpu(), bool checked = false) {
+                       kg::Device device = kg::Device::cpu(), bool checked = false,
+                       kg::DType precision = kg::DType::F32) {
   const std::string dir = std::string(KG_SOURCE_DIR) + "/tests/fixtures/onnx/";
   kg::Model model = kg::onnx::import(dir + model_name + ".onnx");
   for (int k : {1, 2}) {
@@ -438,6 +439,7 @@ void check_against_ort(const std::string& model_name, const std::vector<std::str
     kg::LoadOptions o;
     o.poison_buffers = !checked;
     o.checked = checked;
+    o.precision = precision;
     kg::LoadedModel lm = model.load(device, shapes, o);
     const auto got = lm.forward(ins);
     const auto names = lm.output_names();
@@ -476,6 +478,19 @@ TEST(OnnxModels, ImportedModelsRunCheckedUnderTheEmulator) {
   check_against_ort("bert2", {"input_ids", "attention_mask"}, {"last_hidden_state", "pooler_output"}, 1e-4,
                     kg::Device::cpu(), true);
   check_against_ort("gpt2", {"input_ids"}, {"logits"}, 1e-4, kg::Device::cpu(), true);
+}
+
+// In bf16 (weights, which the files hold as constants, converted at load): within bf16's rounding
+// of ONNX Runtime's f32 outputs, on the CPU forms and under the emulator.
+TEST(OnnxModels, ImportedModelsRunInBf16) {
+  for (bool checked : {false, true}) {
+    SCOPED_TRACE(checked ? "emulated" : "cpu");
+    const auto bf16 = kg::DType::BF16;
+    check_against_ort("cnn_small", {"input"}, {"logits"}, 3e-2, kg::Device::cpu(), checked, bf16);
+    check_against_ort("bert2", {"input_ids", "attention_mask"}, {"last_hidden_state", "pooler_output"}, 3e-2,
+                      kg::Device::cpu(), checked, bf16);
+    check_against_ort("gpt2", {"input_ids"}, {"logits"}, 3e-2, kg::Device::cpu(), checked, bf16);
+  }
 }
 
 TEST(OnnxModelsGpu, ImportedModelsMatchOnnxRuntimeOnTheGpu) {

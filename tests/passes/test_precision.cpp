@@ -8,6 +8,7 @@
 #include <random>
 
 #include "kg/models.hpp"
+#include "ops/constant.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -217,6 +218,41 @@ TEST(Precision, BroadcastingGroupsMatchTheF32Run) {
       EXPECT_TRUE(kg_test::all_close(got[0], want[0], 2 * ulp, 8 * ulp));
       EXPECT_TRUE(kg_test::all_close(got[1], want[1], 2 * ulp, ulp));
     }
+}
+
+// An imported model's weights are constants: one read only by 16-bit nodes is itself kept in
+// bf16 (converted at load, no cast per run); one that an f32 node reads stays f32.
+TEST(Precision, ConstantsReadOnlyByReducedNodesAreConverted) {
+  std::mt19937_64 rng(fresh_seed());
+  auto graph = kg::Graph::create();
+  kg::SymTensor x = graph->input(kg::DType::F32, {kg::Dim::named("batch"), 6}, "x");
+  const kg::Tensor wv = kg_test::random_tensor(rng, kg::DType::F32, {6, 4});
+  const kg::Tensor sv = kg_test::random_tensor(rng, kg::DType::F32, {4});
+  auto constant = [&](const kg::Tensor& v, const std::string& name) {
+    std::vector<std::byte> bytes(v.nbytes());
+    std::memcpy(bytes.data(), v.raw(), v.nbytes());
+    return graph->record(kg::ops::constant_op(kg::DType::F32, v.shape(), kg::ParamInit::from_bytes(bytes), false),
+                         {}, std::nullopt, name);
+  };
+  const kg::SymTensor w = constant(wv, "w"), shift = constant(sv, "shift"), logits = constant(sv, "logits");
+  kg::SymTensor h = kg::matmul(x, w, "mm");                             // bf16: w is only read here
+  kg::SymTensor y = kg::softmax(kg::add(h, shift, "biased"), -1, "p");  // the add in bf16, softmax f32
+  kg::SymTensor z = kg::softmax(logits, -1, "q");                       // logits: read by an f32 node
+  kg::Model model(graph, {y, z, shift});                                // shift: also an output
+  kg::LoadOptions opt;
+  opt.precision = kg::DType::BF16;
+  kg::LoadedModel m = model.load(kg::Device::cpu(), {{3, 6}}, opt);
+  const auto nodes = ops_by_name(m);
+  EXPECT_EQ(nodes.at("w")->dtype, kg::DType::BF16);
+  EXPECT_EQ(m.state_dict().at("w.value").dtype(), kg::DType::BF16);
+  EXPECT_EQ(nodes.at("shift")->dtype, kg::DType::F32);
+  EXPECT_EQ(nodes.at("logits")->dtype, kg::DType::F32);
+  const kg::Tensor xv = kg_test::random_tensor(rng, kg::DType::F32, {3, 6});
+  const auto want = model.load(kg::Device::cpu(), {{3, 6}}).forward({xv});
+  const auto got = m.forward({xv});
+  EXPECT_TRUE(kg_test::all_close(got[0], want[0], 0.0, 2e-2));
+  EXPECT_TRUE(kg_test::all_close(got[1], want[1], 0.0, 0.0)) << "an f32 branch, untouched";
+  EXPECT_TRUE(kg_test::all_close(got[2], want[2], 0.0, 0.0));
 }
 
 // A graph with nothing to convert loads as it is.
