@@ -23,6 +23,7 @@
 #include "../tools/kgraph/validators.hpp"    // the kgraph flag validators
 #include "compile/cuda_source.hpp"
 #include "compile/ptx.hpp"
+#include "compile/tuning_cache.hpp"
 #include "kg/data.hpp"
 #include "kg/dtype.hpp"
 #include "kg/error.hpp"
@@ -118,6 +119,37 @@ inline int fuzz_idx(const std::uint8_t* data, std::size_t size) {
     for (std::size_t i = 0; i < t.nbytes(); ++i) sink = sink ^ p[i];
   } catch (const Error&) {
   }
+  return 0;
+}
+
+// ---- the tuning cache: a scope's file in the kernel cache folder, as a later load reads it.
+// Every key a line names is looked up, then a new choice is stored and read back. ----
+inline int fuzz_tuning_cache(const std::uint8_t* data, std::size_t size) {
+  const std::filesystem::path dir = scratch_dir() / "tuning";
+  const std::string scope = "fuzz sm_90 driver 13000 cudnn 91300";
+  {
+    compile::TuningCache probe(dir);  // creates the folder (0700)
+    if (probe.dir().empty()) throw std::runtime_error("kg fuzz: the tuning folder is not private");
+    std::ofstream f(probe.file(scope), std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
+  }
+  compile::TuningCache cache(dir);
+  const std::string text = as_string(data, size);
+  for (std::size_t at = 0; at < text.size();) {
+    const std::size_t end = std::min(text.find_first_of("\t\n", at), text.size());
+    const std::string key = text.substr(at, end - at);
+    if (!key.empty() && key.find('\r') == std::string::npos && key.size() < 4096) {
+      if (const auto v = cache.find(scope, key)) {
+        volatile std::size_t sink = v->size();
+        (void)sink;
+      }
+    }
+    at = end + 1;
+  }
+  cache.store(scope, "conv fwd bf16 x1,3,224,224", "1");
+  if (cache.find(scope, "conv fwd bf16 x1,3,224,224") != "1") __builtin_trap();
+  compile::TuningCache again(dir);
+  if (again.find(scope, "conv fwd bf16 x1,3,224,224") != "1") __builtin_trap();
   return 0;
 }
 

@@ -50,6 +50,22 @@ bool append(const fs::path& p, const std::string& text) {
   return n == static_cast<ssize_t>(text.size());
 }
 
+// Replaces `p` with `text` through a temporary file and a rename.
+bool rewrite(const fs::path& p, const std::string& text) {
+  const fs::path tmp = p.string() + ".tmp" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return false;
+  const ssize_t n = ::write(fd, text.data(), text.size());
+  ::close(fd);
+  std::error_code ec;
+  if (n != static_cast<ssize_t>(text.size())) {
+    fs::remove(tmp, ec);
+    return false;
+  }
+  fs::rename(tmp, p, ec);
+  return !ec;
+}
+
 bool disabled_by_env() {
   const char* v = std::getenv("KG_TUNING_CACHE");
   return v && std::string_view(v) == "0";
@@ -82,8 +98,11 @@ std::map<std::string, std::string>& TuningCache::entries(const std::string& scop
   std::string text;
   if (dir_.empty() || !read_cache_file(file(scope), text)) return e;
   std::size_t pos = text.find('\n');
-  if (pos == std::string::npos || text.compare(0, pos, std::string(kHeader) + scope) != 0)
-    return e;  // another scope's file under the same name, or damaged: ignored
+  if (pos == std::string::npos || text.compare(0, pos, std::string(kHeader) + scope) != 0) {
+    unreadable_.insert(scope);  // another scope's file under the same name, or damaged: ignored
+    return e;
+  }
+  if (text.back() != '\n') cut_short_.insert(scope);
   while (pos < text.size()) {
     const std::size_t start = pos + 1, end = text.find('\n', start);
     if (end == std::string::npos) break;  // a last line without its newline was cut short
@@ -118,14 +137,25 @@ void TuningCache::store(const std::string& scope, const std::string& key, const 
   if (dir_.empty()) return;
   const fs::path p = file(scope);
   std::error_code ec;
+  if (unreadable_.count(scope)) {
+    // A file this scope cannot read would hide every line appended to it: write it anew.
+    std::string text = util::cat(kHeader, scope, "\n");
+    for (const auto& [k, v] : e) text += util::cat(k, "\t", v, "\t", digest(k, v), "\n");
+    if (rewrite(p, text)) unreadable_.erase(scope);
+    return;
+  }
   std::string line = util::cat(key, "\t", value, "\t", digest(key, value), "\n");
   if (!fs::exists(p, ec)) line = util::cat(kHeader, scope, "\n", line);
-  append(p, line);
+  // After a last line cut short, start a line of our own (the cut one stays unreadable).
+  if (cut_short_.count(scope)) line = "\n" + line;
+  if (append(p, line)) cut_short_.erase(scope);
 }
 
 void TuningCache::clear() {
   std::lock_guard<std::mutex> lk(mu_);
   scopes_.clear();
+  unreadable_.clear();
+  cut_short_.clear();
   if (dir_.empty()) return;
   std::error_code ec;
   for (const auto& f : fs::directory_iterator(dir_, ec))

@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 
 namespace kg::compile {
@@ -40,6 +41,8 @@ class TuningCache {
   std::filesystem::path dir_;
   std::mutex mu_;
   std::map<std::string, std::map<std::string, std::string>> scopes_;
+  std::set<std::string> unreadable_;  // scopes whose file has no valid header: rewritten on store
+  std::set<std::string> cut_short_;   // scopes whose file's last line has no newline
 };
 
 }  // namespace kg::compile

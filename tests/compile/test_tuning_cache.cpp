@@ -79,6 +79,34 @@ TEST(TuningCache, DamagedLinesAndForeignFilesAreIgnored) {
   EXPECT_FALSE(TuningCache(dir).find("other scope", "k1"));
 }
 
+// A store after a damaged file is still read back: after a last line cut short it starts a line
+// of its own, and a file whose header is not the scope's is written anew.
+TEST(TuningCache, AStoreAfterDamageIsReadBack) {
+  const fs::path dir = fresh_dir("tuning_after_damage");
+  const std::string scope = "dev sm_90 cudnn 9";
+  fs::path f;
+  {
+    TuningCache a(dir);
+    a.store(scope, "k1", "1");
+    f = a.file(scope);
+  }
+  std::ofstream(f, std::ios::binary | std::ios::app) << "k2\t2\t12";  // a crash mid-line
+  {
+    TuningCache b(dir);
+    EXPECT_FALSE(b.find(scope, "k2"));
+    b.store(scope, "k3", "3");
+  }
+  EXPECT_EQ(TuningCache(dir).find(scope, "k1"), "1");
+  EXPECT_EQ(TuningCache(dir).find(scope, "k3"), "3");
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << "not a tuning cache\n";
+  {
+    TuningCache c(dir);
+    EXPECT_FALSE(c.find(scope, "k1"));
+    c.store(scope, "k4", "4");
+  }
+  EXPECT_EQ(TuningCache(dir).find(scope, "k4"), "4");
+}
+
 TEST(TuningCache, RefusesTextThatWouldBreakTheFile) {
   TuningCache c{fs::path()};
   EXPECT_THROW(c.store("s", "a\tb", "1"), kg::Error);

@@ -155,6 +155,8 @@ std::optional<std::pair<cublasLtMatmulAlgo_t, std::size_t>> parse_algo(const std
     }
     a.data[i] = w;
   }
+  // The workspace: at most 15 digits (under 1 PB), so the sum cannot overflow.
+  if (s.size() > words * 16 + 1 + 15) return std::nullopt;
   std::size_t ws = 0;
   for (std::size_t k = words * 16 + 1; k < s.size(); ++k) {
     if (s[k] < '0' || s[k] > '9') return std::nullopt;
