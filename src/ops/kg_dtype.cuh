@@ -2,7 +2,8 @@
 // A kernel stores them and computes in float: kg_ld() reads any element type as its compute
 // type (float for the 16-bit ones, the type itself otherwise), kg_st() rounds a computed value
 // to nearest even into the element type. The same text compiles under NVRTC (the conversions
-// are single cvt instructions) and under the CUDA emulator (integer arithmetic, bit-identical).
+// are single cvt instructions) and under the CUDA emulator (its header's integer conversions,
+// bit-identical).
 // Given to NVRTC as an in-memory header through kg_device.cuh; it includes nothing.
 #pragma once
 
@@ -30,27 +31,10 @@ template <class T>
 using kg_compute_t = typename kg_compute<T>::type;
 
 // ---- conversions ----
+// Under the emulator, its header's own conversions (the same rounding) serve.
 __device__ __forceinline__ float kg_f16_to_float(unsigned short h) {
 #ifdef KG_CUDA_EMU
-  const unsigned sign = (unsigned)(h & 0x8000u) << 16;
-  unsigned exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: renormalise
-      exp = 127 - 15 + 1;
-      while (!(man & 0x400u)) {
-        man <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp - 15 + 127) << 23) | (man << 13);
-  }
-  return __uint_as_float(bits);
+  return kg_emu_half_to_float(h);
 #else
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -60,25 +44,7 @@ __device__ __forceinline__ float kg_f16_to_float(unsigned short h) {
 
 __device__ __forceinline__ unsigned short kg_float_to_f16(float f) {
 #ifdef KG_CUDA_EMU
-  const unsigned x = __float_as_uint(f);
-  const unsigned sign = (x >> 16) & 0x8000u;
-  const int exp = (int)((x >> 23) & 0xff) - 127 + 15;
-  unsigned man = x & 0x7fffffu;
-  if (((x >> 23) & 0xff) == 0xff) return (unsigned short)(sign | 0x7c00u | (man ? 0x200u : 0u));
-  if (exp >= 31) return (unsigned short)(sign | 0x7c00u);
-  if (exp <= 0) {
-    if (exp < -10) return (unsigned short)sign;
-    man |= 0x800000u;
-    const unsigned shift = (unsigned)(14 - exp);
-    unsigned h = man >> shift;
-    const unsigned rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
-    if (rem > mid || (rem == mid && (h & 1u))) ++h;
-    return (unsigned short)(sign | h);
-  }
-  unsigned h = sign | ((unsigned)exp << 10) | (man >> 13);
-  const unsigned rem = man & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return (unsigned short)h;
+  return kg_emu_float_to_half(f);
 #else
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
