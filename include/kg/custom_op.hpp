@@ -236,6 +236,14 @@ class CustomOp {
   // True when the output is the first input's bytes reinterpreted (Reshape, Flatten): the
   // runtime then gives it no buffer of its own and cpu_forward is not called.
   virtual bool is_view() const { return false; }
+  // For a view of a part of its first input (a slice of a packed tensor): the element of that
+  // input, from its concrete sizes, where the output's contiguous numel() elements start. nullopt
+  // (the default): the view is all of its input's bytes. Its gradient is the same part of the
+  // input's gradient.
+  virtual std::optional<std::int64_t> view_offset(const std::vector<std::int64_t>& input_sizes) const {
+    (void)input_sizes;
+    return std::nullopt;
+  }
 };
 
 // A shared, immutable handle to a CustomOp.

@@ -1,6 +1,8 @@
 #include "plan/autograd.hpp"
 
 #include <algorithm>
+#include <set>
+#include <utility>
 
 #include "kg/error.hpp"
 #include "util/str.hpp"
@@ -95,12 +97,23 @@ void plan_training(const Graph& graph, Plan& plan, int loss_node, const std::str
 
   // Gradient buffers: one per storage root, written by its first contribution; later ones go
   // through a temporary and are added. Live from the first contribution (or the start of the
-  // backward for the loss and for gradients nobody writes) to the producer's backward.
+  // backward for the loss and for gradients nobody writes) to the producer's backward. A root
+  // read through views of its parts (a packed value) has one first write per part, and is zeroed
+  // first when some part of it has no contribution at all.
   tp.grad_offset.assign(nn, 0);
   tp.has_grad.assign(nn, 0);
   std::vector<int> first_write(nn, -1);
+  std::vector<std::size_t> written_bytes(nn, 0);            // by root: bytes of its parts written
+  std::set<std::pair<int, std::size_t>> written_parts;      // (root, byte offset of the part)
+  auto write = [&](int id, int pos) {                       // false: the part was written before
+    const Value& v = at(plan.values, id);
+    if (!written_parts.insert({v.root, v.view_bytes}).second) return false;
+    at(written_bytes, v.root) += v.bytes();
+    if (at(first_write, v.root) < 0) at(first_write, v.root) = pos;
+    return true;
+  };
   const int loss_root = root(loss_node);
-  at(first_write, loss_root) = n_live;
+  write(loss_node, n_live);
   for (std::size_t k = 0; k < tp.steps.size(); ++k) {
     BackwardStep& b = tp.steps[k];
     const int pos = bwd_pos(b.node);
@@ -108,12 +121,10 @@ void plan_training(const Graph& graph, Plan& plan, int loss_node, const std::str
     for (std::size_t i = 0; i < b.inputs.size(); ++i) {
       GradTarget& g = b.inputs[i];
       if (g.root < 0) continue;
-      if (at(first_write, g.root) >= 0) {
+      if (!write(n.inputs[i], pos)) {
         g.accumulate = true;
         tp.requests.push_back({at(plan.values, n.inputs[i]).bytes(), pos, pos});
         tp.targets.push_back({TrainingPlan::Target::Kind::InputTemp, static_cast<int>(k), static_cast<int>(i)});
-      } else {
-        at(first_write, g.root) = pos;
       }
     }
     const Step& st = plan.steps[static_cast<std::size_t>(b.step)];
@@ -135,7 +146,7 @@ void plan_training(const Graph& graph, Plan& plan, int loss_node, const std::str
     if (at(tp.has_grad, r)) continue;
     at(tp.has_grad, r) = 1;
     int first = at(first_write, r);
-    if (first < 0) {
+    if (first < 0 || at(written_bytes, r) < at(plan.values, r).bytes()) {
       tp.zero_roots.push_back(r);
       first = n_live;
     }

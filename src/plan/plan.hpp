@@ -23,6 +23,7 @@ struct Value {
   int root = -1;          // node id owning the storage (itself unless a view)
   int input_index = -1;   // graph-input position when the storage is a model input
   std::size_t offset = 0; // arena offset when it is not an input
+  std::size_t view_bytes = 0;  // a view of a part of its input: where it starts in the root's bytes
   std::size_t bytes() const { return static_cast<std::size_t>(numel_of(shape)) * dtype_size(dtype); }
 };
 
@@ -78,5 +79,12 @@ struct Plan {
   MemoryPlan memory;
   TrainingPlan training;
 };
+
+// The arena offset of the gradient of node `id`'s value: its storage root's gradient, at the
+// value's place in the root (a view of a part of a packed value has its part of the gradient).
+inline std::size_t grad_offset_of(const Plan& plan, int id) {
+  const Value& v = plan.values[static_cast<std::size_t>(id)];
+  return plan.training.grad_offset[static_cast<std::size_t>(v.root)] + v.view_bytes;
+}
 
 }  // namespace kg::plan

@@ -60,10 +60,26 @@ Plan build_plan(const Graph& graph, const std::vector<int>& live, const std::vec
           static_cast<int>(std::find(graph.inputs().begin(), graph.inputs().end(), id) - graph.inputs().begin());
     } else if (n.op->op().is_view()) {
       const auto& src = plan.values[static_cast<std::size_t>(n.inputs.at(0))];
-      if (src.bytes() != v.bytes() || src.dtype != v.dtype)
-        throw Error(util::cat(n.label(), " is a view but its output (", sizes_to_string(v.shape), " ",
-                              dtype_name(v.dtype), ") does not have its input's bytes (", sizes_to_string(src.shape),
-                              " ", dtype_name(src.dtype), ")"));
+      const std::optional<std::int64_t> part = n.op->op().view_offset(src.shape);
+      if (!part) {
+        if (src.bytes() != v.bytes() || src.dtype != v.dtype)
+          throw Error(util::cat(n.label(), " is a view but its output (", sizes_to_string(v.shape), " ",
+                                dtype_name(v.dtype), ") does not have its input's bytes (",
+                                sizes_to_string(src.shape), " ", dtype_name(src.dtype), ")"));
+      } else {
+        // A part of its input: elements [*part, *part + numel) of it, in its dtype.
+        const std::int64_t count = numel_of(v.shape), have = numel_of(src.shape);
+        if (src.dtype != v.dtype || *part < 0 || *part > have || count > have - *part)
+          throw Error(util::cat(n.label(), " is a view of elements [", *part, ", ", *part + count, ") of its input ",
+                                sizes_to_string(src.shape), " ", dtype_name(src.dtype), " (", have,
+                                " elements) as ", sizes_to_string(v.shape), " ", dtype_name(v.dtype),
+                                ", which do not lie in it"));
+        if (src.input_index >= 0)
+          throw Error(util::cat(n.label(), " is a view of a part of model input '",
+                                graph.node(src.root).name, "'; a part can only be taken of a computed value"));
+        v.view_bytes = src.view_bytes + static_cast<std::size_t>(*part) * dtype_size(v.dtype);
+      }
+      if (!part) v.view_bytes = src.view_bytes;
       v.root = src.root;
       v.input_index = src.input_index;
     }
@@ -163,7 +179,7 @@ std::vector<std::size_t> place_in_arena(Plan& plan, const Graph& graph, const st
     plan.values[static_cast<std::size_t>(req_node[i])].offset = placement.offsets[i];
   for (int id : plan.live) {
     auto& v = plan.values[static_cast<std::size_t>(id)];
-    if (v.root != id) v.offset = plan.values[static_cast<std::size_t>(v.root)].offset;
+    if (v.root != id) v.offset = plan.values[static_cast<std::size_t>(v.root)].offset + v.view_bytes;
   }
   plan.memory.arena_bytes = placement.arena_bytes;
   plan.memory.unshared_bytes = placement.unshared_bytes;

@@ -317,7 +317,7 @@ void Executor::run_backward(const Graph& graph, plan::Plan& plan, const std::vec
   auto* base = static_cast<std::byte*>(arena);
   auto grad_of = [&](int node) {
     const auto& v = plan.values[static_cast<std::size_t>(node)];
-    return Tensor::wrap(base + tp.grad_offset[static_cast<std::size_t>(v.root)], v.dtype, v.shape);
+    return Tensor::wrap(base + plan::grad_offset_of(plan, node), v.dtype, v.shape);
   };
   for (int r : tp.zero_roots)
     std::memset(base + tp.grad_offset[static_cast<std::size_t>(r)], 0,

@@ -52,8 +52,7 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
   std::map<int, const lower::Executable*> by_node;
   for (const auto& e : lowered.executables) by_node[e.node] = &e;
   auto grad_addr = [&](int node) {
-    const auto& v = plan.values[static_cast<std::size_t>(node)];
-    return arena + tp.grad_offset[static_cast<std::size_t>(v.root)];
+    return arena + plan::grad_offset_of(plan, node);
   };
   for (const auto& b : tp.steps) {
     const Node& n = graph.node(b.node);
@@ -176,7 +175,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
     const auto& lv = plan_.values[static_cast<std::size_t>(tp.loss_node)];
     if (lv.dtype != DType::F32)
       throw Error("training on cuda needs an f32 loss, got " + std::string(dtype_name(lv.dtype)));
-    DevicePtr lp = arena_ + tp.grad_offset[static_cast<std::size_t>(lv.root)];
+    DevicePtr lp = arena_ + plan::grad_offset_of(plan_, tp.loss_node);
     float one = 1.0f;
     long long n = numel_of(lv.shape);
     void* p[] = {&lp, &one, &n};
@@ -213,7 +212,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
       const plan::GradTarget& g = b.inputs[i];
       if (g.root < 0 || !g.accumulate) continue;
       const auto& v = plan_.values[static_cast<std::size_t>(n.inputs[i])];
-      add(arena_ + tp.grad_offset[static_cast<std::size_t>(v.root)], arena_ + g.temp_offset,
+      add(arena_ + plan::grad_offset_of(plan_, n.inputs[i]), arena_ + g.temp_offset,
           numel_of(v.shape), bw.label + " gradient sum");
     }
     if (accumulate_params)
