@@ -112,25 +112,35 @@ std::string module_head(DType dtype) {
                    " kg_s;\n#include \"pointwise.cuh\"\n");
 }
 
+// One output's sizes: the node's, or those of a part of the packed value [k, <shape>].
+std::vector<std::int64_t> part_sizes(std::vector<std::int64_t> sizes, std::size_t outputs) {
+  if (outputs > 1 && !sizes.empty()) sizes.erase(sizes.begin());
+  return sizes;
+}
+
 class FusedRuntime final : public RuntimeOp {
  public:
-  FusedRuntime(std::string entry, std::string label, DType dtype, std::vector<Read> reads)
-      : entry_(std::move(entry)), label_(std::move(label)), dtype_(dtype), reads_(std::move(reads)) {}
+  FusedRuntime(std::string entry, std::string label, DType dtype, std::vector<Read> reads, std::size_t outputs)
+      : entry_(std::move(entry)),
+        label_(std::move(label)),
+        dtype_(dtype),
+        reads_(std::move(reads)),
+        outputs_(outputs) {}
 
   std::vector<Launch> launches(const LaunchTensors& t) const override {
     Launch l;
     l.entry = entry_;
     l.block = {kThreads, 1, 1};
-    const std::int64_t n = t.output.numel();
+    const std::int64_t n = t.output.numel() / static_cast<std::int64_t>(outputs_);
     bool walks = false;
     for (const auto& x : t.inputs) l.args.add(x);
-    l.args.add(t.output);
+    for (std::size_t j = 0; j < outputs_; ++j) l.args.add(ptr(part(t.output, j)));
     l.args.add(n);
     for (Read r : reads_) walks = walks || r == Read::Walk;
     if (walks) {
       std::vector<std::vector<std::int64_t>> shapes;
       for (const auto& x : t.inputs) shapes.push_back(x.shape);
-      const KgFusedWalk w = gpu_walk(plan_walk(shapes, t.output.shape, label_, &reads_));
+      const KgFusedWalk w = gpu_walk(plan_walk(shapes, part_sizes(t.output.shape, outputs_), label_, &reads_));
       l.args.add(raw_bytes(&w, sizeof w));
       l.grid = grid_1d(tiles_of(n, KG_UNROLL), kThreads);
     } else {
@@ -140,14 +150,14 @@ class FusedRuntime final : public RuntimeOp {
     return {l};
   }
 
-  // (x0.., dy, g0.., n): a null gradient is one nobody needs.
+  // (x0.., dy0.., g0.., n): one incoming gradient per output; a null gradient is one nobody needs.
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     Launch l;
     l.entry = entry_ + "_backward";
     l.block = {kThreads, 1, 1};
-    const std::int64_t n = t.grad_output.numel();
+    const std::int64_t n = t.grad_output.numel() / static_cast<std::int64_t>(outputs_);
     for (const auto& x : t.inputs) l.args.add(x);
-    l.args.add(t.grad_output);
+    for (std::size_t j = 0; j < outputs_; ++j) l.args.add(ptr(part(t.grad_output, j)));
     for (std::size_t j = 0; j < t.inputs.size(); ++j)
       l.args.add(ptr(j < t.grad_inputs.size() ? t.grad_inputs[j].ptr : DevicePtr{0}));
     l.args.add(n);
@@ -156,9 +166,17 @@ class FusedRuntime final : public RuntimeOp {
   }
 
  private:
+  // The address of output j's part of a packed tensor (0 while sizing).
+  DevicePtr part(const DeviceTensor& t, std::size_t j) const {
+    if (!t.ptr) return 0;
+    const auto n = static_cast<std::uint64_t>(t.numel()) / outputs_;
+    return t.ptr + j * n * dtype_size(t.dtype);
+  }
+
   std::string entry_, label_;
   DType dtype_;
   std::vector<Read> reads_;
+  std::size_t outputs_;
 };
 
 // ---- CPU ----
@@ -208,9 +226,28 @@ T* thread_scratch(std::size_t n) {
 }  // namespace
 
 FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inputs, DType dtype,
-                                       LoweringMode mode)
-    : members_(std::move(members)), inputs_(inputs), dtype_(dtype), mode_(mode) {
+                                       LoweringMode mode, std::vector<int> outputs)
+    : members_(std::move(members)), inputs_(inputs), outputs_(std::move(outputs)), dtype_(dtype), mode_(mode) {
   if (members_.empty()) throw Error("kg.fused_elementwise: a group needs at least one member");
+  const int count = static_cast<int>(members_.size());
+  if (outputs_.empty()) outputs_.push_back(count - 1);
+  if (outputs_.size() > KG_FUSE_MAX_OUTPUTS)
+    throw Error(util::cat("kg.fused_elementwise: a group writes 1 to ", KG_FUSE_MAX_OUTPUTS, " outputs, got ",
+                          outputs_.size()));
+  std::vector<char> is_output(members_.size(), 0);
+  for (std::size_t j = 0; j < outputs_.size(); ++j) {
+    const int o = outputs_[j];
+    if (o < 0 || o >= count)
+      throw Error(util::cat("kg.fused_elementwise: output ", j, " is member ", o, ", but the group has ", count,
+                            " members"));
+    if (is_output[static_cast<std::size_t>(o)])
+      throw Error(util::cat("kg.fused_elementwise: member ", members_[static_cast<std::size_t>(o)].op.name(), " @ ",
+                            members_[static_cast<std::size_t>(o)].node, " is listed as an output twice"));
+    is_output[static_cast<std::size_t>(o)] = 1;
+  }
+  if (!is_output.back())
+    throw Error(util::cat("kg.fused_elementwise: the root, member ", count - 1, " (", members_.back().op.name(),
+                          " @ ", members_.back().node, "), is read by no member and must be an output"));
   if (inputs_ < 1 || inputs_ > KG_FUSE_MAX_INPUTS)
     throw Error(
         util::cat("kg.fused_elementwise: a group reads 1 to ", KG_FUSE_MAX_INPUTS, " inputs, got ", inputs_));
@@ -220,7 +257,7 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
   if (is_half_float(dtype_) && mode_ == LoweringMode::Training)
     throw Error(util::cat("kg.fused_elementwise: a ", dtype_name(dtype_),
                           " group runs in inference only (16-bit training is not supported)"));
-  std::vector<char> used(static_cast<std::size_t>(inputs_), 0);
+  std::vector<char> used(static_cast<std::size_t>(inputs_), 0), read(members_.size(), 0);
   std::string key = util::cat(dtype_name(dtype_), inputs_, mode_ == LoweringMode::Training ? "T" : "I");
   for (std::size_t m = 0; m < members_.size(); ++m) {
     const FusedMember& f = members_[m];
@@ -232,6 +269,7 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
       if (a >= static_cast<int>(m) || -1 - a >= inputs_)
         throw Error(util::cat(who, " reads value ", a, ", which is not an earlier member or a group input"));
       if (a < 0) used[static_cast<std::size_t>(-1 - a)] = 1;
+      if (a >= 0) read[static_cast<std::size_t>(a)] = 1;
     }
     key += util::cat("|", f.op.name(), "(", f.op->attributes(), ")", f.form.function, "/", f.form.derivative,
                      "[");
@@ -241,6 +279,14 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
   for (int j = 0; j < inputs_; ++j)
     if (!used[static_cast<std::size_t>(j)])
       throw Error(util::cat("kg.fused_elementwise: group input ", j, " is read by no member"));
+  for (std::size_t m = 0; m < members_.size(); ++m)
+    if (!read[m] && !is_output[m])
+      throw Error(util::cat("kg.fused_elementwise: member ", members_[m].op.name(), " @ ", members_[m].node,
+                            " is read by no member and is no output"));
+  if (outputs_.size() > 1) {
+    key += "|out";
+    for (int o : outputs_) key += util::cat(",", o);
+  }
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
   entry_ = std::string("kg_fused_") + hex;
@@ -249,7 +295,10 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
 std::string FusedElementwiseOp::attributes() const {
   std::string nodes;
   for (const auto& m : members_) nodes += (nodes.empty() ? "" : ",") + m.node;
-  return util::cat("nodes=", nodes, " kernel=", entry_);
+  if (outputs_.size() == 1) return util::cat("nodes=", nodes, " kernel=", entry_);
+  std::string outs;
+  for (int o : outputs_) outs += (outs.empty() ? "" : ",") + members_[static_cast<std::size_t>(o)].node;
+  return util::cat("nodes=", nodes, " outputs=", outs, " kernel=", entry_);
 }
 
 Shape FusedElementwiseOp::infer_output_shape(const std::vector<Shape>& in) const {
@@ -266,7 +315,17 @@ Shape FusedElementwiseOp::infer_output_shape(const std::vector<Shape>& in) const
       throw Error(util::cat("member ", m.op.name(), " @ ", m.node, ": ", e.what()));
     }
   }
-  return values.back();
+  if (outputs_.size() == 1) return values.back();
+  // Several outputs: one packed value [k, <shape>].
+  const auto first = static_cast<std::size_t>(outputs_[0]);
+  for (int o : outputs_)
+    if (!(values[static_cast<std::size_t>(o)] == values[first]))
+      throw Error(util::cat("the group's outputs share one shape, but ", members_[first].node, " is ",
+                            values[first].to_string(), " and ", members_[static_cast<std::size_t>(o)].node, " is ",
+                            values[static_cast<std::size_t>(o)].to_string()));
+  std::vector<Dim> dims{Dim(static_cast<std::int64_t>(outputs_.size()))};
+  dims.insert(dims.end(), values[first].begin(), values[first].end());
+  return Shape(std::move(dims));
 }
 
 DType FusedElementwiseOp::infer_output_dtype(const std::vector<DType>& in) const {
@@ -278,30 +337,37 @@ DType FusedElementwiseOp::infer_output_dtype(const std::vector<DType>& in) const
 
 std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const {
   const std::string label = util::cat("[kg.fused_elementwise @ ", ctx.node, "]");
+  const std::size_t nout = outputs_.size();
+  // One output's shape: the node's, or a part's of the packed value [k, <shape>].
+  Shape out_shape = ctx.output_shape;
+  if (nout > 1 && out_shape.rank() > 0)
+    out_shape = Shape(std::vector<Dim>(ctx.output_shape.begin() + 1, ctx.output_shape.end()));
+  const std::vector<std::int64_t> concrete_out = part_sizes(ctx.concrete_output_shape, nout);
   WalkPlan plan;
   if (!ctx.concrete_input_shapes.empty()) {
-    plan = plan_walk(ctx.concrete_input_shapes, ctx.concrete_output_shape, label);
+    plan = plan_walk(ctx.concrete_input_shapes, concrete_out, label);
   } else {
     // Symbolic shapes only (an op lowered outside a model): an input shaped like the output is
     // read at the same index, one of a single static element once, any other by the walk.
     for (const auto& s : ctx.input_shapes)
-      plan.reads.push_back(s == ctx.output_shape                         ? Read::Same
+      plan.reads.push_back(s == out_shape                                ? Read::Same
                            : s.is_concrete() && numel_of(s.sizes()) == 1 ? Read::Scalar
                                                                          : Read::Walk);
   }
-  const std::vector<std::int64_t> out = ctx.concrete_output_shape.empty() && ctx.output_shape.is_concrete()
-                                            ? ctx.output_shape.sizes()
-                                            : ctx.concrete_output_shape;
+  const std::vector<std::int64_t> out =
+      ctx.concrete_output_shape.empty() && out_shape.is_concrete() ? out_shape.sizes() : concrete_out;
   const bool walks = std::find(plan.reads.begin(), plan.reads.end(), Read::Walk) != plan.reads.end();
   // 32-bit index division where every index fits (unknown sizes: 64-bit).
-  const bool small =
-      (!out.empty() || ctx.output_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
+  const bool small = (!out.empty() || out_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
 
   std::string src = module_head(dtype_);
   for (std::size_t m = 0; m < members_.size(); ++m)
     src += util::cat("// ", members_[m].op.name(), " @ ", members_[m].node, "\nnamespace kg_m", m, " {\n",
                      members_[m].form.device_source, "\n}  // namespace kg_m", m, "\n");
-  // The group's value from its inputs' values e0.. (one expression per member).
+  // The group's outputs from its inputs' values e0.. (one expression per member): kg_out, one
+  // value per output, and kg_packs, one 16-byte pack per output.
+  src += util::cat("\nstruct kg_out {\n  kg_t v[", nout, "];\n};\nstruct kg_packs {\n  KgPack<kg_s> p[", nout,
+                   "];\n};\n");
   std::string eval_params, body;
   for (int j = 0; j < inputs_; ++j) eval_params += util::cat(j ? ", " : "", "kg_t e", j);
   for (std::size_t m = 0; m < members_.size(); ++m) {
@@ -310,13 +376,21 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
       body += util::cat(k ? ", " : "", value_name(members_[m].args[k]));
     body += ");\n";
   }
+  body += "    kg_out r;\n";
+  for (std::size_t j = 0; j < nout; ++j) body += util::cat("    r.v[", j, "] = v", outputs_[j], ";\n");
+  // Each output j from the kg_out `o` to y<j>[at].
+  auto store = [&](const char* at) {
+    std::string st;
+    for (std::size_t j = 0; j < nout; ++j) st += util::cat(" y", j, "[", at, "] = kg_from_compute<kg_s>(o.v[", j, "]);");
+    return st;
+  };
   std::string params;
   for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_s* __restrict__ x", j, ", ");
-  params += "kg_s* __restrict__ y, long long n";
+  for (std::size_t j = 0; j < nout; ++j) params += util::cat("kg_s* __restrict__ y", j, ", ");
+  params += "long long n";
   if (walks) params += ", KgFusedWalk w";
   src += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_, "(", params,
-                   ") {\n  auto eval = [&](", eval_params, ") -> kg_t {\n", body, "    return v",
-                   members_.size() - 1, ";\n  };\n");
+                   ") {\n  auto eval = [&](", eval_params, ") -> kg_out {\n", body, "    return r;\n  };\n");
   auto read = [&](int j, const char* i) -> std::string {
     switch (plan.reads[static_cast<std::size_t>(j)]) {
       case Read::Same:
@@ -329,8 +403,13 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     return {};
   };
   if (!walks) {
-    // 16-byte packs where every input read at the same index and the output are aligned.
-    std::string aligned = "kg_aligned16(y)", pack_loads, pack_args, scalars;
+    // 16-byte packs where every input read at the same index and every output are aligned.
+    std::string aligned, pack_loads, pack_args, scalars, pack_results, pack_stores;
+    for (std::size_t j = 0; j < nout; ++j) {
+      aligned += util::cat(j ? " && " : "", "kg_aligned16(y", j, ")");
+      pack_results += util::cat("          r.p[", j, "].v[k] = kg_from_compute<kg_s>(o.v[", j, "]);\n");
+      pack_stores += util::cat(" reinterpret_cast<KgPack<kg_s>*>(y", j, ")[i] = r.p[", j, "];");
+    }
     for (int j = 0; j < inputs_; ++j) {
       if (plan.reads[static_cast<std::size_t>(j)] == Read::Same) {
         aligned += util::cat(" && kg_aligned16(x", j, ")");
@@ -345,16 +424,14 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     std::string scalar_args;
     for (int j = 0; j < inputs_; ++j) scalar_args += util::cat(j ? ", " : "", read(j, "i"));
     src += util::cat(
-        scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_s);\n  kg_index done = 0;\n  if (",
-        aligned, ") {\n    kg_for_each_unrolled<KgPack<kg_s>>(\n      n / W,\n      [&](kg_index i) {\n",
-        pack_loads,
-        "        KgPack<kg_s> r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) r.v[k] = "
-        "kg_from_compute<kg_s>(eval(",
-        pack_args, "));\n        return r;\n      },\n",
-        "      [&](kg_index i, const KgPack<kg_s>& r) { reinterpret_cast<KgPack<kg_s>*>(y)[i] = r; });\n",
-        "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_s>(\n    n - done,\n",
-        "    [&](kg_index t) { const kg_index i = done + t; return kg_from_compute<kg_s>(eval(", scalar_args,
-        ")); },\n", "    [&](kg_index t, kg_s v) { y[done + t] = v; });\n}\n");
+        scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_s);\n  kg_index done = 0;\n  if (", aligned,
+        ") {\n    kg_for_each_unrolled<kg_packs>(\n      n / W,\n      [&](kg_index i) {\n", pack_loads,
+        "        kg_packs r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) {\n          const kg_out o = eval(",
+        pack_args, ");\n", pack_results, "        }\n        return r;\n      },\n",
+        "      [&](kg_index i, const kg_packs& r) {", pack_stores, " });\n",
+        "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_out>(\n    n - done,\n",
+        "    [&](kg_index t) { const kg_index i = done + t; return eval(", scalar_args, "); },\n",
+        "    [&](kg_index t, const kg_out& o) {", store("done + t"), " });\n}\n");
   } else {
     std::string offsets, walk, args;
     for (int j = 0; j < inputs_; ++j) {
@@ -365,15 +442,15 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
       args += util::cat(j ? ", " : "", read(j, "i"));
     }
     offsets.back() = ';';
-    src += util::cat("  kg_for_each_unrolled<kg_s>(\n    n,\n    [&](kg_index i) {\n      kg_index", offsets,
+    src += util::cat("  kg_for_each_unrolled<kg_out>(\n    n,\n    [&](kg_index i) {\n      kg_index", offsets,
                      "\n      kg_index r = i;\n      for (int d = 0; d < w.rank; ++d) {\n",
                      "        const kg_index q = kg_div<", small ? "true" : "false", ">(w.size[d], r);\n",
                      "        const kg_index k = r - q * w.size[d].d;\n       ", walk,
-                     "\n        r = q;\n      }\n", "      return kg_from_compute<kg_s>(eval(", args,
-                     "));\n    },\n    [&](kg_index i, kg_s v) { y[i] = v; });\n}\n");
+                     "\n        r = q;\n      }\n", "      return eval(", args, ");\n    },\n",
+                     "    [&](kg_index i, const kg_out& o) {", store("i"), " });\n}\n");
   }
   return Lowered{name(), std::move(src), entry_,
-                 std::make_shared<FusedRuntime>(entry_, label, dtype_, plan.reads)};
+                 std::make_shared<FusedRuntime>(entry_, label, dtype_, plan.reads, nout)};
 }
 
 std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const {
@@ -384,7 +461,7 @@ std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const
                      "\n");
   std::string params;
   for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_t* __restrict__ x", j, ", ");
-  params += "const kg_t* __restrict__ dy";
+  for (std::size_t j = 0; j < outputs_.size(); ++j) params += util::cat(j ? ", " : "", "const kg_t* __restrict__ dy", j);
   for (int j = 0; j < inputs_; ++j) params += util::cat(", kg_t* __restrict__ g", j);
   params += ", long long n";
   std::string body;
@@ -396,10 +473,14 @@ std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const
       body += util::cat(k ? ", " : "", value_name(members_[m].args[k]));
     body += ");\n";
   }
-  // Reverse mode over the members: the gradient of each value, from its consumers' derivatives.
+  // Reverse mode over the members: the gradient of each value, from its consumers' derivatives
+  // and, for an output, its incoming gradient.
   for (int j = 0; j < inputs_; ++j) body += util::cat("    kg_t de", j, " = 0;\n");
-  for (std::size_t m = 0; m < last; ++m) body += util::cat("    kg_t dv", m, " = 0;\n");
-  body += util::cat("    const kg_t dv", last, " = dy[i];\n");
+  for (std::size_t m = 0; m <= last; ++m) {
+    const auto o = std::find(outputs_.begin(), outputs_.end(), static_cast<int>(m));
+    body += o == outputs_.end() ? util::cat("    kg_t dv", m, " = 0;\n")
+                                : util::cat("    kg_t dv", m, " = dy", o - outputs_.begin(), "[i];\n");
+  }
   for (std::size_t m = last + 1; m-- > 0;) {
     const FusedMember& f = members_[m];
     std::string args;
@@ -422,12 +503,16 @@ void FusedElementwiseOp::cpu_forward(CpuContext& ctx) const {
 }
 
 void FusedElementwiseOp::forward(CpuContext& ctx, DType dtype) const {
-  const std::int64_t n = ctx.output.numel();
+  const std::size_t nout = outputs_.size();
+  const std::int64_t n = ctx.output.numel() / static_cast<std::int64_t>(nout);
   if (n == 0) return;
   std::vector<std::vector<std::int64_t>> shapes;
   for (const auto& x : ctx.inputs) shapes.push_back(x.shape());
-  const WalkPlan plan = plan_walk(shapes, ctx.output.shape(), "[kg.fused_elementwise]");
+  const WalkPlan plan = plan_walk(shapes, part_sizes(ctx.output.shape(), nout), "[kg.fused_elementwise]");
   const std::size_t mcount = members_.size();
+  // Where each member's values go: its part of the output (an output), or the scratch.
+  std::vector<int> part(mcount, -1);
+  for (std::size_t j = 0; j < nout; ++j) part[static_cast<std::size_t>(outputs_[j])] = static_cast<int>(j);
   dispatch_float(dtype, [&](auto zero) {
     using T = decltype(zero);
     T* y = ctx.output.data<T>();
@@ -442,15 +527,15 @@ void FusedElementwiseOp::forward(CpuContext& ctx, DType dtype) const {
           const auto uj = static_cast<std::size_t>(j);
           in[uj] = chunk_of<T>(ctx.inputs[uj], plan.reads[uj], plan, uj, o0, len, buf + uj * kChunk);
         }
+        auto values = [&](std::size_t m) -> T* {
+          return part[m] >= 0 ? y + part[m] * n + o0 : buf + (static_cast<std::size_t>(inputs_) + m) * kChunk;
+        };
         for (std::size_t m = 0; m < mcount; ++m) {
           args.clear();
           for (int a : members_[m].args)
-            args.push_back(
-                a >= 0 ? static_cast<const void*>(
-                             buf + (static_cast<std::size_t>(inputs_) + static_cast<std::size_t>(a)) * kChunk)
-                       : in[static_cast<std::size_t>(-1 - a)]);
-          T* result = m + 1 == mcount ? y + o0 : buf + (static_cast<std::size_t>(inputs_) + m) * kChunk;
-          members_[m].form.cpu(ElementwiseSpan{dtype, args, nullptr, result, len, 0});
+            args.push_back(a >= 0 ? static_cast<const void*>(values(static_cast<std::size_t>(a)))
+                                  : in[static_cast<std::size_t>(-1 - a)]);
+          members_[m].form.cpu(ElementwiseSpan{dtype, args, nullptr, values(m), len, 0});
         }
       }
     });
@@ -459,12 +544,13 @@ void FusedElementwiseOp::forward(CpuContext& ctx, DType dtype) const {
 
 void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
   if (mode_ != LoweringMode::Training) throw Error("was fused for inference and has no backward");
-  const std::int64_t n = ctx.grad_output.numel();
+  const std::size_t nout = outputs_.size();
+  const std::int64_t n = ctx.grad_output.numel() / static_cast<std::int64_t>(nout);
   if (n == 0) return;
   for (const auto& x : ctx.inputs)
     if (x.numel() != n)
-      throw Error(util::cat("a training group's inputs have the output's shape, got ",
-                            sizes_to_string(x.shape()), " for ", sizes_to_string(ctx.grad_output.shape())));
+      throw Error(util::cat("a training group's inputs have the output's shape, got ", sizes_to_string(x.shape()),
+                            " for ", sizes_to_string(part_sizes(ctx.grad_output.shape(), nout))));
   const std::size_t mcount = members_.size(), nin = static_cast<std::size_t>(inputs_);
   dispatch_float(dtype_, [&](auto zero) {
     using T = decltype(zero);
@@ -490,7 +576,10 @@ void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
         }
         std::fill(dv, dv + mcount * kChunk, T(0));
         std::fill(de, de + nin * kChunk, T(0));
-        std::copy(dy + o0, dy + o0 + len, dv + (mcount - 1) * kChunk);
+        for (std::size_t j = 0; j < nout; ++j) {  // an output's incoming gradient (packed like the outputs)
+          const T* dyj = dy + static_cast<std::int64_t>(j) * n + o0;
+          std::copy(dyj, dyj + len, dv + static_cast<std::size_t>(outputs_[j]) * kChunk);
+        }
         for (std::size_t m = mcount; m-- > 0;) {
           const FusedMember& f = members_[m];
           args.clear();
@@ -510,6 +599,32 @@ void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
       }
     });
   });
+}
+
+// ---- kg.group_output ----
+
+GroupOutputOp::GroupOutputOp(int index, int count) : index_(index), count_(count) {
+  if (count_ < 2 || count_ > KG_FUSE_MAX_OUTPUTS || index_ < 0 || index_ >= count_)
+    throw Error(util::cat("kg.group_output: output ", index_, " of ", count_, "; a fused group with several outputs has 2 to ",
+                          KG_FUSE_MAX_OUTPUTS, ", numbered from 0"));
+}
+
+std::string GroupOutputOp::attributes() const { return util::cat("output=", index_, "/", count_); }
+
+Shape GroupOutputOp::infer_output_shape(const std::vector<Shape>& in) const {
+  if (in.size() != 1) throw Error(util::cat("expects 1 input (a fused group's packed outputs), got ", in.size()));
+  const Shape& packed = in[0];
+  if (packed.rank() == 0 || !packed[0].is_static() || packed[0].size() != count_)
+    throw Error(util::cat("expects a fused group's ", count_, " outputs packed as [", count_, ", ...], got ",
+                          packed.to_string()));
+  return Shape(std::vector<Dim>(packed.begin() + 1, packed.end()));
+}
+
+std::optional<std::int64_t> GroupOutputOp::view_offset(const std::vector<std::int64_t>& sizes) const {
+  if (sizes.empty() || sizes[0] != count_)
+    throw Error(util::cat("kg.group_output: expects ", count_, " outputs packed as [", count_, ", ...], got ",
+                          sizes_to_string(sizes)));
+  return index_ * (numel_of(sizes) / count_);
 }
 
 }  // namespace kg::ops

@@ -10,16 +10,24 @@
 //
 // Groups grow from their root (the last node, whose value leaves the group) towards the inputs:
 // a fusable producer joins when every consumer of its value is in the group and it is not a model
-// output, so that no member's value is needed outside. A group reads at most KG_FUSE_MAX_INPUTS
-// values from outside; a lone node stays as it is. The fused node takes the root's name and its
-// place in the graph (every input of the group is computed before the root).
+// output. When no producer can join that way, one whose value is also needed outside (read by a
+// node outside the group, or a model output), or a node that reads a member's value, joins as one
+// more output of the group, if it has the root's shape, the group writes at most KG_FUSE_MAX_OUTPUTS values, and the group does not become
+// its own ancestor (no input of the group may depend on one of its members). A group reads at most
+// KG_FUSE_MAX_INPUTS values from outside; a lone node stays as it is. A group with one output
+// becomes one node under the root's name; one with k outputs becomes a node of their packed value
+// [k, <shape>] ("<root>.group") and a kg.group_output view per output under the member's name, so
+// readers, model outputs and names are as recorded.
 #include <algorithm>
+#include <functional>
 #include <map>
+#include <queue>
 
 #include "kg/error.hpp"
 #include "ops/fused_elementwise.hpp"
 #include "ops/op_util.hpp"
 #include "passes/passes.hpp"
+#include "util/str.hpp"
 
 namespace kg::passes {
 namespace {
@@ -65,6 +73,7 @@ namespace {
 struct Group {
   std::vector<int> members;  // node ids, topological order, root last
   std::vector<int> inputs;   // node ids read from outside, in order of first use
+  std::vector<int> outputs;  // members whose values are needed outside, in member order (the root last)
 };
 
 }  // namespace
@@ -72,51 +81,117 @@ struct Group {
 GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode) {
   const auto& nodes = graph.nodes();
   const std::size_t count = nodes.size();
+  auto at = [](auto& v, int id) -> auto& { return v[static_cast<std::size_t>(id)]; };
   std::vector<std::vector<int>> consumers(count);
   for (const auto& n : nodes)
     for (int in : n.inputs) {
-      auto& c = consumers[static_cast<std::size_t>(in)];
+      auto& c = at(consumers, in);
       if (std::find(c.begin(), c.end(), n.id) == c.end()) c.push_back(n.id);
     }
   std::vector<char> is_output(count, 0);
-  for (int o : outputs) is_output[static_cast<std::size_t>(o)] = 1;
+  for (int o : outputs) at(is_output, o) = 1;
   std::vector<std::optional<ElementwiseForm>> forms(count);
-  for (const auto& n : nodes) forms[static_cast<std::size_t>(n.id)] = fusable_form(graph, n, mode);
+  for (const auto& n : nodes) at(forms, n.id) = fusable_form(graph, n, mode);
 
   std::vector<int> group_of(count, -1);
   std::vector<Group> groups;
+  bool any_several = false;  // some group formed so far has several outputs
   for (std::size_t r = count; r-- > 0;) {
     if (!forms[r] || group_of[r] >= 0) continue;
     const int gi = static_cast<int>(groups.size());
-    std::vector<int> members{static_cast<int>(r)};
+    const int root = static_cast<int>(r);
+    std::vector<int> members{root};
     group_of[r] = gi;
     // External values of the group as it stands.
     auto externals = [&]() {
       std::vector<int> ext;
       for (int m : members)
         for (int in : graph.node(m).inputs)
-          if (group_of[static_cast<std::size_t>(in)] != gi &&
-              std::find(ext.begin(), ext.end(), in) == ext.end())
-            ext.push_back(in);
+          if (at(group_of, in) != gi && std::find(ext.begin(), ext.end(), in) == ext.end()) ext.push_back(in);
       return ext;
+    };
+    // A member's value is needed outside: a model output, or read by a node outside the group.
+    auto needed_outside = [&](int m) {
+      return at(is_output, m) ||
+             std::any_of(at(consumers, m).begin(), at(consumers, m).end(), [&](int c) { return at(group_of, c) != gi; });
+    };
+    // A member the group writes: one needed outside, or one no member reads (the last one).
+    auto written = [&](int m) {
+      const auto& cs = at(consumers, m);
+      return needed_outside(m) || std::none_of(cs.begin(), cs.end(), [&](int c) { return at(group_of, c) == gi; });
+    };
+    auto output_count = [&]() {
+      return static_cast<std::size_t>(std::count_if(members.begin(), members.end(), written));
+    };
+    // No external input of the group depends on one of its members: the group, as one node, must
+    // not be its own ancestor. A group formed earlier counts as one node too: whatever reaches one of
+    // its members reaches all its outputs.
+    auto acyclic = [&]() {
+      const std::vector<int> ext = externals();
+      std::vector<char> seen(count, 0), group_seen(groups.size(), 0);
+      std::vector<int> stack;
+      for (int m : members)
+        for (int c : at(consumers, m))
+          if (at(group_of, c) != gi) stack.push_back(c);
+      while (!stack.empty()) {
+        const int v = stack.back();
+        stack.pop_back();
+        if (at(seen, v)) continue;
+        at(seen, v) = 1;
+        if (at(group_of, v) == gi || std::find(ext.begin(), ext.end(), v) != ext.end()) return false;
+        for (int c : at(consumers, v)) stack.push_back(c);
+        const int h = at(group_of, v);
+        if (h >= 0 && !at(group_seen, h)) {
+          at(group_seen, h) = 1;
+          for (int m : at(groups, h).members) stack.push_back(m);
+        }
+      }
+      return true;
+    };
+    auto try_join = [&](int p, bool as_output) {
+      at(group_of, p) = gi;
+      members.push_back(p);
+      bool ok = externals().size() <= KG_FUSE_MAX_INPUTS;
+      const std::size_t outs = ok ? output_count() : 0;
+      if (ok && as_output) ok = outs <= KG_FUSE_MAX_OUTPUTS;
+      if (ok && (any_several || outs > 1)) ok = acyclic();
+      if (!ok) {
+        at(group_of, p) = -1;
+        members.pop_back();
+      }
+      return ok;
     };
     for (bool grew = true; grew;) {
       grew = false;
+      // Producers whose every reader is in the group first.
       for (int p : externals()) {
-        const auto up = static_cast<std::size_t>(p);
-        if (!forms[up] || group_of[up] >= 0 || is_output[up]) continue;
-        const auto& cs = consumers[up];
-        if (!std::all_of(cs.begin(), cs.end(),
-                         [&](int c) { return group_of[static_cast<std::size_t>(c)] == gi; }))
-          continue;
-        group_of[up] = gi;
-        members.push_back(p);
-        if (externals().size() > KG_FUSE_MAX_INPUTS) {
-          group_of[up] = -1;
-          members.pop_back();
-          continue;
+        if (!at(forms, p) || at(group_of, p) >= 0 || at(is_output, p)) continue;
+        const auto& cs = at(consumers, p);
+        if (!std::all_of(cs.begin(), cs.end(), [&](int c) { return at(group_of, c) == gi; })) continue;
+        grew = try_join(p, false) || grew;
+      }
+      if (grew) continue;
+      // Then one value also needed outside, as one more output of the group's shape: a producer,
+      // or a node that reads the group's values (a sibling of the root, such as a in
+      // s = sigmoid(x), a = s * x, b = s + 1).
+      auto joinable = [&](int p) {
+        return at(forms, p) && at(group_of, p) < 0 && graph.node(p).shape == graph.node(root).shape;
+      };
+      for (int p : externals()) {
+        if (joinable(p) && try_join(p, true)) {
+          grew = true;
+          break;
         }
-        grew = true;
+      }
+      if (grew) continue;
+      const std::vector<int> now = members;
+      for (int m : now) {
+        for (int c : at(consumers, m))
+          if (joinable(c) && (at(is_output, c) || !at(consumers, c).empty()) && try_join(c, true)) {
+            grew = true;
+            break;
+          }
+        if (grew) break;
       }
     }
     if (members.size() < 2) {
@@ -126,28 +201,51 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
     std::sort(members.begin(), members.end());
     Group g;
     g.members = members;
-    for (int m : members)
+    for (int m : members) {
       for (int in : graph.node(m).inputs)
-        if (group_of[static_cast<std::size_t>(in)] != gi &&
-            std::find(g.inputs.begin(), g.inputs.end(), in) == g.inputs.end())
+        if (at(group_of, in) != gi && std::find(g.inputs.begin(), g.inputs.end(), in) == g.inputs.end())
           g.inputs.push_back(in);
+      if (written(m)) g.outputs.push_back(m);
+    }
+    any_several = any_several || g.outputs.size() > 1;
     groups.push_back(std::move(g));
   }
-  Rewriter rw(graph);
+
+  // Emission in a topological order of the rewritten graph: a group is one node, placed once its
+  // inputs are; the rest keep their order (a smallest-id-first topological sort, a group counting
+  // as its root's id), so a graph whose groups have one output each keeps its order exactly.
+  auto unit = [&](int id) { const int gi = at(group_of, id); return gi < 0 ? id : at(groups, gi).members.back(); };
+  auto unit_inputs = [&](int u) {
+    const int gi = at(group_of, u);
+    return gi < 0 ? graph.node(u).inputs : at(groups, gi).inputs;
+  };
+  std::vector<int> waiting(count, 0);
+  std::vector<std::vector<int>> readers(count);
+  std::priority_queue<int, std::vector<int>, std::greater<int>> ready;
   for (const auto& n : nodes) {
-    if (n.kind != Node::Kind::Op) continue;
-    const int gi = group_of[static_cast<std::size_t>(n.id)];
-    if (gi < 0) {
-      rw.copy(n.id);
-      continue;
-    }
-    const Group& g = groups[static_cast<std::size_t>(gi)];
-    if (g.members.back() != n.id) continue;  // members are emitted with their root
-    std::map<int, int> index;                // node id -> member index
+    if (n.kind != Node::Kind::Op || unit(n.id) != n.id) continue;
+    std::vector<int> deps;
+    for (int in : unit_inputs(n.id))
+      if (graph.node(in).kind == Node::Kind::Op && std::find(deps.begin(), deps.end(), unit(in)) == deps.end())
+        deps.push_back(unit(in));
+    for (int d : deps) at(readers, d).push_back(n.id);
+    at(waiting, n.id) = static_cast<int>(deps.size());
+    if (deps.empty()) ready.push(n.id);
+  }
+  Rewriter rw(graph);
+  auto fresh_name = [&](const std::string& wanted) {
+    std::string name = wanted;
+    for (int k = 2; graph.find(name) >= 0 || rw.graph()->find(name) >= 0; ++k) name = util::cat(wanted, "_", k);
+    return name;
+  };
+  auto emit_group = [&](const Group& g) {
+    const Node& root = graph.node(g.members.back());
+    std::map<int, int> index;  // node id -> member index
     std::vector<ops::FusedMember> members;
+    std::vector<int> out_members;
     for (int m : g.members) {
       const Node& mn = graph.node(m);
-      ops::FusedMember f{mn.name, *mn.op, *forms[static_cast<std::size_t>(m)], {}};
+      ops::FusedMember f{mn.name, *mn.op, *at(forms, m), {}};
       for (int in : mn.inputs) {
         auto it = index.find(in);
         if (it != index.end()) {
@@ -158,16 +256,53 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
         }
       }
       index[m] = static_cast<int>(members.size());
+      if (std::find(g.outputs.begin(), g.outputs.end(), m) != g.outputs.end()) out_members.push_back(index[m]);
       members.push_back(std::move(f));
     }
+    const std::size_t k = g.outputs.size();
     Node fused;
     fused.kind = Node::Kind::Op;
-    fused.name = n.name;
-    fused.dtype = n.dtype;
-    fused.shape = n.shape;
-    fused.op = CustomData::make<ops::FusedElementwiseOp>(std::move(members),
-                                                         static_cast<int>(g.inputs.size()), n.dtype, mode);
-    rw.map(n.id, rw.add(std::move(fused), g.inputs));
+    // One output: the node is the root's value and takes its name. Several: the node is their
+    // packed value, and each output is a view of its part under its member's name.
+    fused.name = k == 1 ? root.name : fresh_name(root.name + ".group");
+    fused.dtype = root.dtype;
+    const auto op = CustomData::make<ops::FusedElementwiseOp>(std::move(members), static_cast<int>(g.inputs.size()),
+                                                               root.dtype, mode, std::move(out_members));
+    if (k == 1) {
+      fused.shape = root.shape;
+    } else {
+      std::vector<Dim> dims{Dim(static_cast<std::int64_t>(k))};
+      dims.insert(dims.end(), root.shape.begin(), root.shape.end());
+      fused.shape = Shape(std::move(dims));
+    }
+    fused.op = op;
+    const int packed = rw.add(std::move(fused), g.inputs);
+    if (k == 1) {
+      rw.map(g.members.back(), packed);
+      return;
+    }
+    for (std::size_t j = 0; j < k; ++j) {
+      const Node& m = graph.node(g.outputs[j]);
+      Node view;
+      view.kind = Node::Kind::Op;
+      view.name = m.name;
+      view.dtype = m.dtype;
+      view.shape = m.shape;
+      view.op = CustomData::make<ops::GroupOutputOp>(static_cast<int>(j), static_cast<int>(k));
+      view.inputs = {packed};
+      rw.map(g.outputs[j], rw.graph()->add_node(std::move(view)));
+    }
+  };
+  while (!ready.empty()) {
+    const int u = ready.top();
+    ready.pop();
+    const int gi = at(group_of, u);
+    if (gi < 0)
+      rw.copy(u);
+    else
+      emit_group(at(groups, gi));
+    for (int c : at(readers, u))
+      if (--at(waiting, c) == 0) ready.push(c);
   }
   return rw.finish(outputs);
 }

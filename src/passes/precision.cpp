@@ -107,7 +107,7 @@ class PrecisionRewrite {
     if (const auto* group = n.op->as<ops::FusedElementwiseOp>()) {
       if (group->dtype() != DType::F32 || group->mode() != LoweringMode::Inference) return std::nullopt;
       low.op = CustomData::make<ops::FusedElementwiseOp>(group->members(), group->inputs(), low_,
-                                                         LoweringMode::Inference);
+                                                         LoweringMode::Inference, group->outputs());
     } else if (n.op->op().computes_in(low_)) {
       DType out;
       try {

@@ -20,11 +20,12 @@ struct Built {
   std::vector<std::vector<std::int64_t>> input_shapes;
 };
 
+// Nodes of op `op`, or with "" every node that runs (views, such as a group's outputs, run nothing).
 int count_ops(const kg::Model& m, const std::string& op) {
   int n = 0;
   for (int id : m.live_nodes()) {
     const kg::Node& node = m.graph().node(id);
-    n += node.kind == kg::Node::Kind::Op && (op.empty() || node.op_name() == op);
+    n += node.kind == kg::Node::Kind::Op && (op.empty() ? !node.op->op().is_view() : node.op_name() == op);
   }
   return n;
 }
@@ -210,7 +211,9 @@ TEST(FuseElementwise, AGroupIsSplitAroundANodeThatCannotJoin) {
   EXPECT_TRUE(kg_test::all_close(mf.forward(in)[0], mp.forward(in)[0], 1e-6, 1e-6));
 }
 
-// A value that is a model output, or that a node outside the group reads, ends a group.
+// A value that is a model output, or that a node outside the group reads, is not absorbed: it
+// becomes one more output of the group (tests/passes/test_fuse_multi_output.cpp has the rest), and
+// a node that would make the group its own ancestor stays out.
 TEST(FuseElementwise, AValueNeededOutsideTheGroupIsNotAbsorbed) {
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 8}, "x");
   auto a = kg::sigmoid(kg::add(x, 1.0, "p"), "a");  // also an output
@@ -219,11 +222,11 @@ TEST(FuseElementwise, AValueNeededOutsideTheGroupIsNotAbsorbed) {
   auto late = kg::sub(b, c, "late");
   kg::Model m(g, {{"a", a}, {"late", late}});
   auto f = fused_ops(m);
-  ASSERT_EQ(f.size(), 2u);
-  EXPECT_EQ(member_names(*f[0]), (std::vector<std::string>{"p", "a"}));
-  EXPECT_EQ(member_names(*f[1]), (std::vector<std::string>{"m", "b"}));
-  EXPECT_EQ(count_ops(m, "nn.relu"), 1);  // rb alone before the softmax
-  EXPECT_EQ(count_ops(m, "nn.sub"), 1);   // late reads b and the softmax: alone
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_EQ(member_names(*f[0]), (std::vector<std::string>{"p", "a", "m", "b", "rb"}));
+  EXPECT_NE(f[0]->attributes().find("outputs=a,b,rb "), std::string::npos);
+  EXPECT_EQ(count_ops(m, "kg.group_output"), 3);
+  EXPECT_EQ(count_ops(m, "nn.sub"), 1);  // late reads b and the softmax of rb: alone
 }
 
 TEST(FuseElementwise, FusionCanBeTurnedOff) {
