@@ -9,6 +9,7 @@
 #include "ops/gpu_util.hpp"
 #include "ops/norm_shared.cuh"
 #include "ops/op_util.hpp"
+#include "ops/prologue.hpp"
 
 namespace kg::ops {
 namespace {
@@ -384,7 +385,7 @@ double batch_norm_eps(const CustomOp& op) {
 
 namespace {
 
-class LayerNormOp final : public CustomOp {
+class LayerNormOp final : public CustomOp, public PrologueReduction {
  public:
   LayerNormOp(std::vector<std::int64_t> normalized_shape, double eps, bool affine, DType dtype)
       : shape_(std::move(normalized_shape)), eps_(eps), affine_(affine), dtype_(dtype) {}
@@ -434,6 +435,22 @@ class LayerNormOp final : public CustomOp {
   }
   std::string lower_backward_source(const LowerContext&) const override {
     return kernel_file("norm_backward.cu");
+  }
+
+  // A folded prologue (ops/fused_reduction): the same kernel body and runtime, the input read
+  // through the prologue's loader.
+  bool takes_prologue(DType t) const override { return t == DType::F32 || t == DType::F64; }
+  std::optional<Lowered> lower_with_prologue(const LowerContext& ctx, const PrologueCode& code) const override {
+    if (!takes_prologue(ctx.output_dtype) || (affine_ && ctx.output_dtype != dtype_)) return std::nullopt;
+    const char* t = device_type(ctx.output_dtype);
+    std::string src = util::cat(code.head, without_entries(kernel_file("norm.cu")), "\n", code.source,
+                                "\nextern \"C\" __global__ void __launch_bounds__(KG_NORM_THREADS)\n    ",
+                                code.entry, "(", code.params, ", const ", t, "* __restrict__ w, const ", t,
+                                "* __restrict__ b, ", t,
+                                "* __restrict__ y, long long rows, long long inner, double eps) {\n  kg_layer_norm<",
+                                t, ">(", code.loader, ", w, b, y, rows, inner, eps);\n}\n");
+    return Lowered{"nn.layer_norm", std::move(src), code.entry,
+                   std::make_shared<LayerNormRuntime>(shape_, eps_, affine_, ctx.output_dtype)};
   }
 
   bool has_cpu_backward() const override { return true; }

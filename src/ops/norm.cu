@@ -1,7 +1,11 @@
 // nn.batch_norm2d (running or batch statistics) and nn.layer_norm on the GPU. The block size,
-// the row strategies and the scratch layouts are norm_shared.cuh's.
+// the row strategies and the scratch layouts are norm_shared.cuh's. Layer norm reads its input
+// through a loader (prologue.cuh): the tensor itself for the entries below, or a folded prologue
+// (ops/fused_reduction), whose module holds this file without the sections guarded by
+// KG_PROLOGUE_MODULE (its entries) and an entry of its own.
 #include "index.cuh"
 #include "norm_shared.cuh"
+#include "prologue.cuh"
 #include "reduce.cuh"
 
 __device__ __forceinline__ float kg_sqrt(float v) { return sqrtf(v); }
@@ -104,6 +108,7 @@ __device__ __forceinline__ void kg_batch_norm2d(const T* __restrict__ x, const T
     kg_batch_norm2d_apply<T, false>(x, scale_shift, y, total, c, hw_div, c_div);
 }
 
+#ifndef KG_PROLOGUE_MODULE
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_batch_norm2d_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                         float* running_mean, float* running_var, long long* num_batches_tracked,
@@ -122,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
   kg_batch_norm2d<double>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, total, c,
                           eps, momentum, training, phase, hw_div, c_div);
 }
+#endif  // KG_PROLOGUE_MODULE
 
 // ---- nn.layer_norm ----
 // Each row of `inner` elements is normalised with its mean and biased variance (two passes over
@@ -129,66 +135,69 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
 // w and b are given. Rows of up to KG_LN_WARP_MAX elements take one warp each (8 rows per block);
 // longer rows one block each.
 
-template <class T>
-__device__ __forceinline__ void kg_layer_norm_write(const T* __restrict__ src, T* __restrict__ dst,
+// Row r's element j is ld(base + j), base = r * inner.
+template <class T, class Load>
+__device__ __forceinline__ void kg_layer_norm_write(const Load& ld, kg_index base, T* __restrict__ dst,
                                                     const T* __restrict__ w, const T* __restrict__ b, T mean,
                                                     T inv, kg_index inner, kg_index j0, kg_index step) {
   if (w) {
-    for (kg_index j = j0; j < inner; j += step) dst[j] = (src[j] - mean) * inv * w[j] + b[j];
+    for (kg_index j = j0; j < inner; j += step) dst[j] = ((T)ld(base + j) - mean) * inv * w[j] + b[j];
   } else {
-    for (kg_index j = j0; j < inner; j += step) dst[j] = (src[j] - mean) * inv;
+    for (kg_index j = j0; j < inner; j += step) dst[j] = ((T)ld(base + j) - mean) * inv;
   }
 }
 
-template <class T>
-__device__ __forceinline__ void kg_layer_norm(const T* __restrict__ x, const T* __restrict__ w,
-                                              const T* __restrict__ b, T* __restrict__ y, long long rows,
-                                              long long inner, double eps) {
+template <class T, class Load>
+__device__ __forceinline__ void kg_layer_norm(const Load& ld, const T* __restrict__ w, const T* __restrict__ b,
+                                              T* __restrict__ y, long long rows, long long inner, double eps) {
   const T n = (T)inner;
   if (inner <= KG_LN_WARP_MAX) {
     const int lane = threadIdx.x & 31;
     const kg_index warps = (kg_index)gridDim.x * (KG_NORM_THREADS / 32);
     for (kg_index r = (kg_index)blockIdx.x * (KG_NORM_THREADS / 32) + (threadIdx.x >> 5); r < rows;
          r += warps) {
-      const T* src = x + r * inner;
+      const kg_index base = r * inner;
       T s = T(0);
-      for (kg_index j = lane; j < inner; j += 32) s += src[j];
+      for (kg_index j = lane; j < inner; j += 32) s += (T)ld(base + j);
       const T mean = kg_warp_sum(s) / n;
       T v = T(0);
       for (kg_index j = lane; j < inner; j += 32) {
-        const T d = src[j] - mean;
+        const T d = (T)ld(base + j) - mean;
         v += d * d;
       }
       const T inv = T(1) / kg_sqrt(kg_warp_sum(v) / n + (T)eps);
-      kg_layer_norm_write<T>(src, y + r * inner, w, b, mean, inv, inner, lane, 32);
+      kg_layer_norm_write<T>(ld, base, y + base, w, b, mean, inv, inner, lane, 32);
     }
     return;
   }
   __shared__ T smem[32];
   for (kg_index r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* src = x + r * inner;
+    const kg_index base = r * inner;
     T s = T(0);
-    for (kg_index j = threadIdx.x; j < inner; j += KG_NORM_THREADS) s += src[j];
+    for (kg_index j = threadIdx.x; j < inner; j += KG_NORM_THREADS) s += (T)ld(base + j);
     const T mean = kg_block_sum(s, smem) / n;
     T v = T(0);
     for (kg_index j = threadIdx.x; j < inner; j += KG_NORM_THREADS) {
-      const T d = src[j] - mean;
+      const T d = (T)ld(base + j) - mean;
       v += d * d;
     }
     const T inv = T(1) / kg_sqrt(kg_block_sum(v, smem) / n + (T)eps);
-    kg_layer_norm_write<T>(src, y + r * inner, w, b, mean, inv, inner, threadIdx.x, KG_NORM_THREADS);
+    kg_layer_norm_write<T>(ld, base, y + base, w, b, mean, inv, inner, threadIdx.x, KG_NORM_THREADS);
   }
 }
+
+#ifndef KG_PROLOGUE_MODULE
 
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                       float* __restrict__ y, long long rows, long long inner, double eps) {
-  kg_layer_norm<float>(x, w, b, y, rows, inner, eps);
+  kg_layer_norm<float>(kg_load_ptr(x), w, b, y, rows, inner, eps);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_layer_norm_f64(const double* __restrict__ x, const double* __restrict__ w,
                       const double* __restrict__ b, double* __restrict__ y, long long rows, long long inner,
                       double eps) {
-  kg_layer_norm<double>(x, w, b, y, rows, inner, eps);
+  kg_layer_norm<double>(kg_load_ptr(x), w, b, y, rows, inner, eps);
 }
+#endif  // KG_PROLOGUE_MODULE

@@ -17,6 +17,7 @@
 #include "ops/divider.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
+#include "ops/prologue.hpp"
 #include "ops/reduce_ops_shared.cuh"
 
 namespace kg::ops {
@@ -653,7 +654,7 @@ class CumsumRuntime final : public RuntimeOp {
 
 // ---- reduce.<fn> ----
 
-class ReduceOp final : public CustomOp {
+class ReduceOp final : public CustomOp, public PrologueReduction {
  public:
   ReduceOp(ReduceFn fn, std::vector<std::int64_t> axes, bool keepdims)
       : fn_(fn), axes_(std::move(axes)), keepdims_(keepdims) {
@@ -676,25 +677,49 @@ class ReduceOp final : public CustomOp {
   // More kept or reduced dims than the kernel takes (after merging; only past rank 16) is an
   // error for a GPU, and leaves the op to its cpu_forward on the CPU.
   std::optional<Lowered> lower(const LowerContext& ctx) const override {
-    if (ctx.emulated() && !ctx.concrete_input_shapes.empty()) {
-      const auto& shape = ctx.concrete_input_shapes[0];
-      const ReducePlan p = reduce_plan(shape, reduced_dims(axes_, shape.size(), sizes_to_string(shape)));
-      constexpr std::size_t max_dims = KG_REDUCE_MAX_DIMS;
-      if (p.kept.size() > max_dims || p.red.size() > max_dims) return std::nullopt;
-    }
+    if (too_many_dims_for_emulator(ctx)) return std::nullopt;
     const DType dt = ctx.input_dtypes.at(0);
     const std::string entry = entry_of(fn_entry(fn_).kernel, dt), t = c_type(dt);
     return Lowered{name(),
                    entry_source(entry,
                                 util::cat("const ", t, "* __restrict__ x, ", t,
                                           "* __restrict__ y, KgReduceArgs a, void* __restrict__ part"),
-                                util::cat("kg_reduce<", t, ", ", fn_entry(fn_).code, ">(x, y, a, part)")),
+                                util::cat("kg_reduce<", t, ", ", fn_entry(fn_).code, ">(kg_load_ptr(x), y, a, part)")),
                    entry, std::make_shared<ReduceRuntime>(axes_, name(), entry, -1)};
+  }
+
+  // A folded prologue (ops/fused_reduction), for float inputs: the same kernel body and runtime,
+  // the input read through the prologue's loader.
+  bool takes_prologue(DType t) const override { return t == DType::F32 || t == DType::F64; }
+  std::optional<Lowered> lower_with_prologue(const LowerContext& ctx, const PrologueCode& code) const override {
+    const DType dt = ctx.input_dtypes.at(0);
+    if (!takes_prologue(dt) || too_many_dims_for_emulator(ctx)) return std::nullopt;
+    const std::string t = c_type(dt);
+    std::string src = util::cat(code.head, "#define KG_REDUCE_ONE_ENTRY\n", kernel_file("reduce_ops.cu"), "\n",
+                                code.source, "\nextern \"C\" __global__ void __launch_bounds__(KG_REDUCE_THREADS)\n    ",
+                                code.entry, "(", code.params, ", ", t,
+                                "* __restrict__ y, KgReduceArgs a, void* __restrict__ part) {\n  kg_reduce<", t, ", ",
+                                fn_entry(fn_).code, ">(", code.loader, ", y, a, part);\n}\n");
+    return Lowered{name(), std::move(src), code.entry,
+                   std::make_shared<ReduceRuntime>(axes_, name(), code.entry, -1)};
   }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
     const ReducePlan p = reduce_plan(x.shape(), reduced_dims(axes_, x.rank(), sizes_to_string(x.shape())));
+    reduce_plan_cpu(ctx, x, p);
+  }
+
+ private:
+  // Under the emulator, more merged dims than the kernel takes leaves the op to its cpu_forward.
+  bool too_many_dims_for_emulator(const LowerContext& ctx) const {
+    if (!ctx.emulated() || ctx.concrete_input_shapes.empty()) return false;
+    const auto& shape = ctx.concrete_input_shapes[0];
+    const ReducePlan p = reduce_plan(shape, reduced_dims(axes_, shape.size(), sizes_to_string(shape)));
+    constexpr std::size_t max_dims = KG_REDUCE_MAX_DIMS;
+    return p.kept.size() > max_dims || p.red.size() > max_dims;
+  }
+  void reduce_plan_cpu(CpuContext& ctx, const Tensor& x, const ReducePlan& p) const {
     dispatch_dtype(x.dtype(), [&](auto zero) {
       using T = decltype(zero);
       visit_fn(fn_, [&](auto f) {
@@ -708,7 +733,6 @@ class ReduceOp final : public CustomOp {
     });
   }
 
- private:
   ReduceFn fn_;
   std::vector<std::int64_t> axes_;
   bool keepdims_;
@@ -752,7 +776,7 @@ class ArgReduceOp final : public CustomOp {
             entry,
             util::cat("const ", t, "* __restrict__ x, long long* __restrict__ y, KgReduceArgs a, ",
                       "int select_last, void* __restrict__ part"),
-            util::cat("kg_arg_reduce<", t, ", ", bool_text(is_max_), ">(x, y, a, select_last, part)")),
+            util::cat("kg_arg_reduce<", t, ", ", bool_text(is_max_), ">(kg_load_ptr(x), y, a, select_last, part)")),
         entry,
         std::make_shared<ReduceRuntime>(std::vector<std::int64_t>{axis_}, name(), entry,
                                         select_last_ ? 1 : 0)};

@@ -34,6 +34,7 @@
 // scans KG_REDUCE_THREADS elements at a time (warp shuffles, then the warps' totals) and carries
 // the running sum to the next tile.
 #include "index.cuh"
+#include "prologue.cuh"
 #include "reduce.cuh"
 #include "reduce_ops_shared.cuh"
 
@@ -314,17 +315,17 @@ struct KgReduceShare {
   kg_index r0, r1, split;
 };
 
-// The reduction of output element o's share (its elements at x + base) by the group; every
-// thread of the group gets the result.
-template <class Op, class T>
-__device__ __forceinline__ typename Op::Acc kg_reduce_group(const Op& op, const T* __restrict__ x,
+// The reduction of output element o's share (its elements from ld(base) on) by the group; every
+// thread of the group gets the result. ld is the input's loader (prologue.cuh).
+template <class Op, class Load>
+__device__ __forceinline__ typename Op::Acc kg_reduce_group(const Op& op, const Load& ld,
                                                             const KgReduceArgs& a, kg_index base,
                                                             const KgReduceGroup& g, const KgReduceShare& sh,
                                                             typename Op::Acc* smem) {
   typename Op::Acc acc = op.init();
   if (g.active)
     for (kg_index r = sh.r0 + g.lane; r < sh.r1; r += g.size)
-      acc = op.add(acc, x[base + kg_reduce_offset(a, r)], r);
+      acc = op.add(acc, ld(base + kg_reduce_offset(a, r)), r);
   if (g.mode == KG_REDUCE_BY_WARP)
     acc = kg_reduce_warp(op, acc);
   else if (g.mode == KG_REDUCE_BY_BLOCK)
@@ -431,8 +432,9 @@ __device__ __forceinline__ void kg_reduce_combine(T* __restrict__ y, const KgRed
   }
 }
 
-template <class T, int F>
-__device__ __forceinline__ void kg_reduce(const T* __restrict__ x, T* __restrict__ y, const KgReduceArgs& a,
+// x reads the input (a loader, prologue.cuh).
+template <class T, int F, class Load>
+__device__ __forceinline__ void kg_reduce(const Load& x, T* __restrict__ y, const KgReduceArgs& a,
                                           void* __restrict__ part) {
   if (a.stage == KG_REDUCE_STAGE_COMBINE) {
     kg_reduce_combine<T, F>(y, a, part);
@@ -464,8 +466,8 @@ __device__ __forceinline__ void kg_reduce(const T* __restrict__ x, T* __restrict
   });
 }
 
-template <class T, bool Max>
-__device__ __forceinline__ void kg_arg_reduce(const T* __restrict__ x, long long* __restrict__ y,
+template <class T, bool Max, class Load>
+__device__ __forceinline__ void kg_arg_reduce(const Load& x, long long* __restrict__ y,
                                               const KgReduceArgs& a, int select_last,
                                               void* __restrict__ part) {
   KgArgOp<T, Max> op;
@@ -573,7 +575,7 @@ __device__ __forceinline__ void kg_cumsum(const T* __restrict__ x, T* __restrict
 #define KG_REDUCE_TYPED(name, T, F)                                                \
   KG_REDUCE_ENTRY name(const T* __restrict__ x, T* __restrict__ y, KgReduceArgs a, \
                        void* __restrict__ part) {                                  \
-    kg_reduce<T, F>(x, y, a, part);                                                \
+    kg_reduce<T, F>(kg_load_ptr(x), y, a, part);                                   \
   }
 #define KG_REDUCE_FLOAT_ENTRIES(fn, F)            \
   KG_REDUCE_TYPED(kg_reduce_##fn##_f32, float, F) \
@@ -584,7 +586,7 @@ __device__ __forceinline__ void kg_cumsum(const T* __restrict__ x, T* __restrict
 #define KG_ARG_ENTRY(name, T, Max)                                                                          \
   KG_REDUCE_ENTRY name(const T* __restrict__ x, long long* __restrict__ y, KgReduceArgs a, int select_last, \
                        void* __restrict__ part) {                                                           \
-    kg_arg_reduce<T, Max>(x, y, a, select_last, part);                                                      \
+    kg_arg_reduce<T, Max>(kg_load_ptr(x), y, a, select_last, part);                                         \
   }
 #define KG_CUMSUM_ENTRY(name, T, unused) \
   KG_REDUCE_ENTRY name(const T* __restrict__ x, T* __restrict__ y, KgCumsumArgs a) { kg_cumsum<T>(x, y, a); }

@@ -8,6 +8,7 @@
 #include "kg/ops.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
+#include "ops/prologue.hpp"
 
 namespace kg::ops {
 namespace {
@@ -79,7 +80,7 @@ class SoftmaxRuntime final : public RuntimeOp {
   std::string backward_entry_;
 };
 
-class SoftmaxOp final : public CustomOp {
+class SoftmaxOp final : public CustomOp, public PrologueReduction {
  public:
   SoftmaxOp(std::int64_t dim, bool log) : dim_(dim), log_(log) {}
   std::string name() const override { return log_ ? "nn.log_softmax" : "nn.softmax"; }
@@ -102,6 +103,23 @@ class SoftmaxOp final : public CustomOp {
   }
   std::string lower_backward_source(const LowerContext&) const override {
     return kernel_file("softmax_backward.cu");
+  }
+
+  // A folded prologue (ops/fused_reduction): the same kernel body and runtime, the input read
+  // through the prologue's loader.
+  bool takes_prologue(DType t) const override { return t == DType::F32 || t == DType::F64; }
+  std::optional<Lowered> lower_with_prologue(const LowerContext& ctx, const PrologueCode& code) const override {
+    const DType dtype = ctx.output_dtype;
+    if (!takes_prologue(dtype)) return std::nullopt;
+    const char* t = device_type(dtype);
+    std::string src = util::cat(code.head, without_entries(kernel_file("softmax.cu")), "\n", code.source,
+                                "\nextern \"C\" __global__ void __launch_bounds__(KG_SOFTMAX_THREADS)\n    ",
+                                code.entry, "(", code.params, ", ", t,
+                                "* __restrict__ y, long long outer, long long n, long long inner) {\n  kg_softmax<",
+                                t, ", ", log_ ? "true" : "false", ">(", code.loader, ", y, outer, n, inner);\n}\n");
+    return Lowered{name(), std::move(src), code.entry,
+                   std::make_shared<SoftmaxRuntime>(
+                       dim_, entry_for(log_ ? "kg_log_softmax_backward" : "kg_softmax_backward", dtype))};
   }
 
   bool has_cpu_backward() const override { return true; }

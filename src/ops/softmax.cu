@@ -4,7 +4,11 @@
 //   inner == 1, n <= KG_SOFTMAX_WARP_MAX: one warp per row, 8 rows per block;
 //   inner == 1, longer rows: one block per row;
 //   inner > 1: blocks of up to 32 adjacent columns (o, j), the block's threads splitting n.
-// The block size and these limits are softmax_shared.cuh's.
+// The block size and these limits are softmax_shared.cuh's. The input is read through a loader
+// (prologue.cuh): the tensor itself for the entries below, or a folded prologue
+// (ops/fused_reduction), whose module holds this file without the sections guarded by
+// KG_PROLOGUE_MODULE (its entries) and an entry of its own.
+#include "prologue.cuh"
 #include "reduce.cuh"
 #include "softmax_shared.cuh"
 
@@ -19,16 +23,17 @@ __device__ __forceinline__ T kg_softmax_shift(T m) {
   return m == kg_neg_inf<T>() ? T(0) : m;
 }
 
-// Writes one softmax of n elements `step` apart in memory, for lanes j0, j0 + stride, ...
-template <class T, bool Log>
-__device__ __forceinline__ void kg_softmax_write(const T* __restrict__ src, T* __restrict__ dst, kg_index n,
+// Writes one softmax of n elements `step` apart, starting at element `base`, for lanes j0,
+// j0 + stride, ...
+template <class T, bool Log, class Load>
+__device__ __forceinline__ void kg_softmax_write(const Load& ld, kg_index base, T* __restrict__ y, kg_index n,
                                                  kg_index step, kg_index j0, kg_index stride, T m, T sum) {
   if (Log) {
     const T ls = kg_log(sum);
-    for (kg_index i = j0; i < n; i += stride) dst[i * step] = (src[i * step] - m) - ls;
+    for (kg_index i = j0; i < n; i += stride) y[base + i * step] = ((T)ld(base + i * step) - m) - ls;
   } else {
     const T inv = T(1) / sum;
-    for (kg_index i = j0; i < n; i += stride) dst[i * step] = kg_exp(src[i * step] - m) * inv;
+    for (kg_index i = j0; i < n; i += stride) y[base + i * step] = kg_exp((T)ld(base + i * step) - m) * inv;
   }
 }
 
@@ -57,8 +62,8 @@ __device__ __forceinline__ T kg_column_reduce(T v, T* part, int width, bool is_m
   return v;
 }
 
-template <class T, bool Log>
-__device__ __forceinline__ void kg_softmax_columns(const T* __restrict__ x, T* __restrict__ y, kg_index outer,
+template <class T, bool Log, class Load>
+__device__ __forceinline__ void kg_softmax_columns(const Load& ld, T* __restrict__ y, kg_index outer,
                                                    kg_index n, kg_index inner) {
   __shared__ T part[KG_SOFTMAX_THREADS];
   const int width = kg_softmax_width(inner), groups = KG_SOFTMAX_THREADS / width;
@@ -67,25 +72,24 @@ __device__ __forceinline__ void kg_softmax_columns(const T* __restrict__ x, T* _
   for (kg_index b = blockIdx.x; b < outer * tiles; b += gridDim.x) {
     const kg_index o = b / tiles, j = (b - o * tiles) * width + lane;
     const bool active = j < inner;
-    const T* src = x + o * n * inner + j;
-    T* dst = y + o * n * inner + j;
+    const kg_index base = o * n * inner + j;
     T m = kg_neg_inf<T>();
     if (active)
-      for (kg_index i = group; i < n; i += groups) m = fmax(m, src[i * inner]);
+      for (kg_index i = group; i < n; i += groups) m = fmax(m, (T)ld(base + i * inner));
     m = kg_softmax_shift(kg_column_reduce(m, part, width, true));
     T s = T(0);
     if (active)
-      for (kg_index i = group; i < n; i += groups) s += kg_exp(src[i * inner] - m);
+      for (kg_index i = group; i < n; i += groups) s += kg_exp((T)ld(base + i * inner) - m);
     s = kg_column_reduce(s, part, width, false);
-    if (active) kg_softmax_write<T, Log>(src, dst, n, inner, group, groups, m, s);
+    if (active) kg_softmax_write<T, Log>(ld, base, y, n, inner, group, groups, m, s);
   }
 }
 
-template <class T, bool Log>
-__device__ __forceinline__ void kg_softmax(const T* __restrict__ x, T* __restrict__ y, long long outer,
-                                           long long n, long long inner) {
+template <class T, bool Log, class Load>
+__device__ __forceinline__ void kg_softmax(const Load& ld, T* __restrict__ y, long long outer, long long n,
+                                           long long inner) {
   if (inner > 1) {
-    kg_softmax_columns<T, Log>(x, y, outer, n, inner);
+    kg_softmax_columns<T, Log>(ld, y, outer, n, inner);
     return;
   }
   if (n <= KG_SOFTMAX_WARP_MAX) {
@@ -93,48 +97,52 @@ __device__ __forceinline__ void kg_softmax(const T* __restrict__ x, T* __restric
     const kg_index warps = (kg_index)gridDim.x * (KG_SOFTMAX_THREADS / 32);
     for (kg_index r = (kg_index)blockIdx.x * (KG_SOFTMAX_THREADS / 32) + (threadIdx.x >> 5); r < outer;
          r += warps) {
-      const T* src = x + r * n;
+      const kg_index base = r * n;
       T m = kg_neg_inf<T>();
-      for (kg_index i = lane; i < n; i += 32) m = fmax(m, src[i]);
+      for (kg_index i = lane; i < n; i += 32) m = fmax(m, (T)ld(base + i));
       m = kg_softmax_shift(kg_warp_max(m));
       T s = T(0);
-      for (kg_index i = lane; i < n; i += 32) s += kg_exp(src[i] - m);
-      kg_softmax_write<T, Log>(src, y + r * n, n, 1, lane, 32, m, kg_warp_sum(s));
+      for (kg_index i = lane; i < n; i += 32) s += kg_exp((T)ld(base + i) - m);
+      kg_softmax_write<T, Log>(ld, base, y, n, 1, lane, 32, m, kg_warp_sum(s));
     }
     return;
   }
   __shared__ T smem[32];
   for (kg_index r = blockIdx.x; r < outer; r += gridDim.x) {
-    const T* src = x + r * n;
+    const kg_index base = r * n;
     T m = kg_neg_inf<T>();
-    for (kg_index i = threadIdx.x; i < n; i += KG_SOFTMAX_THREADS) m = fmax(m, src[i]);
+    for (kg_index i = threadIdx.x; i < n; i += KG_SOFTMAX_THREADS) m = fmax(m, (T)ld(base + i));
     m = kg_softmax_shift(kg_block_max(m, smem));
     T s = T(0);
-    for (kg_index i = threadIdx.x; i < n; i += KG_SOFTMAX_THREADS) s += kg_exp(src[i] - m);
-    kg_softmax_write<T, Log>(src, y + r * n, n, 1, threadIdx.x, KG_SOFTMAX_THREADS, m, kg_block_sum(s, smem));
+    for (kg_index i = threadIdx.x; i < n; i += KG_SOFTMAX_THREADS) s += kg_exp((T)ld(base + i) - m);
+    kg_softmax_write<T, Log>(ld, base, y, n, 1, threadIdx.x, KG_SOFTMAX_THREADS, m, kg_block_sum(s, smem));
   }
 }
+
+#ifndef KG_PROLOGUE_MODULE
 
 extern "C" __global__ void __launch_bounds__(KG_SOFTMAX_THREADS)
     kg_softmax_f32(const float* __restrict__ x, float* __restrict__ y, long long outer, long long n,
                    long long inner) {
-  kg_softmax<float, false>(x, y, outer, n, inner);
+  kg_softmax<float, false>(kg_load_ptr(x), y, outer, n, inner);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_SOFTMAX_THREADS)
     kg_softmax_f64(const double* __restrict__ x, double* __restrict__ y, long long outer, long long n,
                    long long inner) {
-  kg_softmax<double, false>(x, y, outer, n, inner);
+  kg_softmax<double, false>(kg_load_ptr(x), y, outer, n, inner);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_SOFTMAX_THREADS)
     kg_log_softmax_f32(const float* __restrict__ x, float* __restrict__ y, long long outer, long long n,
                        long long inner) {
-  kg_softmax<float, true>(x, y, outer, n, inner);
+  kg_softmax<float, true>(kg_load_ptr(x), y, outer, n, inner);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_SOFTMAX_THREADS)
     kg_log_softmax_f64(const double* __restrict__ x, double* __restrict__ y, long long outer, long long n,
                        long long inner) {
-  kg_softmax<double, true>(x, y, outer, n, inner);
+  kg_softmax<double, true>(kg_load_ptr(x), y, outer, n, inner);
 }
+
+#endif  // KG_PROLOGUE_MODULE
