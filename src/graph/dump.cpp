@@ -189,14 +189,18 @@ std::string to_dot(const GraphView& view) {
       os << ", style=\"rounded,dashed,filled\"";
     if (is_output[static_cast<std::size_t>(id)]) os << ", penwidth=2";
     os << "];\n";
-    // A fused node (its attributes list the nodes it stands for, "nodes=a,b,c") is drawn inside a
-    // cluster with one small box per member, in order.
+    // A fused node (its attributes list the nodes it stands for, "nodes=a,b,c", or a reduction's
+    // folded prologue, "prologue=a,b,c") is drawn inside a cluster with one small box per member,
+    // in order.
     if (n.kind == Node::Kind::Op) {
       const std::string attrs = n.op->op().attributes();
-      const auto at = attrs.find("nodes=");
+      std::string key = "nodes=";
+      auto at = attrs.find(key);
+      if (at == std::string::npos) at = attrs.find(key = "prologue=");
       if (at != std::string::npos) {
         const auto end = attrs.find(' ', at);
-        const std::string list = attrs.substr(at + 6, end == std::string::npos ? std::string::npos : end - at - 6);
+        const auto from = at + key.size();
+        const std::string list = attrs.substr(from, end == std::string::npos ? std::string::npos : end - from);
         std::vector<std::string> members;
         for (std::size_t b = 0; b <= list.size();) {
           const auto c = std::min(list.find(',', b), list.size());

@@ -60,6 +60,7 @@ GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs,
   if (!options.fusion || !fusion_enabled_by_env()) return g;
   if (mode == LoweringMode::Inference) g = fuse_conv_epilogue(*g.graph, g.outputs);
   g = fuse_elementwise(*g.graph, g.outputs, mode);
+  if (mode == LoweringMode::Inference) g = fuse_prologue(*g.graph, g.outputs, mode);
   return g;
 }
 

@@ -66,6 +66,11 @@ GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& o
 GraphAndOutputs split_nodes(const Graph& graph, const std::vector<int>& outputs);
 // Groups of elementwise nodes (ops with an ElementwiseForm) become kg.fused_elementwise nodes.
 GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode);
+// Inference only (in training the graph is copied unchanged): an elementwise group, or a lone
+// fusable node, whose value only a reduction taking a prologue reads (softmax, layer norm,
+// reduce.<fn>; ops/prologue.hpp) and which is not a model output becomes the reduction's prologue:
+// the two become one kg.fused_reduction node with the reduction's name.
+GraphAndOutputs fuse_prologue(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode);
 // The per-element form of node `n` when it may be fused in `mode` (one dtype, f32 or f64, no
 // parameters, output the broadcast of its inputs; in training a derivative and no broadcasting).
 std::optional<ElementwiseForm> fusable_form(const Graph& g, const Node& n, LoweringMode mode);
