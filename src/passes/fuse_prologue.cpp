@@ -32,13 +32,8 @@ std::optional<Prologue> prologue_of(const Graph& g, const Node& p) {
   if (p.kind != Node::Kind::Op) return std::nullopt;
   if (const auto* group = p.op->as<ops::FusedElementwiseOp>()) {
     if (group->mode() != LoweringMode::Inference || group->dtype() != p.dtype) return std::nullopt;
-    // A group with several outputs is read through views of its packed value, never directly.
-    if (group->infer_output_shape([&] {
-          std::vector<Shape> s;
-          for (int in : p.inputs) s.push_back(g.node(in).shape);
-          return s;
-        }()) != p.shape)
-      return std::nullopt;
+    // A group with several outputs writes a packed value that views read, never a reduction.
+    if (group->outputs().size() > 1) return std::nullopt;
     return Prologue{group->members(), group->inputs(), p.inputs};
   }
   std::optional<ElementwiseForm> form = fusable_form(g, p, LoweringMode::Inference);

@@ -2,13 +2,16 @@
 // into it, and the folded node agrees with the unfused graph on the CPU (the chunked prologue, then
 // the reduction's CPU form) and under the CUDA emulator (the reduction's kernel reading through the
 // prologue, checked mode); what is not folded; bad descriptions; a bf16 load; the GPU.
+#include <algorithm>
 #include <cmath>
 
 #include "kg/models.hpp"
+#include "kg/onnx.hpp"
 #include "kg/testing.hpp"
 #include "ops/fused_reduction.hpp"
 #include "ops/pointwise.hpp"
 #include "ops/reduce_ops.hpp"
+#include "support/onnx_builder.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -403,6 +406,62 @@ TEST(FusePrologue, PrologueInputsThatDoNotBroadcastAreAnError) {
   kg::Model m(g, {y});
   ASSERT_EQ(folded_ops(m).size(), 1u);
   kg_test::expect_error([&] { m.load(kg::Device::cpu(), {{3, 8}, {5, 8}}); }, {"sm"});
+}
+
+// An imported model benefits: attention-style Softmax(x * scale + mask), LayerNormalization of a
+// residual Add, and ReduceSum(Exp(x - c)) each become one kg.fused_reduction with the ONNX node's
+// name, and agree with the import without fusion.
+TEST(FusePrologue, AnImportedOnnxModelsReductionsTakeTheirPrologues) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  kg_test::OnnxBuilder m;
+  m.input("x", kg::DType::F32, {std::string("batch"), std::int64_t{4}, std::int64_t{24}});
+  m.input("mask", kg::DType::F32, {std::int64_t{1}, std::int64_t{4}, std::int64_t{24}});
+  m.initializer("scale", kg::Tensor::from_vector<float>({}, {0.3f}));
+  m.initializer("ln.weight", kg_test::random_tensor(rng, kg::DType::F32, {24}, -1.0, 1.0));
+  m.initializer("ln.bias", kg_test::random_tensor(rng, kg::DType::F32, {24}, -1.0, 1.0));
+  m.initializer("axes", kg::Tensor::from_vector<std::int64_t>({1}, {-1}));
+  m.node("Mul", {"x", "scale"}, {"xs"}, "/attn/Mul");
+  m.node("Add", {"xs", "mask"}, {"scores"}, "/attn/Add");
+  kg_test::OnnxBuilder::attr(m.node("Softmax", {"scores"}, {"probs"}, "/attn/Softmax"), "axis", std::int64_t{-1});
+  m.node("Add", {"x", "mask"}, {"res"}, "/res/Add");
+  kg_test::OnnxBuilder::attr(m.node("LayerNormalization", {"res", "ln.weight", "ln.bias"}, {"normed"}, "/ln/LN"),
+                             "axis", std::int64_t{-1});
+  m.node("Sub", {"x", "mask"}, {"d"}, "/lse/Sub");
+  m.node("Exp", {"d"}, {"e"}, "/lse/Exp");
+  m.node("ReduceSum", {"e", "axes"}, {"total"}, "/lse/ReduceSum");
+  m.output("probs");
+  m.output("normed");
+  m.output("total");
+  kg::Model fused = kg::onnx::import_bytes(m.bytes(), "prologues.onnx");
+  kg::onnx::ImportOptions off;
+  off.model.fusion = false;
+  kg::Model plain = kg::onnx::import_bytes(m.bytes(), "prologues.onnx", off);
+  const auto f = folded_ops(fused);
+  EXPECT_EQ(f.size(), 3u) << fused.summary();
+  // Each keeps the ONNX node's name; the layer norm its initializers' names.
+  for (const char* name : {"attn.Softmax", "ln.LN", "lse.ReduceSum"}) {
+    const int id = fused.graph().find(name);
+    ASSERT_GE(id, 0) << name;
+    EXPECT_EQ(fused.graph().node(id).op_name(), "kg.fused_reduction") << name;
+  }
+  std::vector<std::string> params;
+  for (const auto& p : fused.parameters()) params.push_back(p.name);
+  EXPECT_NE(std::find(params.begin(), params.end(), "ln.weight"), params.end());
+  EXPECT_NE(std::find(params.begin(), params.end(), "ln.bias"), params.end());
+  EXPECT_TRUE(folded_ops(plain).empty());
+  const std::vector<std::vector<std::int64_t>> shapes{{3, 4, 24}, {1, 4, 24}};
+  const std::vector<kg::Tensor> in{kg_test::random_tensor(rng, kg::DType::F32, shapes[0], -2.0, 2.0),
+                                   kg_test::random_tensor(rng, kg::DType::F32, shapes[1], -2.0, 2.0)};
+  auto want = plain.load(kg::Device::cpu(), shapes).forward(in);
+  kg::LoadOptions checked;
+  checked.checked = true;
+  for (const auto& got : {fused.load(kg::Device::cpu(), shapes).forward(in),
+                          fused.load(kg::Device::cpu(), shapes, checked).forward(in)}) {
+    ASSERT_EQ(got.size(), 3u);
+    for (std::size_t i = 0; i < 3; ++i) EXPECT_TRUE(kg_test::all_close(got[i], want[i], 1e-5, 1e-5)) << i;
+  }
 }
 
 // On a GPU: the folded kernels against the unfused graph on the CPU.
