@@ -128,6 +128,11 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
     // its members reaches all its outputs.
     auto acyclic = [&]() {
       const std::vector<int> ext = externals();
+      // Past `limit` no path leads back below the group's last member (where its inputs are): only
+      // a formed group with a member below it can lead back, and no node past its last one.
+      int limit = *std::max_element(members.begin(), members.end());
+      for (const Group& h : groups)
+        if (h.members.front() < limit) limit = std::max(limit, h.members.back());
       std::vector<char> seen(count, 0), group_seen(groups.size(), 0);
       std::vector<int> stack;
       for (int m : members)
@@ -136,7 +141,7 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
       while (!stack.empty()) {
         const int v = stack.back();
         stack.pop_back();
-        if (at(seen, v)) continue;
+        if (at(seen, v) || v > limit) continue;
         at(seen, v) = 1;
         if (at(group_of, v) == gi || std::find(ext.begin(), ext.end(), v) != ext.end()) return false;
         for (int c : at(consumers, v)) stack.push_back(c);
