@@ -301,6 +301,46 @@ TEST(FuseMultiOutput, TheOutputLimitAndOutputsOfAnotherShape) {
   EXPECT_GE(written, 7u);  // v0..v5 and out leave their groups
 }
 
+// Between convolutions (where the CPU runs channels-last with oneDNN, and the group keeps the
+// standard layout): s = sigmoid(conv(x)) feeds a second convolution and leaves as a model output
+// with s * conv(x).
+TEST(FuseMultiOutput, AGroupWithSeveralOutputsBetweenConvolutions) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 4, 9, 9}, "x");
+  auto c = kg::nn::conv2d(x, 8, 3, {.padding = 1}, "conv1");
+  auto s = kg::tanh(kg::mul(c, 0.5, "half"), "s");
+  auto a = kg::mul(s, c, "a");
+  auto d = kg::nn::conv2d(s, 8, 3, {.padding = 1}, "conv2");
+  Built b{g, {{"a", a}, {"d", d}, {"s", s}}, {{2, 4, 9, 9}}};
+  kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Inference, {.fusion = false});
+  kg::Model fused(b.graph, b.outputs);
+  auto f = fused_ops(fused);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_EQ(names(*f[0], true), (std::vector<std::string>{"s", "a"}));
+  std::map<std::string, kg::Tensor> params;
+  for (const auto& info : plain.parameters())
+    params[info.name] = kg_test::random_tensor(rng, info.dtype, info.shape, -0.3, 0.3);
+  const auto in = random_inputs(rng, b, kg::DType::F32);
+  auto mp = plain.load(kg::Device::cpu(), b.input_shapes);
+  mp.load_state_dict(params);
+  const auto want = mp.forward(in);
+  for (bool checked : {false, true}) {
+    SCOPED_TRACE(checked ? "emulated kernels" : "cpu");
+    kg::LoadOptions opt;
+    opt.checked = checked;
+    opt.poison_buffers = !checked;
+    auto mf = fused.load(kg::Device::cpu(), b.input_shapes, opt);
+    mf.load_state_dict(params);
+    const auto got = mf.forward(in);
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      SCOPED_TRACE("output " + b.outputs[i].first);
+      EXPECT_TRUE(kg_test::all_close(got[i], want[i], 1e-5, 1e-5));
+    }
+  }
+}
+
 namespace {
 
 // x → linear → h; s = sigmoid(h), a = s * h, b = tanh(s), c = a + b: a is a model output and (when
