@@ -52,7 +52,8 @@ struct LoadOptions {
   // Fill every planned buffer with NaN (or 0xFF bytes for integers) before each forward, so a
   // test can tell which output elements an op never wrote.
   bool poison_buffers = false;
-  // Record per-node wall time of each forward (LoadedModel::profile()).
+  // Record per-node times of each forward (LoadedModel::profile()): on cuda CUDA events around
+  // each node's launches (run without the CUDA graph), on cpu a clock around each node.
   bool profile = false;
   // Seed of the default parameter initialisation.
   std::uint64_t seed = 0;

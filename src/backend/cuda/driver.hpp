@@ -18,7 +18,7 @@ namespace kg::cuda {
                       X(cuMemsetD8Async) X(cuMemGetInfo) X(cuStreamCreate) X(cuStreamDestroy)           \
                           X(cuStreamSynchronize) X(cuStreamBeginCapture) X(cuStreamEndCapture)          \
                               X(cuGraphInstantiateWithFlags) X(cuGraphLaunch) X(cuGraphExecDestroy)     \
-                                  X(cuGraphDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) \
+                                  X(cuGraphDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventRecordWithFlags) \
                                       X(cuEventSynchronize) X(cuEventElapsedTime) X(cuGetErrorName)     \
                                           X(cuGetErrorString)                                           \
                                               X(cuModuleLoadData) X(cuLinkCreate) X(cuLinkAddData)      \

@@ -1,7 +1,6 @@
 #include "backend/cuda/executor.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -164,6 +163,7 @@ class GpuExecutor final : public backend::Executor {
   std::unique_ptr<Trainer> trainer_;
   DeviceBuffer workspace_;  // shared by the vendor calls, which run one after another
   CUevent start_ = nullptr, stop_ = nullptr;
+  std::vector<CUevent> node_events_;  // a profiled run's, two per step
   bool timed_ = false;  // the events hold a run
 };
 
@@ -221,6 +221,7 @@ GpuExecutor::~GpuExecutor() {
   if (graph_handle_) d.cuGraphDestroy(graph_handle_);
   if (start_) d.cuEventDestroy(start_);
   if (stop_) d.cuEventDestroy(stop_);
+  for (CUevent e : node_events_) d.cuEventDestroy(e);
 }
 
 std::optional<VendorOptions> GpuExecutor::vendor_options() const {
@@ -477,20 +478,59 @@ void GpuExecutor::execute(bool training, std::uint64_t seed, std::vector<NodeTim
     }
   if (options_.poison_buffers) ctx_.fill_bytes_async(arena_, 0xFF, lp_.arena_bytes);
   if (profile) {
+    // Each node between two events of its own, launched back to back without the CUDA graph: its
+    // time is the device's, not a host clock's around a synchronisation.
+    while (node_events_.size() < 2 * steps_.size()) {
+      CUevent e = nullptr;
+      d.check(d.cuEventCreate(&e, CU_EVENT_DEFAULT), "cuEventCreate");
+      node_events_.push_back(e);
+    }
+    // Unchecked, the launches and their events are captured into a CUDA graph and replayed once,
+    // so the host's time between launches (and before the first) is not in any node's time.
+    const bool capture = !options_.checked && !steps_.empty();
+    if (capture)
+      d.check(d.cuStreamBeginCapture(ctx_.stream(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
+    CUgraph graph = nullptr;
+    try {
+      // Under capture an event becomes a node of the graph only when recorded as external.
+      auto record = [&](CUevent e) {
+        d.check(capture ? d.cuEventRecordWithFlags(e, ctx_.stream(), CU_EVENT_RECORD_EXTERNAL)
+                        : d.cuEventRecord(e, ctx_.stream()),
+                "cuEventRecord");
+      };
+      for (std::size_t i = 0; i < steps_.size(); ++i) {
+        record(node_events_[2 * i]);
+        if (options_.checked)
+          launch_checked(i);
+        else
+          launch_step(i);
+        record(node_events_[2 * i + 1]);
+      }
+    } catch (...) {
+      if (capture) {
+        d.cuStreamEndCapture(ctx_.stream(), &graph);
+        if (graph) d.cuGraphDestroy(graph);
+      }
+      throw;
+    }
+    if (capture) {
+      d.check(d.cuStreamEndCapture(ctx_.stream(), &graph), "cuStreamEndCapture");
+      CUgraphExec exec = nullptr;
+      CUresult r = d.cuGraphInstantiateWithFlags(&exec, graph, 0);
+      if (r == CUDA_SUCCESS) r = d.cuGraphLaunch(exec, ctx_.stream());
+      if (r == CUDA_SUCCESS) r = d.cuStreamSynchronize(ctx_.stream());
+      if (exec) d.cuGraphExecDestroy(exec);
+      d.cuGraphDestroy(graph);
+      d.check(r, "profiled run (a CUDA graph of the nodes and their events)");
+    } else if (!steps_.empty()) {
+      d.check(d.cuEventSynchronize(node_events_[2 * steps_.size() - 1]), "cuEventSynchronize");
+    }
     for (std::size_t i = 0; i < steps_.size(); ++i) {
-      auto& sl = lp_.steps[i];
-      ctx_.synchronize();
-      auto t0 = std::chrono::steady_clock::now();
-      if (options_.checked)
-        launch_checked(i);
-      else
-        launch_step(i);
-      ctx_.synchronize();
-      const Node& n = graph_.node(sl.node);
-      profile->push_back(
-          {n.name, n.op_name(),
-           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
-           steps_[i].vendor ? steps_[i].vendor->describe() : sl.module.name});
+      float ms = 0;
+      d.check(d.cuEventElapsedTime(&ms, node_events_[2 * i], node_events_[2 * i + 1]), "cuEventElapsedTime");
+      const Node& n = graph_.node(lp_.steps[i].node);
+      profile->push_back({n.name, n.op_name(), static_cast<double>(ms),
+                          steps_[i].vendor ? steps_[i].vendor->describe() : lp_.steps[i].module.name});
     }
   } else if (options_.cuda_graph && !options_.checked && !(training && any_run_dependent_)) {
     if (!graph_exec_) {
