@@ -17,7 +17,7 @@ const std::set<std::string>& per_sample_ops() {
       "nn.conv2d",          "nn.fused_conv2d",           "nn.conv2d_nhwc",     "nn.max_pool2d",
       "nn.max_pool2d_nhwc", "nn.avg_pool2d",             "nn.avg_pool2d_nhwc", "nn.global_avg_pool",
       "nn.global_avg_pool_nhwc", "nn.linear",            "nn.flatten",         "nn.view",
-      "nn.reshape",         "nn.batch_norm2d",           "nn.dropout",         "nn.fused_elementwise",
+      "nn.reshape",         "nn.batch_norm2d",           "nn.dropout",         "kg.fused_elementwise",
   };
   return ops;
 }

@@ -143,6 +143,19 @@ TEST(BatchSlices, OnlyModelsThatKeepSamplesApartAreSliced) {
   check(kg::transpose(input(), 1, 2, "t12"), 4, true);
   check(kg::transpose(input(), 0, 1, "t01"), 4, false);
   check(kg::transpose(input(), -3, -1, "t_first_last"), 4, false);
+  // A fused elementwise group keeps the samples apart; a group with several outputs packs them
+  // ahead of the batch, so its model is not sliced.
+  {
+    const kg::SymTensor x = input();
+    check(kg::relu(kg::add(kg::sigmoid(kg::nn::linear(x, 5, "fc"), "s"), 1.0, "p"), "r"), 4, true);
+  }
+  {
+    const kg::SymTensor h = kg::nn::linear(input(), 5, "fc");
+    const kg::SymTensor s = kg::sigmoid(h, "s");
+    const kg::SymTensor a = kg::mul(s, h, "a");
+    const kg::SymTensor b = kg::add(s, 1.0, "b");
+    check(kg::add(kg::nn::linear(a, 3, "fa"), kg::nn::linear(b, 3, "fb"), "sum"), 4, false);
+  }
 }
 
 TEST(BatchSlices, ABadSliceSizeIsAnError) {
