@@ -403,19 +403,22 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     return {};
   };
   if (!walks) {
-    // 16-byte packs where every input read at the same index and every output are aligned.
+    // 16-byte packs where every input read at the same index and every output are aligned. The
+    // loads of a thread's packs are apart from the arithmetic (the load step only reads, the store
+    // step computes and writes), so that all of them are in flight before the first is used.
     std::string aligned, pack_loads, pack_args, scalars, pack_results, pack_stores;
     for (std::size_t j = 0; j < nout; ++j) {
       aligned += util::cat(j ? " && " : "", "kg_aligned16(y", j, ")");
       pack_results += util::cat("          r.p[", j, "].v[k] = kg_from_compute<kg_s>(o.v[", j, "]);\n");
-      pack_stores += util::cat(" reinterpret_cast<KgPack<kg_s>*>(y", j, ")[i] = r.p[", j, "];");
+      pack_stores += util::cat("        reinterpret_cast<KgPack<kg_s>*>(y", j, ")[i] = r.p[", j, "];\n");
     }
+    int same = 0;
     for (int j = 0; j < inputs_; ++j) {
       if (plan.reads[static_cast<std::size_t>(j)] == Read::Same) {
         aligned += util::cat(" && kg_aligned16(x", j, ")");
-        pack_loads += util::cat("        const KgPack<kg_s> p", j,
-                                " = reinterpret_cast<const KgPack<kg_s>*>(x", j, ")[i];\n");
-        pack_args += util::cat(j ? ", " : "", "kg_to_compute(p", j, ".v[k])");
+        pack_loads += util::cat("        r.p[", same, "] = reinterpret_cast<const KgPack<kg_s>*>(x", j, ")[i];\n");
+        pack_args += util::cat(j ? ", " : "", "kg_to_compute(in.p[", same, "].v[k])");
+        ++same;
       } else {
         scalars += util::cat("  const kg_t s", j, " = kg_to_compute(x", j, "[0]);\n");
         pack_args += util::cat(j ? ", " : "", "s", j);
@@ -424,11 +427,12 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     std::string scalar_args;
     for (int j = 0; j < inputs_; ++j) scalar_args += util::cat(j ? ", " : "", read(j, "i"));
     src += util::cat(
-        scalars, "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_s);\n  kg_index done = 0;\n  if (", aligned,
-        ") {\n    kg_for_each_unrolled<kg_packs>(\n      n / W,\n      [&](kg_index i) {\n", pack_loads,
+        scalars, "  struct kg_in {\n    KgPack<kg_s> p[", std::max(same, 1), "];\n  };\n",
+        "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_s);\n  kg_index done = 0;\n  if (", aligned,
+        ") {\n    kg_for_each_unrolled<kg_in>(\n      n / W,\n      [&](kg_index i) {\n        kg_in r;\n",
+        pack_loads, "        return r;\n      },\n      [&](kg_index i, const kg_in& in) {\n",
         "        kg_packs r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) {\n          const kg_out o = eval(",
-        pack_args, ");\n", pack_results, "        }\n        return r;\n      },\n",
-        "      [&](kg_index i, const kg_packs& r) {", pack_stores, " });\n",
+        pack_args, ");\n", pack_results, "        }\n", pack_stores, "      });\n",
         "    done = n / W * W;\n  }\n  kg_for_each_unrolled<kg_out>(\n    n - done,\n",
         "    [&](kg_index t) { const kg_index i = done + t; return eval(", scalar_args, "); },\n",
         "    [&](kg_index t, const kg_out& o) {", store("done + t"), " });\n}\n");
