@@ -6,8 +6,8 @@
 //
 // Cases, each with fusion on and off (ModelOptions::fusion):
 //   chain   relu(x * sigmoid(x) + 1) over N floats (default 64M): device time is the sum of the
-//           nodes' times, each node synchronised before and after its launches (a host clock, so
-//           it includes about one launch latency per node); the achieved bandwidth counts one
+//           nodes' times (LoadOptions::profile: CUDA events around each node's launches, the
+//           launches replayed as one CUDA graph); the achieved bandwidth counts one
 //           read and one write of N floats.
 //   lenet   LeNet-5 with the custom scaled tanh (lenet5-tanh) at batch B: the nodes' summed time
 //           as above, and the host round trip of forward() (input in, logits out).
