@@ -10,6 +10,7 @@
 #include "kg/error.hpp"
 #include "kg/runtime_op.hpp"
 #include "ops/divider.hpp"
+#include "ops/elementwise_codegen.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 #include "util/str.hpp"
@@ -21,8 +22,9 @@ constexpr unsigned kThreads = KG_EW_THREADS;
 // CPU chunk: every member's values for this many output elements stay in L1/L2 together.
 constexpr std::int64_t kChunk = 1024;
 
-// How a group input is read at output index i.
-enum class Read { Same, Scalar, Walk };
+// How a group input is read at output index i, and the walk plan (ops/elementwise_codegen).
+using Read = EwRead;
+using WalkPlan = EwWalkPlan;
 
 std::uint64_t fnv1a(const std::string& s, std::uint64_t h = 1469598103934665603ull) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -32,85 +34,16 @@ std::uint64_t fnv1a(const std::string& s, std::uint64_t h = 1469598103934665603u
 // A value of the group in generated code: "v<k>" for member k, "e<j>" for input j.
 std::string value_name(int arg) { return arg >= 0 ? util::cat("v", arg) : util::cat("e", -1 - arg); }
 
-// The output's dims merged for the walk of the broadcast inputs, and how each input is read.
-struct WalkPlan {
-  std::vector<Read> reads;
-  std::vector<std::int64_t> size;                 // merged output dims, innermost first
-  std::vector<std::vector<std::int64_t>> stride;  // [input][dim]
-};
-
-// `reads`, when given, says how each input is read (the kernel was written for it); otherwise the
-// sizes decide.
 WalkPlan plan_walk(const std::vector<std::vector<std::int64_t>>& inputs, const std::vector<std::int64_t>& out,
                    const std::string& label, const std::vector<Read>* reads = nullptr) {
-  WalkPlan p;
-  const std::int64_t n = numel_of(out);
-  const std::size_t r = out.size();
-  std::vector<std::size_t> walked;
-  for (std::size_t j = 0; j < inputs.size(); ++j) {
-    const std::int64_t m = numel_of(inputs[j]);
-    Read read = m == n ? Read::Same : m == 1 ? Read::Scalar : Read::Walk;  // Same: only size-1 dims differ
-    if (reads) read = reads->at(j);
-    p.reads.push_back(read);
-    if (read == Read::Walk) walked.push_back(j);
-  }
-  p.stride.assign(inputs.size(), {});
-  if (walked.empty()) return p;
-  // Innermost first: the output's dims, each input's strides along them (0 where broadcast).
-  std::vector<std::int64_t> size;
-  std::vector<std::vector<std::int64_t>> stride(inputs.size());
-  for (std::size_t d = 0; d < r; ++d) {
-    const std::size_t od = r - 1 - d;
-    if (out[od] == 1) continue;
-    size.push_back(out[od]);
-    for (std::size_t j : walked) {
-      const auto& in = inputs[j];
-      std::int64_t s = 0;
-      if (d < in.size() && in[in.size() - 1 - d] != 1) {
-        s = 1;
-        for (std::size_t k = 0; k < d; ++k) s *= in[in.size() - 1 - k];
-      }
-      stride[j].push_back(s);
-    }
-  }
-  // Merge dim d+1 into d where every walked input is contiguous across them.
-  for (std::size_t d = 0; d < size.size();) {
-    if (d + 1 < size.size() && std::all_of(walked.begin(), walked.end(), [&](std::size_t j) {
-          return stride[j][d + 1] == stride[j][d] * size[d];
-        })) {
-      size[d] *= size[d + 1];
-      size.erase(size.begin() + static_cast<std::ptrdiff_t>(d) + 1);
-      for (std::size_t j : walked) stride[j].erase(stride[j].begin() + static_cast<std::ptrdiff_t>(d) + 1);
-      continue;
-    }
-    ++d;
-  }
-  if (size.size() > KG_EW_MAX_DIMS)
-    throw Error(util::cat(label, " broadcasts over ", size.size(),
-                          " dims after merging; the fused kernel walks at most ", KG_EW_MAX_DIMS));
-  p.size = std::move(size);
-  p.stride = std::move(stride);
-  return p;
+  return plan_ew_walk(inputs, out, label, reads);
 }
 
-KgFusedWalk gpu_walk(const WalkPlan& p) {
-  KgFusedWalk w{};
-  w.rank = static_cast<int>(p.size.size());
-  for (std::size_t d = 0; d < p.size.size(); ++d) {
-    w.size[d] = kg_divider(p.size[d]);
-    for (std::size_t j = 0; j < p.stride.size(); ++j)
-      if (!p.stride[j].empty()) w.stride[j][d] = p.stride[j][d];
-  }
-  return w;
-}
+KgFusedWalk gpu_walk(const WalkPlan& p) { return ew_gpu_walk(p); }
 
 // The generated module's head: the compute type kg_t the members' device functions run in and the
 // storage type kg_s of the group's tensors (a 16-bit float is read into float and rounded back).
-std::string module_head(DType dtype) {
-  return util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
-                   device_compute_type(dtype), " kg_t;\ntypedef ", device_type(dtype),
-                   " kg_s;\n#include \"pointwise.cuh\"\n");
-}
+std::string module_head(DType dtype) { return ew_module_head(dtype); }
 
 // One output's sizes: the node's, or those of a part of the packed value [k, <shape>].
 std::vector<std::int64_t> part_sizes(std::vector<std::int64_t> sizes, std::size_t outputs) {
