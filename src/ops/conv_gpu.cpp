@@ -477,12 +477,7 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
     stem += util::cat("_", std::string(act.kernel).substr(3));  // "kg_relu" -> "relu"
   } else if (cfg.activation_form) {
     // Named by a hash of the form, so that two activations never share an entry.
-    std::uint64_t h = 1469598103934665603ull;
-    for (unsigned char c : cfg.activation_form->device_source + "/" + cfg.activation_form->function)
-      h = (h ^ c) * 1099511628211ull;
-    char hex[17];
-    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-    stem += util::cat("_act", hex);
+    stem += "_act" + hex_hash(cfg.activation_form->device_source + "/" + cfg.activation_form->function);
   }
   if (activated) {
     // The formulas a form may call: elementwise.cu's (without its entries) and pointwise.cuh's.

@@ -26,11 +26,6 @@ constexpr std::int64_t kChunk = 1024;
 using Read = EwRead;
 using WalkPlan = EwWalkPlan;
 
-std::uint64_t fnv1a(const std::string& s, std::uint64_t h = 1469598103934665603ull) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 // A value of the group in generated code: "v<k>" for member k, "e<j>" for input j.
 std::string value_name(int arg) { return arg >= 0 ? util::cat("v", arg) : util::cat("e", -1 - arg); }
 
@@ -220,9 +215,7 @@ FusedElementwiseOp::FusedElementwiseOp(std::vector<FusedMember> members, int inp
     key += "|out";
     for (int o : outputs_) key += util::cat(",", o);
   }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
-  entry_ = std::string("kg_fused_") + hex;
+  entry_ = "kg_fused_" + hex_hash(key);
 }
 
 std::string FusedElementwiseOp::attributes() const {

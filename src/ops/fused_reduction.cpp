@@ -14,11 +14,6 @@
 namespace kg::ops {
 namespace {
 
-std::uint64_t fnv1a(const std::string& s, std::uint64_t h = 1469598103934665603ull) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 // numpy broadcasting of concrete sizes (the prologue's inputs to its value).
 std::vector<std::int64_t> broadcast_sizes(const std::vector<std::vector<std::int64_t>>& in, const std::string& label) {
   std::size_t r = 0;
@@ -91,19 +86,6 @@ class PrologueRuntime final : public RuntimeOp {
   DType dtype_;
 };
 
-// A CpuContext over other tensors that runs parallel_for on the outer context's threads.
-class SubContext final : public CpuContext {
- public:
-  SubContext(const CpuContext& outer, std::span<const Tensor> inputs, std::span<const Tensor> params, Tensor output)
-      : CpuContext(inputs, params, std::move(output), outer.training, outer.seed), outer_(outer) {}
-  void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const override {
-    outer_.parallel_for(n, grain, fn);
-  }
-
- private:
-  const CpuContext& outer_;
-};
-
 }  // namespace
 
 FusedReductionOp::FusedReductionOp(std::vector<FusedMember> members, int inputs, CustomData reduction, DType dtype)
@@ -122,9 +104,7 @@ FusedReductionOp::FusedReductionOp(std::vector<FusedMember> members, int inputs,
   }
   const std::string key =
       util::cat(prologue_->entry(), "|", reduction_.name(), "(", reduction_->attributes(), ")", dtype_name(dtype_));
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
-  entry_ = std::string("kg_prologue_") + hex;
+  entry_ = "kg_prologue_" + hex_hash(key);
 }
 
 std::string FusedReductionOp::attributes() const {
@@ -173,7 +153,7 @@ std::optional<Lowered> FusedReductionOp::lower(const LowerContext& ctx) const {
   // 32-bit index division where every index fits (unknown sizes: 64-bit).
   const bool small = (!value.empty() || rc.input_shapes[0].rank() == 0) && numel_of(value) < (std::int64_t{1} << 31);
   PrologueCode code;
-  code.head = ew_module_head(dtype_) + "#define KG_PROLOGUE_MODULE\n";
+  code.head = ew_module_head(dtype_) + "#define KG_FUSED_MODULE\n";
   code.source = util::cat("\n// The prologue: element i of the reduction's input.\n", ew_member_sources(members()),
                           ew_loader_struct("KgPrologue", members(), n_in, reads, small));
   std::string loader = "KgPrologue{";

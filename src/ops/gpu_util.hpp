@@ -15,6 +15,22 @@ namespace kg::ops {
 // The text of an embedded kernel source beside the op (e.g. "elementwise.cu").
 inline const std::string& kernel_file(const std::string& name) { return compile::kernel_source(name); }
 
+// A kernel file's text without its entries: every section from a line "#ifndef KG_FUSED_MODULE"
+// to its "#endif  // KG_FUSED_MODULE" is cut (the CUDA emulator finds entries in the text, so
+// they are removed rather than only guarded). A fused module (a reduction's prologue, a GEMM's
+// epilogue) holds the file's device code and entries of its own.
+inline std::string without_entries(const std::string& file) {
+  static const std::string open = "#ifndef KG_FUSED_MODULE\n", close = "#endif  // KG_FUSED_MODULE\n";
+  std::string out;
+  std::size_t at = 0;
+  for (std::size_t b; (b = file.find(open, at)) != std::string::npos;) {
+    const std::size_t e = file.find(close, b);
+    out += file.substr(at, b - at);
+    at = e == std::string::npos ? file.size() : e + close.size();
+  }
+  return out + file.substr(std::min(at, file.size()));
+}
+
 // CUDA's grid limits: 2^31 - 1 blocks along x, 65535 along y and z.
 inline constexpr std::int64_t kGridMaxX = 2147483647, kGridMaxYZ = 65535;
 

@@ -2,7 +2,7 @@
 // the row strategies and the scratch layouts are norm_shared.cuh's. Layer norm reads its input
 // through a loader (prologue.cuh): the tensor itself for the entries below, or a folded prologue
 // (ops/fused_reduction), whose module holds this file without the sections guarded by
-// KG_PROLOGUE_MODULE (its entries) and an entry of its own.
+// KG_FUSED_MODULE (its entries) and an entry of its own.
 #include "index.cuh"
 #include "norm_shared.cuh"
 #include "prologue.cuh"
@@ -108,7 +108,7 @@ __device__ __forceinline__ void kg_batch_norm2d(const T* __restrict__ x, const T
     kg_batch_norm2d_apply<T, false>(x, scale_shift, y, total, c, hw_div, c_div);
 }
 
-#ifndef KG_PROLOGUE_MODULE
+#ifndef KG_FUSED_MODULE
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_batch_norm2d_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                         float* running_mean, float* running_var, long long* num_batches_tracked,
@@ -127,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
   kg_batch_norm2d<double>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, total, c,
                           eps, momentum, training, phase, hw_div, c_div);
 }
-#endif  // KG_PROLOGUE_MODULE
+#endif  // KG_FUSED_MODULE
 
 // ---- nn.layer_norm ----
 // Each row of `inner` elements is normalised with its mean and biased variance (two passes over
@@ -186,7 +186,7 @@ __device__ __forceinline__ void kg_layer_norm(const Load& ld, const T* __restric
   }
 }
 
-#ifndef KG_PROLOGUE_MODULE
+#ifndef KG_FUSED_MODULE
 
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
@@ -200,4 +200,4 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
                       double eps) {
   kg_layer_norm<double>(kg_load_ptr(x), w, b, y, rows, inner, eps);
 }
-#endif  // KG_PROLOGUE_MODULE
+#endif  // KG_FUSED_MODULE

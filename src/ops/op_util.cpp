@@ -12,6 +12,14 @@
 
 namespace kg::ops {
 
+std::string hex_hash(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
 DType require_float_or_half(const std::vector<DType>& in) {
   if (in.empty()) throw Error("expects at least one input");
   for (DType t : in)

@@ -57,6 +57,24 @@ void cpu_forward_in_f32(CpuContext& ctx, const std::function<void(CpuContext&)>&
 // The same for a backward: every floating tensor converted, every wanted gradient rounded back.
 void cpu_backward_in_f32(CpuBackwardContext& ctx, const std::function<void(CpuBackwardContext&)>& f32_backward);
 
+// A CpuContext over other tensors whose parallel_for runs on an outer context's threads: how a
+// fused op runs its parts' CPU forms one after another.
+class SubContext final : public CpuContext {
+ public:
+  SubContext(const CpuContext& outer, std::span<const Tensor> inputs, std::span<const Tensor> params, Tensor output)
+      : CpuContext(inputs, params, std::move(output), outer.training, outer.seed), outer_(outer) {}
+  void parallel_for(std::int64_t n, std::int64_t grain, const RangeFn& fn) const override {
+    outer_.parallel_for(n, grain, fn);
+  }
+
+ private:
+  const CpuContext& outer_;
+};
+
+// 16 hex digits of the 64-bit FNV-1a hash of `s`: how a generated kernel's entry is named after
+// its description.
+std::string hex_hash(const std::string& s);
+
 // Calls fn(T{}) with T = float or double according to the tensor's dtype.
 template <class F> void dispatch_float(DType t, F&& fn) {
   if (t == DType::F32)

@@ -3,11 +3,11 @@
 // group of elementwise members into the reduction's load (passes/fuse_prologue).
 #pragma once
 
-#include <algorithm>
 #include <optional>
 #include <string>
 
 #include "kg/custom_op.hpp"
+#include "ops/gpu_util.hpp"
 
 namespace kg::ops {
 
@@ -19,22 +19,6 @@ struct PrologueCode {
   std::string loader;  // an expression building the loader from them ("KgPrologue{p0, ...}")
   std::string entry;   // the entry's name
 };
-
-// A kernel file's text without its entries: every section from a line "#ifndef KG_PROLOGUE_MODULE"
-// to its "#endif  // KG_PROLOGUE_MODULE" is cut (the CUDA emulator finds entries in the text, so
-// they are removed rather than only guarded). A prologue module holds the file's device code and
-// an entry of its own.
-inline std::string without_entries(const std::string& file) {
-  static const std::string open = "#ifndef KG_PROLOGUE_MODULE\n", close = "#endif  // KG_PROLOGUE_MODULE\n";
-  std::string out;
-  std::size_t at = 0;
-  for (std::size_t b; (b = file.find(open, at)) != std::string::npos;) {
-    const std::size_t e = file.find(close, b);
-    out += file.substr(at, b - at);
-    at = e == std::string::npos ? file.size() : e + close.size();
-  }
-  return out + file.substr(std::min(at, file.size()));
-}
 
 class PrologueReduction {
  public:

@@ -7,7 +7,7 @@
 // The block size and these limits are softmax_shared.cuh's. The input is read through a loader
 // (prologue.cuh): the tensor itself for the entries below, or a folded prologue
 // (ops/fused_reduction), whose module holds this file without the sections guarded by
-// KG_PROLOGUE_MODULE (its entries) and an entry of its own.
+// KG_FUSED_MODULE (its entries) and an entry of its own.
 #include "prologue.cuh"
 #include "reduce.cuh"
 #include "softmax_shared.cuh"
@@ -119,7 +119,7 @@ __device__ __forceinline__ void kg_softmax(const Load& ld, T* __restrict__ y, lo
   }
 }
 
-#ifndef KG_PROLOGUE_MODULE
+#ifndef KG_FUSED_MODULE
 
 extern "C" __global__ void __launch_bounds__(KG_SOFTMAX_THREADS)
     kg_softmax_f32(const float* __restrict__ x, float* __restrict__ y, long long outer, long long n,
@@ -145,4 +145,4 @@ extern "C" __global__ void __launch_bounds__(KG_SOFTMAX_THREADS)
   kg_softmax<double, true>(kg_load_ptr(x), y, outer, n, inner);
 }
 
-#endif  // KG_PROLOGUE_MODULE
+#endif  // KG_FUSED_MODULE
