@@ -189,14 +189,18 @@ std::string to_dot(const GraphView& view) {
       os << ", style=\"rounded,dashed,filled\"";
     if (is_output[static_cast<std::size_t>(id)]) os << ", penwidth=2";
     os << "];\n";
-    // A fused node (its attributes list the nodes it stands for, "nodes=a,b,c", or a reduction's
-    // folded prologue, "prologue=a,b,c") is drawn inside a cluster with one small box per member,
+    // A fused node (its attributes list the nodes it stands for, "nodes=a,b,c", a reduction's
+    // folded prologue, "prologue=a,b,c", or a GEMM's folded epilogue, "epilogue=a,b,c") is drawn inside a cluster with one small box per member,
     // in order.
     if (n.kind == Node::Kind::Op) {
       const std::string attrs = n.op->op().attributes();
       std::string key = "nodes=";
       auto at = attrs.find(key);
       if (at == std::string::npos) at = attrs.find(key = "prologue=");
+      // (A fused convolution's "epilogue=[...]" names op kinds, not nodes.)
+      if (at == std::string::npos && (at = attrs.find(key = "epilogue=")) != std::string::npos &&
+          attrs.compare(at + key.size(), 1, "[") == 0)
+        at = std::string::npos;
       if (at != std::string::npos) {
         const auto end = attrs.find(' ', at);
         const auto from = at + key.size();

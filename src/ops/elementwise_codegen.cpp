@@ -117,21 +117,27 @@ std::string ew_member_values(const std::vector<FusedMember>& members, const std:
   return body;
 }
 
-std::string ew_loader_struct(const std::string& name, const std::vector<FusedMember>& members, int inputs,
-                             const std::vector<EwRead>& reads, bool small) {
-  if (members.empty()) throw Error("ew_loader_struct: a group needs at least one member");
+namespace {
+
+// The loader (given < 0) or epilogue struct: input `given`, when >= 0, is the operator's argument g
+// rather than a pointer field.
+std::string group_struct(const char* what, const std::string& name, const std::vector<FusedMember>& members,
+                         int inputs, const std::vector<EwRead>& reads, bool small, int given) {
+  if (members.empty()) throw Error(util::cat(what, ": a group needs at least one member"));
   if (static_cast<int>(reads.size()) != inputs)
-    throw Error(util::cat("ew_loader_struct: ", reads.size(), " reads for ", inputs, " inputs"));
+    throw Error(util::cat(what, ": ", reads.size(), " reads for ", inputs, " inputs"));
+  if (given >= inputs) throw Error(util::cat(what, ": input ", given, " of ", inputs, " cannot be the given value"));
   bool walks = false;
   std::string fields;
-  for (int j = 0; j < inputs; ++j) fields += util::cat("  const kg_s* p", j, ";\n");
-  for (EwRead r : reads) walks = walks || r == EwRead::Walk;
+  for (int j = 0; j < inputs; ++j)
+    if (j != given) fields += util::cat("  const kg_s* p", j, ";\n");
+  for (int j = 0; j < inputs; ++j) walks = walks || (j != given && reads[static_cast<std::size_t>(j)] == EwRead::Walk);
   if (walks) fields += "  KgFusedWalk w;\n";
   std::string body;
   if (walks) {
     std::string offsets, step;
     for (int j = 0; j < inputs; ++j)
-      if (reads[static_cast<std::size_t>(j)] == EwRead::Walk) {
+      if (j != given && reads[static_cast<std::size_t>(j)] == EwRead::Walk) {
         offsets += util::cat(" o", j, " = 0,");
         step += util::cat(" o", j, " += k * w.stride[", j, "][d];");
       }
@@ -141,14 +147,31 @@ std::string ew_loader_struct(const std::string& name, const std::vector<FusedMem
                       "      const kg_index k = r - q * w.size[d].d;\n     ", step, "\n      r = q;\n    }\n");
   }
   for (int j = 0; j < inputs; ++j) {
+    if (j == given) {
+      body += util::cat("    const kg_t e", j, " = g;\n");
+      continue;
+    }
     const EwRead r = reads[static_cast<std::size_t>(j)];
     body += util::cat("    const kg_t e", j, " = kg_to_compute(p", j, "[",
                       r == EwRead::Same ? "i" : r == EwRead::Scalar ? "0" : util::cat("o", j), "]);\n");
   }
   body += ew_member_values(members, "    ");
-  return util::cat("struct ", name, " {\n", fields,
-                   "  __device__ __forceinline__ kg_t operator()(kg_index i) const {\n", body, "    return v",
-                   members.size() - 1, ";\n  }\n};\n");
+  return util::cat("struct ", name, " {\n", fields, "  __device__ __forceinline__ kg_t operator()(",
+                   given >= 0 ? "kg_t g, " : "", "kg_index i) const {\n", body, "    return v", members.size() - 1,
+                   ";\n  }\n};\n");
+}
+
+}  // namespace
+
+std::string ew_loader_struct(const std::string& name, const std::vector<FusedMember>& members, int inputs,
+                             const std::vector<EwRead>& reads, bool small) {
+  return group_struct("ew_loader_struct", name, members, inputs, reads, small, -1);
+}
+
+std::string ew_epilogue_struct(const std::string& name, const std::vector<FusedMember>& members, int inputs,
+                               const std::vector<EwRead>& reads, bool small, int given) {
+  if (given < 0) throw Error("ew_epilogue_struct: the given input must be one of the group's");
+  return group_struct("ew_epilogue_struct", name, members, inputs, reads, small, given);
 }
 
 }  // namespace kg::ops

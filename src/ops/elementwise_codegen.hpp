@@ -1,6 +1,7 @@
 // Generated code for a group of elementwise members (ops::FusedMember): the pieces a module needs to
 // evaluate the group at one element, shared by the kernels that do so. A kernel that reads a value
-// through a group (a reduction's prologue, ops/fused_reduction) takes them from here:
+// through a group (a reduction's prologue, ops/fused_reduction) or stores one through it (a GEMM's
+// epilogue, ops/fused_gemm) takes them from here:
 //   - how each group input is read at an index of the group's value (the same index, one element,
 //     or a broadcast walk over the value's merged dims: KgFusedWalk);
 //   - the module head (the compute type kg_t, the storage type kg_s and the helper headers);
@@ -53,5 +54,10 @@ std::string ew_member_values(const std::vector<FusedMember>& members, const std:
 // it. `small` selects 32-bit index division (every index below 2^31).
 std::string ew_loader_struct(const std::string& name, const std::vector<FusedMember>& members, int inputs,
                              const std::vector<EwRead>& reads, bool small);
+// The same for an epilogue: operator()(kg_t g, kg_index i) gives the group's value at index i with
+// group input `given` equal to g (the value a GEMM is about to store there) instead of read; that
+// input has no pointer member, so `name{p0, ..., w}` lists the others in order.
+std::string ew_epilogue_struct(const std::string& name, const std::vector<FusedMember>& members, int inputs,
+                               const std::vector<EwRead>& reads, bool small, int given);
 
 }  // namespace kg::ops

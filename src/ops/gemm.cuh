@@ -71,11 +71,23 @@ __device__ __forceinline__ void kg_gemm_zero(C (&acc)[4][4]) {
     for (int j = 0; j < 4; ++j) acc[i][j] = C(0);
 }
 
-// Writes this thread's 4×4 share of the tile at (m0, n0): C(m, n) = acc + bias[n] (overwriting),
-// within the m × n bounds, the sum rounded into T.
-template <class T>
+// The plain epilogue: C(m, n) is the sum (plus the bias) itself.
+struct KgGemmPlain {
+  template <class C>
+  __device__ __forceinline__ C operator()(C v, kg_index) const {
+    return v;
+  }
+};
+
+// Writes this thread's 4×4 share of the tile at (m0, n0): C(m, n) = epi(acc + bias[n], i)
+// (overwriting), within the m × n bounds, rounded into T once. i = base + m * scm + n is the
+// element's index in the whole output (base: where `c` starts in it), which a fused epilogue
+// (kg.fused_gemm) reads its other inputs at; the computation before the rounding is in the
+// compute type.
+template <class T, class Epi = KgGemmPlain>
 __device__ __forceinline__ void kg_gemm_store(const KgGemmArgs<T>& p, T* c, kg_index m0, kg_index n0,
-                                              const kg_compute_t<T> (&acc)[4][4]) {
+                                              const kg_compute_t<T> (&acc)[4][4], Epi epi = Epi(),
+                                              kg_index base = 0) {
   typedef kg_compute_t<T> C;
   const int tid = threadIdx.x;
   const int tm = (tid / 16) * 4, tn = (tid % 16) * 4;
@@ -87,14 +99,16 @@ __device__ __forceinline__ void kg_gemm_store(const KgGemmArgs<T>& p, T* c, kg_i
     for (int j = 0; j < 4; ++j) {
       const kg_index gn = n0 + tn + j;
       if (gn >= p.n) continue;
-      kg_st(c, gm * p.scm + gn, acc[i][j] + (p.bias ? kg_ld(p.bias, gn) : C(0)));
+      const kg_index at = gm * p.scm + gn;
+      kg_st(c, at, epi(acc[i][j] + (p.bias ? kg_ld(p.bias, gn) : C(0)), base + at));
     }
   }
 }
 
-// The block's tile: blockIdx.x picks the n tile, blockIdx.y the m tile, blockIdx.z the batch entry.
-template <class T>
-__device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p) {
+// The block's tile: blockIdx.x picks the n tile, blockIdx.y the m tile, blockIdx.z the batch entry;
+// `epi` and `base` as for kg_gemm_store (base: where p.c starts in the output).
+template <class T, class Epi = KgGemmPlain>
+__device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p, Epi epi = Epi(), kg_index base = 0) {
   const T* a = p.a + (kg_index)blockIdx.z * p.batch_a;
   const T* b = p.b + (kg_index)blockIdx.z * p.batch_b;
   T* c = p.c + (kg_index)blockIdx.z * p.batch_c;
@@ -102,7 +116,7 @@ __device__ __forceinline__ void kg_gemm_tile(const KgGemmArgs<T>& p) {
   kg_compute_t<T> acc[4][4];
   kg_gemm_zero(acc);
   kg_gemm_accumulate(p, a, b, m0, n0, acc);
-  kg_gemm_store(p, c, m0, n0, acc);
+  kg_gemm_store(p, c, m0, n0, acc, epi, base + (kg_index)blockIdx.z * p.batch_c);
 }
 
 // Every tile of C, whatever the grid: the block takes tiles (x, y) and batch entries z a grid

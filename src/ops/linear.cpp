@@ -6,6 +6,7 @@
 
 #include "kg/ops.hpp"
 #include "ops/blas.hpp"
+#include "ops/epilogue.hpp"
 #include "ops/gemm_shared.cuh"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
@@ -86,8 +87,9 @@ unsigned gemm_tiles(std::int64_t n, std::int64_t tile, std::int64_t cap) {
 // two GEMM launches and a column reduction.
 class LinearRuntime final : public RuntimeOp {
  public:
-  LinearRuntime(std::int64_t in, std::int64_t out, bool bias, DType dtype)
-      : in_(in), out_(out), bias_(bias), dtype_(dtype) {}
+  // `entry`: the forward entry's name, for errors (kg_linear_<dtype> unless given).
+  LinearRuntime(std::int64_t in, std::int64_t out, bool bias, DType dtype, std::string entry = "")
+      : in_(in), out_(out), bias_(bias), dtype_(dtype), entry_(entry.empty() ? entry_for("kg_linear", dtype) : entry) {}
   void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
     v.pointer(t.inputs.at(0).ptr);
     v.pointer(t.params.at(0).ptr);
@@ -100,7 +102,7 @@ class LinearRuntime final : public RuntimeOp {
   Dim3 block() const override { return {KG_GEMM_THREADS, 1, 1}; }
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     // A tile per block (kg_gemm_tile): the tile counts themselves, refused over the limits.
-    const std::string launch = util::cat("launch 0 of kernel '", entry_for("kg_linear", dtype_), "'");
+    const std::string launch = util::cat("launch 0 of kernel '", entry_, "'");
     const std::int64_t r = rows(shape);
     return {grid_dim(tiles_of(out_, KG_GEMM_BN), 'x',
                      util::cat(launch, " over ", out_, " output features in tiles of ", KG_GEMM_BN)),
@@ -206,9 +208,10 @@ class LinearRuntime final : public RuntimeOp {
   std::int64_t in_, out_;
   bool bias_;
   DType dtype_;  // of the kernel entries
+  std::string entry_;
 };
 
-class LinearOp final : public CustomOp {
+class LinearOp final : public CustomOp, public EpilogueGemm {
  public:
   LinearOp(std::int64_t in, std::int64_t out, bool bias, DType dtype)
       : in_(in), out_(out), bias_(bias), dtype_(dtype) {}
@@ -254,6 +257,23 @@ class LinearOp final : public CustomOp {
   std::string lower_backward_source(const LowerContext& ctx) const override {
     require_gemm_backward(name(), node_dtype(ctx));
     return kernel_file("linear_backward.cu");
+  }
+
+  // A fused epilogue (ops/fused_gemm): the same tiled GEMM and runtime, each output element
+  // stored through the epilogue after the bias.
+  bool takes_epilogue(DType t) const override { return is_floating(t); }
+  std::optional<Lowered> lower_with_epilogue(const LowerContext& ctx, const EpilogueCode& code) const override {
+    const DType dtype = node_dtype(ctx);
+    if (!takes_epilogue(dtype)) return std::nullopt;
+    const char* t = device_type(dtype);
+    std::string src = util::cat(
+        code.head, without_entries(kernel_file("linear.cu")), "\n", code.source,
+        "\nextern \"C\" __global__ void __launch_bounds__(KG_GEMM_THREADS)\n    ", code.entry, "(const ", t,
+        "* __restrict__ x, const ", t, "* __restrict__ w, const ", t, "* __restrict__ bias, ", t,
+        "* __restrict__ y, long long rows, long long in, long long out", code.params, ") {\n  kg_linear<", t,
+        ">(x, w, bias, y, rows, in, out, ", code.epilogue, ");\n}\n");
+    return Lowered{name(), std::move(src), code.entry,
+                   std::make_shared<LinearRuntime>(in_, out_, bias_, dtype, code.entry)};
   }
 
   // The input is read for the weight's gradient; the output is never read.

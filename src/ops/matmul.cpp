@@ -7,6 +7,7 @@
 
 #include "kg/ops.hpp"
 #include "ops/blas.hpp"
+#include "ops/epilogue.hpp"
 #include "ops/gemm_shared.cuh"
 #include "ops/gpu_util.hpp"
 #include "ops/matmul_shared.cuh"
@@ -175,8 +176,9 @@ class MatmulRuntime final : public RuntimeOp {
  public:
   static constexpr std::int64_t kMaxGridYZ = 65535;
 
-  MatmulRuntime(std::size_t rank_a, std::size_t rank_b, DType dtype)
-      : rank_a_(rank_a), rank_b_(rank_b), dtype_(dtype) {}
+  // `entry`: the forward entry's name, for errors (kg_matmul_<dtype> unless given).
+  MatmulRuntime(std::size_t rank_a, std::size_t rank_b, DType dtype, std::string entry = "")
+      : rank_a_(rank_a), rank_b_(rank_b), dtype_(dtype), entry_(entry.empty() ? entry_for("kg_matmul", dtype) : entry) {}
 
   void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
     const auto &sa = t.inputs.at(0).shape, &sb = t.inputs.at(1).shape;
@@ -214,7 +216,7 @@ class MatmulRuntime final : public RuntimeOp {
     }
     // n: a tile per block (y and z are looped over in the kernel).
     return {grid_dim(tiles_of(n, KG_GEMM_BN), 'x',
-                     util::cat("launch 0 of kernel '", entry_for("kg_matmul", dtype_), "' over ", n,
+                     util::cat("launch 0 of kernel '", entry_, "' over ", n,
                                " columns in tiles of ", KG_GEMM_BN)),
             tiles(rows, KG_GEMM_BM, kMaxGridYZ),
             static_cast<unsigned>(std::clamp<std::int64_t>(batches, 1, kMaxGridYZ))};
@@ -371,9 +373,10 @@ class MatmulRuntime final : public RuntimeOp {
   }
   std::size_t rank_a_, rank_b_;
   DType dtype_;  // of the kernel entries
+  std::string entry_;
 };
 
-class MatmulOp final : public CustomOp {
+class MatmulOp final : public CustomOp, public EpilogueGemm {
  public:
   MatmulOp(std::size_t rank_a, std::size_t rank_b) : rank_a_(rank_a), rank_b_(rank_b) {}
   std::string name() const override { return "nn.matmul"; }
@@ -414,6 +417,25 @@ class MatmulOp final : public CustomOp {
   std::string lower_backward_source(const LowerContext& ctx) const override {
     require_gemm_backward(name(), ctx.output_dtype);
     return kernel_file("matmul_backward.cu");
+  }
+
+  // A fused epilogue (ops/fused_gemm): the same tiled GEMM and runtime, each output element
+  // stored through the epilogue.
+  bool takes_epilogue(DType t) const override { return is_floating(t); }
+  std::optional<Lowered> lower_with_epilogue(const LowerContext& ctx, const EpilogueCode& code) const override {
+    const DType dtype = ctx.output_dtype;
+    if (!takes_epilogue(dtype)) return std::nullopt;
+    const char* t = device_type(dtype);
+    std::string src = util::cat(
+        code.head, without_entries(kernel_file("matmul.cu")), "\n", code.source,
+        "\nextern \"C\" __global__ void __launch_bounds__(KG_GEMM_THREADS)\n    ", code.entry, "(const ", t,
+        "* __restrict__ a, const ", t, "* __restrict__ b, ", t,
+        "* __restrict__ c, long long m, long long n, long long k, long long sam, long long sak, long long sbk, "
+        "long long sbn, KgMatmulBatch batch",
+        code.params, ") {\n  kg_matmul<", t, ">(a, b, c, m, n, k, sam, sak, sbk, sbn, batch, ", code.epilogue,
+        ");\n}\n");
+    return Lowered{name(), std::move(src), code.entry,
+                   std::make_shared<MatmulRuntime>(rank_a_, rank_b_, dtype, code.entry)};
   }
 
   // dA = dC Bᵀ and dB = Aᵀ dC per output batch entry, each gradient matrix summed over the

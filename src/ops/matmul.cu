@@ -4,14 +4,17 @@
 // merged on the host), each with its size and the element strides of A and B (0 where that
 // operand is broadcast). Grid: x over n tiles, y over m tiles, z over batch entries; y and z are
 // capped (65535) and the kernel loops over the rest. KgMatmulBatch is matmul_shared.cuh's. The
-// 16-bit entries keep A, B and C in kg_f16 / kg_bf16 and sum in float (gemm.cuh).
+// 16-bit entries keep A, B and C in kg_f16 / kg_bf16 and sum in float (gemm.cuh). A module with a
+// fused epilogue (kg.fused_gemm) defines KG_FUSED_MODULE, drops these entries and calls kg_matmul
+// with its epilogue functor: C[i] = epi(sum, i), i the element's index in the whole output.
 #include "gemm.cuh"
 #include "matmul_shared.cuh"
 
-template <class T>
+template <class T, class Epi = KgGemmPlain>
 __device__ __forceinline__ void kg_matmul(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ c,
                                           long long m, long long n, long long k, long long sam, long long sak,
-                                          long long sbk, long long sbn, const KgMatmulBatch& batch) {
+                                          long long sbk, long long sbn, const KgMatmulBatch& batch,
+                                          Epi epi = Epi()) {
   for (kg_index z = blockIdx.z; z < batch.batches; z += gridDim.z) {
     kg_index oa = 0, ob = 0, rem = z;
     for (int l = (int)batch.levels - 1; l >= 0; --l) {
@@ -37,10 +40,12 @@ __device__ __forceinline__ void kg_matmul(const T* __restrict__ a, const T* __re
       p.sbn = sbn;
       p.scm = n;
       p.batch_a = p.batch_b = p.batch_c = 0;
-      kg_gemm_tile<T>(p);
+      kg_gemm_tile<T>(p, epi, z * m * n + m0 * n);
     }
   }
 }
+
+#ifndef KG_FUSED_MODULE
 
 extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
     kg_matmul_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ c,
@@ -69,3 +74,4 @@ extern "C" __global__ void __launch_bounds__(KG_GEMM_THREADS)
                    long long sbn, KgMatmulBatch batch) {
   kg_matmul<kg_bf16>(a, b, c, m, n, k, sam, sak, sbk, sbn, batch);
 }
+#endif  // KG_FUSED_MODULE

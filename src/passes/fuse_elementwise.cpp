@@ -68,6 +68,28 @@ std::optional<ElementwiseForm> fusable_form(const Graph& g, const Node& n, Lower
   return form;
 }
 
+std::optional<ElementwiseGroup> elementwise_group(const Graph& g, const Node& p) {
+  if (p.kind != Node::Kind::Op) return std::nullopt;
+  if (const auto* group = p.op->as<ops::FusedElementwiseOp>()) {
+    if (group->mode() != LoweringMode::Inference || group->dtype() != p.dtype) return std::nullopt;
+    // A group with several outputs writes a packed value that views read.
+    if (group->outputs().size() > 1) return std::nullopt;
+    return ElementwiseGroup{group->members(), group->inputs(), p.inputs};
+  }
+  std::optional<ElementwiseForm> form = fusable_form(g, p, LoweringMode::Inference);
+  if (!form) return std::nullopt;
+  ElementwiseGroup r;
+  ops::FusedMember m{p.name, *p.op, std::move(*form), {}};
+  for (int in : p.inputs) {
+    auto it = std::find(r.old_inputs.begin(), r.old_inputs.end(), in);
+    if (it == r.old_inputs.end()) it = r.old_inputs.insert(r.old_inputs.end(), in);
+    m.args.push_back(-1 - static_cast<int>(it - r.old_inputs.begin()));
+  }
+  r.members.push_back(std::move(m));
+  r.inputs = static_cast<int>(r.old_inputs.size());
+  return r;
+}
+
 namespace {
 
 struct Group {

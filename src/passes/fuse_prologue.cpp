@@ -18,40 +18,6 @@
 #include "passes/passes.hpp"
 
 namespace kg::passes {
-namespace {
-
-// The prologue node `p` stands for, as members and the number of group inputs (its inputs, once
-// each), or nothing when it cannot be one.
-struct Prologue {
-  std::vector<ops::FusedMember> members;
-  int inputs = 0;
-  std::vector<int> old_inputs;  // the group's inputs in the old graph
-};
-
-std::optional<Prologue> prologue_of(const Graph& g, const Node& p) {
-  if (p.kind != Node::Kind::Op) return std::nullopt;
-  if (const auto* group = p.op->as<ops::FusedElementwiseOp>()) {
-    if (group->mode() != LoweringMode::Inference || group->dtype() != p.dtype) return std::nullopt;
-    // A group with several outputs writes a packed value that views read, never a reduction.
-    if (group->outputs().size() > 1) return std::nullopt;
-    return Prologue{group->members(), group->inputs(), p.inputs};
-  }
-  std::optional<ElementwiseForm> form = fusable_form(g, p, LoweringMode::Inference);
-  if (!form) return std::nullopt;
-  Prologue r;
-  ops::FusedMember m{p.name, *p.op, std::move(*form), {}};
-  for (int in : p.inputs) {
-    auto it = std::find(r.old_inputs.begin(), r.old_inputs.end(), in);
-    if (it == r.old_inputs.end()) it = r.old_inputs.insert(r.old_inputs.end(), in);
-    m.args.push_back(-1 - static_cast<int>(it - r.old_inputs.begin()));
-  }
-  r.members.push_back(std::move(m));
-  r.inputs = static_cast<int>(r.old_inputs.size());
-  return r;
-}
-
-}  // namespace
-
 GraphAndOutputs fuse_prologue(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode) {
   const auto& nodes = graph.nodes();
   const std::vector<int> uses = use_counts(graph, outputs);
@@ -59,7 +25,7 @@ GraphAndOutputs fuse_prologue(const Graph& graph, const std::vector<int>& output
   for (int o : outputs) is_output[static_cast<std::size_t>(o)] = 1;
   // folded_into[p] = the reduction node that takes node p as its prologue.
   std::vector<int> folded_into(nodes.size(), -1);
-  std::vector<std::optional<Prologue>> prologues(nodes.size());
+  std::vector<std::optional<ElementwiseGroup>> prologues(nodes.size());
   if (mode == LoweringMode::Inference) {
     for (const auto& r : nodes) {
       if (r.kind != Node::Kind::Op || r.inputs.size() != 1) continue;
@@ -71,7 +37,7 @@ GraphAndOutputs fuse_prologue(const Graph& graph, const std::vector<int>& output
       if (uses[up] != 1 || is_output[up] || folded_into[up] >= 0) continue;
       if (pn.dtype != DType::F32 && pn.dtype != DType::F64) continue;
       if (!reducer->takes_prologue(pn.dtype)) continue;
-      std::optional<Prologue> pro = prologue_of(graph, pn);
+      std::optional<ElementwiseGroup> pro = elementwise_group(graph, pn);
       if (!pro) continue;
       folded_into[up] = r.id;
       prologues[static_cast<std::size_t>(r.id)] = std::move(pro);
@@ -86,7 +52,7 @@ GraphAndOutputs fuse_prologue(const Graph& graph, const std::vector<int>& output
       rw.copy(n.id);
       continue;
     }
-    Prologue& pro = *prologues[u];
+    ElementwiseGroup& pro = *prologues[u];
     Node fused;
     fused.kind = Node::Kind::Op;
     fused.name = n.name;

@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "kg/error.hpp"
+#include "passes/dead_nodes.hpp"
 
 namespace kg::passes {
 
@@ -48,6 +49,15 @@ std::vector<int> use_counts(const Graph& graph, const std::vector<int>& outputs)
   return uses;
 }
 
+GraphAndOutputs without_dead_nodes(std::shared_ptr<Graph> graph, std::vector<int> outputs) {
+  const std::vector<int> live = live_nodes(*graph, outputs);
+  if (live.size() == graph->nodes().size()) return {std::move(graph), std::move(outputs)};
+  Rewriter rw(*graph);
+  for (int id : live)
+    if (graph->node(id).kind == Node::Kind::Op) rw.copy(id);
+  return rw.finish(outputs);
+}
+
 bool fusion_enabled_by_env() {
   const char* v = std::getenv("KG_NO_FUSION");
   return !(v && *v && std::string_view(v) != "0");
@@ -58,9 +68,14 @@ GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs,
   GraphAndOutputs g{std::move(graph), std::move(outputs)};
   g = split_nodes(*g.graph, g.outputs);
   if (!options.fusion || !fusion_enabled_by_env()) return g;
+  // The fusion passes count a value's readers: a node no output needs must not count.
+  g = without_dead_nodes(std::move(g.graph), std::move(g.outputs));
   if (mode == LoweringMode::Inference) g = fuse_conv_epilogue(*g.graph, g.outputs);
   g = fuse_elementwise(*g.graph, g.outputs, mode);
-  if (mode == LoweringMode::Inference) g = fuse_prologue(*g.graph, g.outputs, mode);
+  if (mode == LoweringMode::Inference) {
+    g = fuse_gemm_epilogue(*g.graph, g.outputs, mode);
+    g = fuse_prologue(*g.graph, g.outputs, mode);
+  }
   return g;
 }
 

@@ -9,6 +9,7 @@
 
 #include "kg/graph.hpp"
 #include "kg/model.hpp"
+#include "ops/fused_elementwise.hpp"
 
 namespace kg::passes {
 
@@ -44,6 +45,9 @@ class Rewriter {
 // For each node, how many nodes (and model outputs) consume it.
 std::vector<int> use_counts(const Graph& graph, const std::vector<int>& outputs);
 
+// The graph without the nodes that no output depends on (`graph` itself when there are none).
+GraphAndOutputs without_dead_nodes(std::shared_ptr<Graph> graph, std::vector<int> outputs);
+
 // True unless KG_NO_FUSION is set to anything but "" or "0".
 bool fusion_enabled_by_env();
 
@@ -74,6 +78,19 @@ GraphAndOutputs fuse_prologue(const Graph& graph, const std::vector<int>& output
 // The per-element form of node `n` when it may be fused in `mode` (one dtype, f32 or f64, no
 // parameters, output the broadcast of its inputs; in training a derivative and no broadcasting).
 std::optional<ElementwiseForm> fusable_form(const Graph& g, const Node& n, LoweringMode mode);
+// What an inference node computes as an elementwise group with one output: a kg.fused_elementwise
+// node's members, or a lone fusable node as a group of one; nothing for any other node.
+struct ElementwiseGroup {
+  std::vector<ops::FusedMember> members;
+  int inputs = 0;               // group inputs (each of the node's distinct inputs once)
+  std::vector<int> old_inputs;  // the node ids they are, in group input order
+};
+std::optional<ElementwiseGroup> elementwise_group(const Graph& g, const Node& n);
+// Inference only (in training the graph is copied unchanged): a GEMM that takes an epilogue
+// (nn.linear, nn.matmul; ops/epilogue.hpp) whose value only an elementwise group (or a lone
+// fusable node) of the same shape reads, and which is not a model output, becomes one
+// kg.fused_gemm node with the GEMM's name and parameters that stores through the group.
+GraphAndOutputs fuse_gemm_epilogue(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode);
 // At load, for inference in a reduced precision (LoadOptions::precision, f16 or bf16): every f32
 // node whose op computes in that dtype (CustomOp::computes_in), every fused elementwise group and
 // every lone fusable node runs in it, with its f32 parameters converted; the other nodes keep f32,

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kg/error.hpp"
+#include "ops/fused_gemm.hpp"
 #include "ops/shape_ops.hpp"
 
 namespace kg::runtime {
@@ -41,6 +42,12 @@ bool per_sample(const Graph& graph, const std::vector<int>& live, const plan::Bo
       continue;
     }
     if (per_sample_ops().count(name)) continue;
+    // A GEMM with a folded epilogue: as its GEMM (a linear layer, not a matmul across samples);
+    // its other inputs carry the batch first like every value here.
+    if (const auto* f = n.op->as<ops::FusedGemmOp>()) {
+      if (per_sample_ops().count(f->gemm().name())) continue;
+      return false;
+    }
     std::vector<DType> dtypes;
     for (int in : n.inputs) dtypes.push_back(graph.node(in).dtype);
     if (!n.inputs.empty() && op.elementwise_form(dtypes)) continue;

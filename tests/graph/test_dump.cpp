@@ -232,7 +232,8 @@ kg::Model build_model(const Sizes& s, kg::LoweringMode mode = kg::LoweringMode::
   }
   kg::nn::linear(x, 3, "unused");
   auto q = h.record_custom(kg::CustomData::make<QuotedOp>(s.hidden), {}, std::nullopt, "say \"hi\"");
-  return kg::Model(g, {{"logits", y}, {"side \"q\"", q}}, mode);
+  // Unfused, so that every recorded node has its row (fc1's ReLU would be its epilogue).
+  return kg::Model(g, {{"logits", y}, {"side \"q\"", q}}, mode, {.fusion = false});
 }
 
 Sizes random_sizes(std::mt19937_64& rng) {

@@ -8,6 +8,7 @@
 #include "kg/models.hpp"
 #include "kg/testing.hpp"
 #include "ops/fused_elementwise.hpp"
+#include "ops/fused_gemm.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -192,7 +193,7 @@ TEST(FuseElementwise, AGroupIsSplitAroundANodeThatCannotJoin) {
   auto s = kg::softmax(a, -1, "soft");
   auto b = kg::relu(kg::add(kg::sigmoid(s, "sig"), s, "sum"), "r");
   auto l = kg::nn::linear(b, 16, "fc");
-  auto out = kg::silu(l, "act");  // one node after the linear: nothing to fuse it with
+  auto out = kg::silu(l, "act");  // after the linear: its epilogue
   Built built{g, {out}, {{4, 16}}};
   kg::Model m(built.graph, built.outputs);
   auto f = fused_ops(m);
@@ -203,8 +204,10 @@ TEST(FuseElementwise, AGroupIsSplitAroundANodeThatCannotJoin) {
   ASSERT_EQ(count_ops(m, "kg.fused_reduction"), 1);
   EXPECT_NE(m.graph().node(m.graph().find("soft")).op->op().attributes().find("prologue=scale,t "),
             std::string::npos);
-  EXPECT_EQ(count_ops(m, "nn.linear"), 1);
-  EXPECT_EQ(count_ops(m, "nn.silu"), 1);
+  // The lone node after the linear, read by nothing else, became its epilogue.
+  EXPECT_EQ(count_ops(m, "nn.linear"), 0);
+  EXPECT_EQ(count_ops(m, "nn.silu"), 0);
+  EXPECT_EQ(count_ops(m, "kg.fused_gemm"), 1);
   // Same values as unfused (the linear's weights by name).
   kg::Model plain(built.graph, built.outputs, kg::LoweringMode::Inference, {.fusion = false});
   auto mf = m.load(kg::Device::cpu(), built.input_shapes);
@@ -371,10 +374,14 @@ TEST(FuseElementwise, AFusedGroupPassesTheGradientCheck) {
 // node in training (where its cpu_backward runs); the rest of the chain is still fused.
 TEST(FuseElementwise, AnOpWithoutADerivativeIsNotFusedInTraining) {
   Built b = training_graph(false);
+  // For inference the whole group, the swish first, becomes the linear's epilogue.
   kg::Model inference(b.graph, b.outputs);
-  auto fi = fused_ops(inference);
-  ASSERT_EQ(fi.size(), 1u);
-  EXPECT_EQ(fi[0]->members().front().node, "swish");
+  EXPECT_TRUE(fused_ops(inference).empty());
+  const int fc = inference.graph().find("fc");
+  ASSERT_GE(fc, 0);
+  const auto* gemm = inference.graph().node(fc).op->as<kg::ops::FusedGemmOp>();
+  ASSERT_NE(gemm, nullptr) << inference.summary();
+  EXPECT_EQ(gemm->members().front().node, "swish");
   kg::Model training(b.graph, b.outputs, kg::LoweringMode::Training);
   EXPECT_EQ(count_ops(training, "user.swish"), 1);
   auto ft = fused_ops(training);
@@ -484,8 +491,8 @@ TEST(FuseElementwise, AUserActivationBecomesAConvolutionsEpilogue) {
   }
 }
 
-// LeNet-5's custom scaled tanh after each convolution becomes its epilogue; the two after the
-// linear layers stay (nothing elementwise to join them).
+// LeNet-5's custom scaled tanh after each convolution becomes its epilogue, and the two after the
+// linear layers become theirs (kg.fused_gemm).
 TEST(FuseElementwise, LeNetsScaledTanhIsFusedIntoItsConvolutions) {
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -493,7 +500,8 @@ TEST(FuseElementwise, LeNetsScaledTanhIsFusedIntoItsConvolutions) {
   kg::Model fused = kg::models::build("lenet5-tanh");
   kg::Model plain = kg::models::build("lenet5-tanh", kg::LoweringMode::Inference, {.fusion = false});
   EXPECT_EQ(count_ops(fused, "nn.fused_conv2d"), 2);
-  EXPECT_EQ(count_ops(fused, "lenet.scaled_tanh"), 2);
+  EXPECT_EQ(count_ops(fused, "kg.fused_gemm"), 2);
+  EXPECT_EQ(count_ops(fused, "lenet.scaled_tanh"), 0);
   EXPECT_EQ(count_ops(plain, "lenet.scaled_tanh"), 4);
   const std::vector<std::vector<std::int64_t>> shapes{kg::models::input_shape("lenet5-tanh", 3)};
   auto mp = plain.load(kg::Device::cpu(), shapes);

@@ -37,7 +37,8 @@ TEST_F(CliGrid, CompileAtABatchWhoseRowTilesWrapIsAOneLineError) {
   const auto r = run({"compile", "lenet5", "--batch", "274877907008"});
   kg_test::expect_one_line_error(
       r, 1,
-      {"[nn.linear @ classifier.0] launch 0 of kernel 'kg_linear_f32' over 274877907008 rows in tiles of 64",
+      {"[kg.fused_gemm @ classifier.0] launch 0 of kernel 'kg_epilogue_",  // the ReLU is its epilogue
+       "' over 274877907008 rows in tiles of 64",
        "gridDim.y = 4294967297", "over CUDA's limit of 65535"});
   EXPECT_EQ(r.out.find("every launch packed and checked"), std::string::npos) << r.out;
 }

@@ -125,10 +125,11 @@ TEST_F(CliProfile, ProfileCountsTheMatrixProducts) {
     EXPECT_NEAR(std::stod(row[4]) * 1e9, f, f * 1e-3) << node << "\n" << r.out;
     EXPECT_NE(row[5], "-") << node;
   }
-  // classifier.0 moves at least its input [2, 400], its output [2, 120] and its 48,120 parameters.
+  // classifier.0 (its ReLU folded in) moves at least its input [2, 400], its output [2, 120] and
+  // its 48,120 parameters.
   const auto fc1 = profile_row(r.out, "classifier.0");
   ASSERT_GE(fc1.size(), 9u);
-  EXPECT_EQ(fc1[1], "nn.linear");
+  EXPECT_EQ(fc1[1], "kg.fused_gemm");
   EXPECT_EQ(fc1[6] + " " + fc1[7], "192.03 KiB") << r.out;
   // A pooling node does no counted work but moves bytes.
   const auto pool = profile_row(r.out, "features.2");
@@ -161,7 +162,7 @@ TEST_F(CliProfile, ProfileCountsAnOnnxMatmul) {
   // [2, 16, 32] x [32, 32]: 2·(2·16)·32·32.
   const auto q = profile_row(r.out, "encoder.layer.0.attention.self.query.MatMul");
   ASSERT_GE(q.size(), 5u) << r.out;
-  EXPECT_EQ(q[1], "nn.matmul");
+  EXPECT_EQ(q[1], "kg.fused_gemm");  // the bias Add after it is its epilogue
   EXPECT_NEAR(std::stod(q[4]) * 1e9, 2.0 * 2 * 16 * 32 * 32, 65536 * 1e-3) << r.out;  // printed with 4 digits
 }
 

@@ -53,8 +53,9 @@ std::optional<double> matrix_flops(const kg::Node& node, const std::vector<std::
     const double per_point = static_cast<double>(w->shape[1] * w->shape[2] * w->shape[3]);
     return 2 * numel(op == "nn.conv_transpose2d" ? inputs[0] : output) * per_point;
   }
-  if (op == "nn.linear" || op == "nn.matmul") {
-    // [..., M, K] x [K, N] -> [..., M, N]: 2·M·N·K per batch entry; K is the first operand's last dim.
+  if (op == "nn.linear" || op == "nn.matmul" || op == "kg.fused_gemm") {
+    // [..., M, K] x [K, N] -> [..., M, N]: 2·M·N·K per batch entry; K is the first operand's last dim
+    // (a fused GEMM's first input is its GEMM's; the epilogue's arithmetic is not counted).
     return 2 * numel(output) * static_cast<double>(inputs[0].back());
   }
   return std::nullopt;
