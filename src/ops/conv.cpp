@@ -1931,11 +1931,25 @@ void FusedConv2dOp::cpu_forward(CpuContext& ctx) const {
     Epilogue<T> ep;
     ep.residual = spec_.residual ? ctx.inputs[1].data<T>() : nullptr;
     ep.act = spec_.activation;
-    ep.form = spec_.activation_form ? &*spec_.activation_form : nullptr;
+    // A user's form runs after the convolution over large chunks of the output: called once per
+    // output row (a few dozen pixels) its per-call cost was larger than the convolution's.
+    const ElementwiseForm* form = spec_.activation_form ? &*spec_.activation_form : nullptr;
+    const auto apply_form = [&] {
+      if (!form) return;
+      constexpr std::int64_t kChunk = 1 << 14;
+      ctx.parallel_for(ctx.output.numel(), kChunk, [&](std::int64_t b, std::int64_t e) {
+        for (std::int64_t at = b; at < e; at += kChunk) {
+          const std::int64_t n = std::min(kChunk, e - at);
+          const void* in[1] = {y + at};
+          form->cpu(ElementwiseSpan{std::is_same_v<T, double> ? DType::F64 : DType::F32, in, nullptr, y + at, n, 0});
+        }
+      });
+    };
     std::vector<T> scale, shift;
     if (!spec_.batch_norm) {
       ep.shift = bias;
       conv2d_forward<T>(g, ConvAlgo::Auto, x.data<T>(), ctx.params[0].data<T>(), ep, y, ctx);
+      apply_form();
       return;
     }
     // Inference only: the lowering keeps batch norms unfused for training.
@@ -1957,6 +1971,7 @@ void FusedConv2dOp::cpu_forward(CpuContext& ctx) const {
     ep.scale = scale.data();
     ep.shift = shift.data();
     conv2d_forward<T>(g, ConvAlgo::Auto, x.data<T>(), ctx.params[0].data<T>(), ep, y, ctx);
+    apply_form();
   });
 }
 
