@@ -14,6 +14,11 @@
 //   resnet18-swish  ResNet-18 with a user's swish custom op for every ReLU, the same at batch B.
 //   train-* a training step (zero_grad, forward, backward, SGD step, synchronised) of both models
 //           with a cross-entropy loss, host clock.
+//   mlp-b<B>  GEMM epilogues: an MLP 1024-1024-1024-10 with the user's swish after each hidden
+//           layer, at batch 64 and 4096, tuned loads: unfused (fusion=off: cuBLASLt or our GEMM,
+//           then the swish kernel), fused with the vendor libraries off (fusion=own: our GEMM with
+//           the swish in its store) and fused with the tactic chosen by timing (fusion=on:
+//           cuBLASLt plus the in-place epilogue kernel, or our fused GEMM); tactics=node:kernel.
 // Prints "case=<c> fusion=<on|off> ..." lines with medians; with --output-dir the chain's output
 // goes to DIR/chain_<on|off>.safetensors (tensor "y") for comparison.
 #include <chrono>
@@ -93,9 +98,13 @@ struct Measured {
   kg::Tensor out;
 };
 
-Measured measure(const kg::Model& model, const kg::Tensor& x, const Args& a) {
+// `tactics`, when given, gets "node:kernel" for every node, comma-separated.
+Measured measure(const kg::Model& model, const kg::Tensor& x, const Args& a, bool tune = false,
+                 bool vendor = true, std::string* tactics = nullptr) {
   kg::LoadOptions opt;
   opt.profile = true;
+  opt.tune = tune;
+  opt.vendor_libraries = vendor;
   kg::LoadedModel m = model.load(a.cpu ? kg::Device::cpu() : kg::Device::cuda(a.device), {x.shape()}, opt);
   Measured r;
   for (int i = 0; i < a.warmup; ++i) m.forward({x});
@@ -109,6 +118,10 @@ Measured measure(const kg::Model& model, const kg::Tensor& x, const Args& a) {
     for (const auto& n : p) sum += n.ms;
     r.nodes = static_cast<int>(p.size());
     dev.push_back(sum);
+    if (tactics) {
+      tactics->clear();
+      for (const auto& t : p) *tactics += (tactics->empty() ? "" : ",") + t.node + ":" + t.kernel;
+    }
   }
   r.out = r.out.clone();  // the model's output buffer goes with the model
   r.device = kg_bench::summarise(dev);
@@ -200,6 +213,24 @@ int main(int argc, char** argv) {
             "round_trip_median_ms=%.4f\n",
             static_cast<long long>(a.resnet_batch), fusion ? "on" : "off", r.nodes, r.device.median,
             r.round_trip.median);
+        std::fflush(stdout);
+      }
+    }
+    // ---- GEMM epilogues: an MLP with the user's swish, three ways ----
+    for (std::int64_t batch : {64, 4096}) {
+      auto [mx, mg] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 1024}, "x");
+      kg::SymTensor h = kg::models::swish(kg::nn::linear(mx, 1024, "fc1"), "act1");
+      h = kg::models::swish(kg::nn::linear(h, 1024, "fc2"), "act2");
+      kg::SymTensor logits = kg::nn::linear(h, 10, "fc3");
+      kg::Tensor mxv = kg::Tensor::empty(kg::DType::F32, {batch, 1024});
+      for (std::int64_t i = 0; i < mxv.numel(); ++i) mxv.data<float>()[i] = u(rng);
+      for (const char* mode : {"off", "own", "on"}) {
+        const bool fusion = std::string(mode) != "off";
+        const kg::Model model(mg, {logits}, kg::LoweringMode::Inference, {.fusion = fusion});
+        std::string tactics;
+        const Measured r = measure(model, mxv, a, true, std::string(mode) != "own", &tactics);
+        std::printf("case=mlp-b%lld fusion=%s nodes=%d device_median_ms=%.4f tactics=%s\n",
+                    static_cast<long long>(batch), mode, r.nodes, r.device.median, tactics.c_str());
         std::fflush(stdout);
       }
     }
