@@ -638,10 +638,11 @@ void binary_range(const BroadcastPlan& p, const T* a, const T* b, T* y, std::int
   }
 }
 
-// dst = src (contiguous, of shape `out`) summed over the dims where `target` is broadcast, as
-// `target`'s elements in order; negated when `negate`. The output's dims are merged into runs
-// that `target` keeps or reduces. Each task owns a block of target elements and sums in a fixed
-// order (in double), so the result does not depend on the threads.
+}  // namespace
+
+// The output's dims are merged into runs that `target` keeps or reduces. Each task owns a block of
+// target elements and sums in a fixed order (in double), so the result does not depend on the
+// threads.
 template <class T>
 void sum_to_shape(const CpuContext& ctx, const T* src, const std::vector<std::int64_t>& out,
                   const std::vector<std::int64_t>& target, T* dst, bool negate) {
@@ -723,6 +724,33 @@ void sum_to_shape(const CpuContext& ctx, const T* src, const std::vector<std::in
         }
       });
 }
+
+template void sum_to_shape<float>(const CpuContext&, const float*, const std::vector<std::int64_t>&,
+                                  const std::vector<std::int64_t>&, float*, bool);
+template void sum_to_shape<double>(const CpuContext&, const double*, const std::vector<std::int64_t>&,
+                                   const std::vector<std::int64_t>&, double*, bool);
+
+// nn.add's reduction (KgReduce, kg_binary_backward_entry<KG_ADD>) with dy summed onto operand a,
+// the target; b is the output's shape, so it is broadcast nowhere.
+std::size_t gpu_sum_to_shape_scratch(const std::vector<std::int64_t>& out, const std::vector<std::int64_t>& target,
+                                     DType dtype, const char* op_name) {
+  const KgReduce p = gpu_reduce(0, target, out, out, op_name);
+  return p.splits > 1 ? static_cast<std::size_t>(p.splits * p.m) * dtype_size(dtype) : 0;
+}
+
+std::vector<Launch> gpu_sum_to_shape(const std::string& entry, DevicePtr src, DevicePtr dst, DevicePtr partial,
+                                     const std::vector<std::int64_t>& out, const std::vector<std::int64_t>& target,
+                                     const char* op_name) {
+  const KgReduce p = gpu_reduce(0, target, out, out, op_name);
+  std::vector<Launch> l;
+  for (int phase = 0; phase < (p.splits > 1 ? 2 : 1); ++phase)
+    l.push_back(ew_launch(entry, reduce_grid(p, phase),
+                          {ptr(src), ptr(0), ptr(0), ptr(dst), ptr(p.splits > 1 ? partial : DevicePtr{0}),
+                           raw_bytes(&p, sizeof p), 0, phase}));
+  return l;
+}
+
+namespace {
 
 class BinaryOp final : public CustomOp {
  public:

@@ -92,6 +92,22 @@ KgFusedWalk ew_gpu_walk(const EwWalkPlan& p) {
   return w;
 }
 
+std::string ew_walk_offsets(const std::vector<EwRead>& reads, bool small, const std::string& indent, int skip) {
+  std::string offsets, step;
+  for (std::size_t j = 0; j < reads.size(); ++j)
+    if (static_cast<int>(j) != skip && reads[j] == EwRead::Walk) {
+      offsets += util::cat(" o", j, " = 0,");
+      step += util::cat(" o", j, " += k * w.stride[", j, "][d];");
+    }
+  if (offsets.empty()) return {};
+  offsets.back() = ';';
+  return util::cat(indent, "kg_index", offsets, "\n", indent, "kg_index rest = i;\n", indent,
+                   "for (int d = 0; d < w.rank; ++d) {\n", indent, "  const kg_index q = kg_div<",
+                   small ? "true" : "false", ">(w.size[d], rest);\n", indent,
+                   "  const kg_index k = rest - q * w.size[d].d;\n", indent, " ", step, "\n", indent,
+                   "  rest = q;\n", indent, "}\n");
+}
+
 std::string ew_module_head(DType dtype) {
   return util::cat("#include \"elementwise.cuh\"\n#include \"fused_elementwise.cuh\"\ntypedef ",
                    device_compute_type(dtype), " kg_t;\ntypedef ", device_type(dtype),
@@ -133,19 +149,7 @@ std::string group_struct(const char* what, const std::string& name, const std::v
     if (j != given) fields += util::cat("  const kg_s* p", j, ";\n");
   for (int j = 0; j < inputs; ++j) walks = walks || (j != given && reads[static_cast<std::size_t>(j)] == EwRead::Walk);
   if (walks) fields += "  KgFusedWalk w;\n";
-  std::string body;
-  if (walks) {
-    std::string offsets, step;
-    for (int j = 0; j < inputs; ++j)
-      if (j != given && reads[static_cast<std::size_t>(j)] == EwRead::Walk) {
-        offsets += util::cat(" o", j, " = 0,");
-        step += util::cat(" o", j, " += k * w.stride[", j, "][d];");
-      }
-    offsets.back() = ';';
-    body += util::cat("    kg_index", offsets, "\n    kg_index r = i;\n    for (int d = 0; d < w.rank; ++d) {\n",
-                      "      const kg_index q = kg_div<", small ? "true" : "false", ">(w.size[d], r);\n",
-                      "      const kg_index k = r - q * w.size[d].d;\n     ", step, "\n      r = q;\n    }\n");
-  }
+  std::string body = ew_walk_offsets(reads, small, "    ", given);
   for (int j = 0; j < inputs; ++j) {
     if (j == given) {
       body += util::cat("    const kg_t e", j, " = g;\n");

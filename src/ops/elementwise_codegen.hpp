@@ -41,6 +41,11 @@ std::vector<EwRead> symbolic_ew_reads(const std::vector<Shape>& inputs, const Sh
 // The walk as the kernels take it.
 KgFusedWalk ew_gpu_walk(const EwWalkPlan& plan);
 
+// Statements declaring o<j>, the offset of index `i` in each walked input j (reads[j] == Walk, j !=
+// `skip`), from the walk `w` (KgFusedWalk), each line prefixed by `indent`; empty when none is
+// walked. `small` selects 32-bit index division.
+std::string ew_walk_offsets(const std::vector<EwRead>& reads, bool small, const std::string& indent, int skip = -1);
+
 // The module head: includes and the typedefs kg_t (compute) and kg_s (storage) for `dtype`.
 std::string ew_module_head(DType dtype);
 // Each member's device source in its namespace kg_m<k>, with a comment naming it.

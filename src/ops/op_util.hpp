@@ -8,6 +8,7 @@
 
 #include "kg/custom_op.hpp"
 #include "kg/error.hpp"
+#include "kg/runtime_op.hpp"
 #include "kg/shape.hpp"
 #include "util/str.hpp"
 
@@ -116,6 +117,25 @@ std::string device_literal(double v);
 // numpy broadcasting of two symbolic shapes. A dynamic dim against 1 stays dynamic; two
 // dynamic dims give the first (they must agree at load, where shapes are concrete).
 Shape broadcast_shapes(const Shape& a, const Shape& b);
+
+// Broadcast gradients: the sum of `src` (contiguous, of shape `out`) over the dims where `target`
+// is broadcast (numpy rules), written to `dst` as `target`'s elements in order (negated when
+// `negate`). Every element of dst is overwritten; an empty `out` gives zeros. Defined in
+// ops/elementwise.cpp, where nn.add's backward uses them; kg.fused_elementwise's too.
+// On the CPU (f32, f64), in fixed order whatever the threads:
+template <class T>
+void sum_to_shape(const CpuContext& ctx, const T* src, const std::vector<std::int64_t>& out,
+                  const std::vector<std::int64_t>& target, T* dst, bool negate = false);
+// On the GPU: the launches of `entry`, a kernel of a module that includes elementwise.cuh with
+// nn.add's backward signature, entry(dy, a, b, g, partial, KgReduce, which, phase), calling
+// kg_binary_backward_entry<KG_ADD> (a and b are passed null). `partial` is
+// gpu_sum_to_shape_scratch() bytes of scratch (none is needed when that is 0). `op_name` is for
+// the error when the shapes need more dims than the kernel walks.
+std::vector<Launch> gpu_sum_to_shape(const std::string& entry, DevicePtr src, DevicePtr dst, DevicePtr partial,
+                                     const std::vector<std::int64_t>& out, const std::vector<std::int64_t>& target,
+                                     const char* op_name);
+std::size_t gpu_sum_to_shape_scratch(const std::vector<std::int64_t>& out, const std::vector<std::int64_t>& target,
+                                     DType dtype, const char* op_name);
 
 // Output dim of a sliding window (conv, pooling): floor or ceil of
 // (in + 2*pad - dilation*(k-1) - 1) / stride + 1, following PyTorch's ceil_mode rule.
