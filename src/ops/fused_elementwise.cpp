@@ -46,6 +46,45 @@ std::vector<std::int64_t> part_sizes(std::vector<std::int64_t> sizes, std::size_
   return sizes;
 }
 
+// Whether group input j's gradient is a sum over the elements that read it (a scalar or a walked
+// input), rather than one value per element.
+bool reduced(Read r) { return r != Read::Same; }
+
+// How the kernels lowered for `ctx` read each input and index the value (the forward and the
+// backward are written for the same reads).
+struct GroupPlan {
+  WalkPlan walk;
+  bool small = false;  // every index below 2^31: 32-bit index division
+};
+
+GroupPlan lowering_plan(const LowerContext& ctx, std::size_t nout, const std::string& label) {
+  // One output's shape: the node's, or a part's of the packed value [k, <shape>].
+  Shape out_shape = ctx.output_shape;
+  if (nout > 1 && out_shape.rank() > 0)
+    out_shape = Shape(std::vector<Dim>(ctx.output_shape.begin() + 1, ctx.output_shape.end()));
+  const std::vector<std::int64_t> concrete_out = part_sizes(ctx.concrete_output_shape, nout);
+  GroupPlan p;
+  if (!ctx.concrete_input_shapes.empty())
+    p.walk = plan_walk(ctx.concrete_input_shapes, concrete_out, label);
+  else  // symbolic shapes only (an op lowered outside a model)
+    p.walk.reads = symbolic_ew_reads(ctx.input_shapes, out_shape);
+  const std::vector<std::int64_t> out =
+      ctx.concrete_output_shape.empty() && out_shape.is_concrete() ? out_shape.sizes() : concrete_out;
+  // Unknown sizes: 64-bit.
+  p.small = (!out.empty() || out_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
+  return p;
+}
+
+// The backward's scratch: for each reduced input, a slot of one value per element of the group's
+// value (its per-element contributions), then the partial sums of the split reductions that sum
+// each slot onto its gradient (the largest any of them needs). Offsets in bytes, 256-aligned.
+struct BackwardScratch {
+  std::vector<std::size_t> slot;  // per input; unused for an input read at the same index
+  std::size_t partial = 0, bytes = 0;
+};
+
+constexpr std::size_t align256(std::size_t b) { return (b + 255) / 256 * 256; }
+
 class FusedRuntime final : public RuntimeOp {
  public:
   FusedRuntime(std::string entry, std::string label, DType dtype, std::vector<Read> reads, std::size_t outputs)
@@ -78,22 +117,67 @@ class FusedRuntime final : public RuntimeOp {
     return {l};
   }
 
-  // (x0.., dy0.., g0.., n): one incoming gradient per output; a null gradient is one nobody needs.
+  std::size_t backward_scratch_bytes(const LaunchTensors& t) const override { return scratch_layout(t).bytes; }
+
+  // (x0.., dy0.., g0.., n[, w]): one incoming gradient per output; a null gradient is one nobody
+  // needs. A reduced input's g is its scratch slot, which a reduction (nn.add's, in the backward
+  // module as <entry>_backward_sum) then sums onto its gradient.
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
+    const BackwardScratch s = scratch_layout(t);
     Launch l;
     l.entry = entry_ + "_backward";
     l.block = {kThreads, 1, 1};
-    const std::int64_t n = t.grad_output.numel() / static_cast<std::int64_t>(outputs_);
+    const std::vector<std::int64_t> out = part_sizes(t.grad_output.shape, outputs_);
+    const std::int64_t n = numel_of(out);
     for (const auto& x : t.inputs) l.args.add(x);
     for (std::size_t j = 0; j < outputs_; ++j) l.args.add(ptr(part(t.grad_output, j)));
-    for (std::size_t j = 0; j < t.inputs.size(); ++j)
-      l.args.add(ptr(j < t.grad_inputs.size() ? t.grad_inputs[j].ptr : DevicePtr{0}));
+    for (std::size_t j = 0; j < t.inputs.size(); ++j) {
+      const DevicePtr g = wanted_grad(t, j);
+      l.args.add(ptr(g && reduced(reads_[j]) ? t.scratch + s.slot[j] : g));
+    }
     l.args.add(n);
+    if (std::find(reads_.begin(), reads_.end(), Read::Walk) != reads_.end()) {
+      const KgFusedWalk w = gpu_walk(plan_walk(shapes_of(t), out, label_, &reads_));
+      l.args.add(raw_bytes(&w, sizeof w));
+    }
     l.grid = grid_1d(tiles_of(n, KG_UNROLL), kThreads);
-    return {l};
+    std::vector<Launch> all{l};
+    for (std::size_t j = 0; j < t.inputs.size(); ++j) {
+      if (!wanted_grad(t, j) || !reduced(reads_[j])) continue;
+      auto sum = gpu_sum_to_shape(entry_ + "_backward_sum", t.scratch + s.slot[j], wanted_grad(t, j),
+                                  t.scratch + s.partial, out, t.inputs[j].shape, "kg.fused_elementwise");
+      all.insert(all.end(), sum.begin(), sum.end());
+    }
+    return all;
   }
 
  private:
+  static DevicePtr wanted_grad(const LaunchTensors& t, std::size_t j) {
+    return j < t.grad_inputs.size() ? t.grad_inputs[j].ptr : DevicePtr{0};
+  }
+  static std::vector<std::vector<std::int64_t>> shapes_of(const LaunchTensors& t) {
+    std::vector<std::vector<std::int64_t>> shapes;
+    for (const auto& x : t.inputs) shapes.push_back(x.shape);
+    return shapes;
+  }
+  // Sized for every reduced input, wanted or not (while sizing no gradient is known).
+  BackwardScratch scratch_layout(const LaunchTensors& t) const {
+    BackwardScratch s;
+    s.slot.assign(t.inputs.size(), 0);
+    const std::vector<std::int64_t> out = part_sizes(t.grad_output.shape, outputs_);
+    const auto slot_bytes = align256(static_cast<std::size_t>(numel_of(out)) * dtype_size(dtype_));
+    std::size_t partial_bytes = 0;
+    for (std::size_t j = 0; j < t.inputs.size() && j < reads_.size(); ++j) {
+      if (!reduced(reads_[j])) continue;
+      s.slot[j] = s.partial;  // the slots come first; the partial sums follow the last
+      s.partial += slot_bytes;
+      partial_bytes =
+          std::max(partial_bytes, gpu_sum_to_shape_scratch(out, t.inputs[j].shape, dtype_, "kg.fused_elementwise"));
+    }
+    s.bytes = s.partial == 0 ? 0 : s.partial + align256(partial_bytes);
+    return s;
+  }
+
   // The address of output j's part of a packed tensor (0 while sizing).
   DevicePtr part(const DeviceTensor& t, std::size_t j) const {
     if (!t.ptr) return 0;
@@ -264,44 +348,18 @@ DType FusedElementwiseOp::infer_output_dtype(const std::vector<DType>& in) const
 std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const {
   const std::string label = util::cat("[kg.fused_elementwise @ ", ctx.node, "]");
   const std::size_t nout = outputs_.size();
-  // One output's shape: the node's, or a part's of the packed value [k, <shape>].
-  Shape out_shape = ctx.output_shape;
-  if (nout > 1 && out_shape.rank() > 0)
-    out_shape = Shape(std::vector<Dim>(ctx.output_shape.begin() + 1, ctx.output_shape.end()));
-  const std::vector<std::int64_t> concrete_out = part_sizes(ctx.concrete_output_shape, nout);
-  WalkPlan plan;
-  if (!ctx.concrete_input_shapes.empty()) {
-    plan = plan_walk(ctx.concrete_input_shapes, concrete_out, label);
-  } else {
-    // Symbolic shapes only (an op lowered outside a model): an input shaped like the output is
-    // read at the same index, one of a single static element once, any other by the walk.
-    for (const auto& s : ctx.input_shapes)
-      plan.reads.push_back(s == out_shape                                ? Read::Same
-                           : s.is_concrete() && numel_of(s.sizes()) == 1 ? Read::Scalar
-                                                                         : Read::Walk);
-  }
-  const std::vector<std::int64_t> out =
-      ctx.concrete_output_shape.empty() && out_shape.is_concrete() ? out_shape.sizes() : concrete_out;
-  const bool walks = std::find(plan.reads.begin(), plan.reads.end(), Read::Walk) != plan.reads.end();
-  // 32-bit index division where every index fits (unknown sizes: 64-bit).
-  const bool small = (!out.empty() || out_shape.rank() == 0) && numel_of(out) < (std::int64_t{1} << 31);
+  const GroupPlan gp = lowering_plan(ctx, nout, label);
+  const WalkPlan& plan = gp.walk;
+  const bool walks = plan.walks();
 
-  std::string src = module_head(dtype_);
-  for (std::size_t m = 0; m < members_.size(); ++m)
-    src += util::cat("// ", members_[m].op.name(), " @ ", members_[m].node, "\nnamespace kg_m", m, " {\n",
-                     members_[m].form.device_source, "\n}  // namespace kg_m", m, "\n");
+  std::string src = module_head(dtype_) + ew_member_sources(members_);
   // The group's outputs from its inputs' values e0.. (one expression per member): kg_out, one
   // value per output, and kg_packs, one 16-byte pack per output.
   src += util::cat("\nstruct kg_out {\n  kg_t v[", nout, "];\n};\nstruct kg_packs {\n  KgPack<kg_s> p[", nout,
                    "];\n};\n");
   std::string eval_params, body;
   for (int j = 0; j < inputs_; ++j) eval_params += util::cat(j ? ", " : "", "kg_t e", j);
-  for (std::size_t m = 0; m < members_.size(); ++m) {
-    body += util::cat("    const kg_t v", m, " = (kg_t)kg_m", m, "::", members_[m].form.function, "(");
-    for (std::size_t k = 0; k < members_[m].args.size(); ++k)
-      body += util::cat(k ? ", " : "", value_name(members_[m].args[k]));
-    body += ");\n";
-  }
+  body += ew_member_values(members_, "    ");
   body += "    kg_out r;\n";
   for (std::size_t j = 0; j < nout; ++j) body += util::cat("    r.v[", j, "] = v", outputs_[j], ";\n");
   // Each output j from the kg_out `o` to y<j>[at].
@@ -363,48 +421,41 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
         "    [&](kg_index t) { const kg_index i = done + t; return eval(", scalar_args, "); },\n",
         "    [&](kg_index t, const kg_out& o) {", store("done + t"), " });\n}\n");
   } else {
-    std::string offsets, walk, args;
-    for (int j = 0; j < inputs_; ++j) {
-      if (plan.reads[static_cast<std::size_t>(j)] == Read::Walk) {
-        offsets += util::cat(" o", j, " = 0,");
-        walk += util::cat(" o", j, " += k * w.stride[", j, "][d];");
-      }
-      args += util::cat(j ? ", " : "", read(j, "i"));
-    }
-    offsets.back() = ';';
-    src += util::cat("  kg_for_each_unrolled<kg_out>(\n    n,\n    [&](kg_index i) {\n      kg_index", offsets,
-                     "\n      kg_index r = i;\n      for (int d = 0; d < w.rank; ++d) {\n",
-                     "        const kg_index q = kg_div<", small ? "true" : "false", ">(w.size[d], r);\n",
-                     "        const kg_index k = r - q * w.size[d].d;\n       ", walk,
-                     "\n        r = q;\n      }\n", "      return eval(", args, ");\n    },\n",
+    std::string args;
+    for (int j = 0; j < inputs_; ++j) args += util::cat(j ? ", " : "", read(j, "i"));
+    src += util::cat("  kg_for_each_unrolled<kg_out>(\n    n,\n    [&](kg_index i) {\n",
+                     ew_walk_offsets(plan.reads, gp.small, "      "), "      return eval(", args, ");\n    },\n",
                      "    [&](kg_index i, const kg_out& o) {", store("i"), " });\n}\n");
   }
   return Lowered{name(), std::move(src), entry_,
                  std::make_shared<FusedRuntime>(entry_, label, dtype_, plan.reads, nout)};
 }
 
-std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const {
+// The backward entry recomputes the members at each element i of the value (reading the inputs as
+// the forward does) and runs reverse mode over them, writing g<j>[i] for every input: the gradient
+// itself for an input read at the same index, else the scratch slot of a reduced input, which
+// <entry>_backward_sum (nn.add's reduction) then sums onto the input's gradient.
+std::string FusedElementwiseOp::lower_backward_source(const LowerContext& ctx) const {
   if (mode_ != LoweringMode::Training) return {};
-  std::string src = module_head(dtype_);
-  for (std::size_t m = 0; m < members_.size(); ++m)
-    src += util::cat("namespace kg_m", m, " {\n", members_[m].form.device_source, "\n}  // namespace kg_m", m,
-                     "\n");
+  const GroupPlan gp = lowering_plan(ctx, outputs_.size(), util::cat("[kg.fused_elementwise @ ", ctx.node, "]"));
+  const std::vector<Read>& reads = gp.walk.reads;
+  std::string src = module_head(dtype_) + ew_member_sources(members_);
   std::string params;
   for (int j = 0; j < inputs_; ++j) params += util::cat("const kg_t* __restrict__ x", j, ", ");
   for (std::size_t j = 0; j < outputs_.size(); ++j) params += util::cat(j ? ", " : "", "const kg_t* __restrict__ dy", j);
   for (int j = 0; j < inputs_; ++j) params += util::cat(", kg_t* __restrict__ g", j);
   params += ", long long n";
-  std::string body;
-  for (int j = 0; j < inputs_; ++j) body += util::cat("    const kg_t e", j, " = x", j, "[i];\n");
-  const std::size_t last = members_.size() - 1;
-  for (std::size_t m = 0; m <= last; ++m) {
-    body += util::cat("    const kg_t v", m, " = (kg_t)kg_m", m, "::", members_[m].form.function, "(");
-    for (std::size_t k = 0; k < members_[m].args.size(); ++k)
-      body += util::cat(k ? ", " : "", value_name(members_[m].args[k]));
-    body += ");\n";
+  if (gp.walk.walks()) params += ", KgFusedWalk w";
+  std::string body = ew_walk_offsets(reads, gp.small, "    ");
+  for (int j = 0; j < inputs_; ++j) {
+    const Read r = reads[static_cast<std::size_t>(j)];
+    body += util::cat("    const kg_t e", j, " = x", j, "[",
+                      r == Read::Same ? "i" : r == Read::Scalar ? "0" : util::cat("o", j), "];\n");
   }
+  body += ew_member_values(members_, "    ");
   // Reverse mode over the members: the gradient of each value, from its consumers' derivatives
   // and, for an output, its incoming gradient.
+  const std::size_t last = members_.size() - 1;
   for (int j = 0; j < inputs_; ++j) body += util::cat("    kg_t de", j, " = 0;\n");
   for (std::size_t m = 0; m <= last; ++m) {
     const auto o = std::find(outputs_.begin(), outputs_.end(), static_cast<int>(m));
@@ -423,6 +474,12 @@ std::string FusedElementwiseOp::lower_backward_source(const LowerContext&) const
   src += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_, "_backward(",
                    params, ") {\n  for (kg_index i = kg_thread_index(); i < n; i += kg_grid_stride()) {\n",
                    body, "  }\n}\n");
+  if (std::any_of(reads.begin(), reads.end(), reduced))
+    src += util::cat("\n// A reduced input's contributions summed onto its gradient (gpu_sum_to_shape).\n",
+                     "extern \"C\" __global__ void __launch_bounds__(KG_EW_THREADS)\n", entry_,
+                     "_backward_sum(const kg_t* __restrict__ dy, const kg_t* __restrict__ a, const kg_t* __restrict__ b,",
+                     " kg_t* __restrict__ g, kg_t* __restrict__ partial, KgReduce p, int which, int phase) {\n",
+                     "  kg_binary_backward_entry<KG_ADD>(dy, a, b, g, partial, p, which, phase);\n}\n");
   return src;
 }
 
@@ -472,62 +529,100 @@ void FusedElementwiseOp::forward(CpuContext& ctx, DType dtype) const {
   });
 }
 
-void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
-  if (mode_ != LoweringMode::Training) throw Error("was fused for inference and has no backward");
-  const std::size_t nout = outputs_.size();
+namespace {
+
+// The group's backward on the CPU, chunk by chunk: every member's value recomputed from the
+// inputs (read as `plan` says), reverse mode over the members, and input j's contribution at each
+// element i of the value written to contributions[j][i] (where not null).
+template <class T>
+void backward_contributions(const FusedElementwiseOp& op, CpuBackwardContext& ctx, const WalkPlan& plan,
+                            const std::vector<T*>& contributions) {
+  const std::vector<FusedMember>& members = op.members();
+  const std::vector<int>& outputs = op.outputs();
+  const DType dtype = op.dtype();
+  const std::size_t nout = outputs.size();
   const std::int64_t n = ctx.grad_output.numel() / static_cast<std::int64_t>(nout);
   if (n == 0) return;
-  for (const auto& x : ctx.inputs)
-    if (x.numel() != n)
-      throw Error(util::cat("a training group's inputs have the output's shape, got ", sizes_to_string(x.shape()),
-                            " for ", sizes_to_string(part_sizes(ctx.grad_output.shape(), nout))));
-  const std::size_t mcount = members_.size(), nin = static_cast<std::size_t>(inputs_);
+  const std::size_t mcount = members.size(), nin = static_cast<std::size_t>(op.inputs());
+  const T* dy = ctx.grad_output.data<T>();
+  ctx.parallel_for(tiles_of(n, kChunk), 16, [&](std::int64_t c0, std::int64_t c1) {
+    // Values v (members), their gradients dv, the inputs' gradients de, one derivative, the
+    // inputs' gathered chunks.
+    T* v = thread_scratch<T>((2 * mcount + 2 * nin + 1) * kChunk);
+    T* dv = v + mcount * kChunk;
+    T* de = dv + mcount * kChunk;
+    T* d = de + nin * kChunk;
+    T* gather = d + kChunk;
+    const T* in[KG_FUSE_MAX_INPUTS] = {};
+    thread_local std::vector<const void*> args;
+    auto value = [&](int a) -> const void* {
+      return a >= 0 ? static_cast<const void*>(v + static_cast<std::size_t>(a) * kChunk)
+                    : static_cast<const void*>(in[static_cast<std::size_t>(-1 - a)]);
+    };
+    for (std::int64_t c = c0; c < c1; ++c) {
+      const std::int64_t o0 = c * kChunk, len = std::min(kChunk, n - o0);
+      const auto ulen = static_cast<std::size_t>(len);
+      for (std::size_t j = 0; j < nin; ++j)
+        in[j] = chunk_of<T>(ctx.inputs[j], plan.reads[j], plan, j, o0, len, gather + j * kChunk);
+      for (std::size_t m = 0; m < mcount; ++m) {
+        args.clear();
+        for (int a : members[m].args) args.push_back(value(a));
+        members[m].form.cpu(ElementwiseSpan{dtype, args, nullptr, v + m * kChunk, len, 0});
+      }
+      std::fill(dv, dv + mcount * kChunk, T(0));
+      std::fill(de, de + nin * kChunk, T(0));
+      for (std::size_t j = 0; j < nout; ++j) {  // an output's incoming gradient (packed like the outputs)
+        const T* dyj = dy + static_cast<std::int64_t>(j) * n + o0;
+        std::copy(dyj, dyj + len, dv + static_cast<std::size_t>(outputs[j]) * kChunk);
+      }
+      for (std::size_t m = mcount; m-- > 0;) {
+        const FusedMember& f = members[m];
+        args.clear();
+        for (int a : f.args) args.push_back(value(a));
+        const T* g = dv + m * kChunk;
+        for (std::size_t k = 0; k < f.args.size(); ++k) {
+          f.form.cpu_derivative(ElementwiseSpan{dtype, args, v + m * kChunk, d, len, static_cast<int>(k)});
+          const int a = f.args[k];
+          T* target = a >= 0 ? dv + static_cast<std::size_t>(a) * kChunk
+                             : de + static_cast<std::size_t>(-1 - a) * kChunk;
+          for (std::size_t i = 0; i < ulen; ++i) target[i] += g[i] * d[i];
+        }
+      }
+      for (std::size_t j = 0; j < nin; ++j)
+        if (contributions[j]) std::copy(de + j * kChunk, de + j * kChunk + len, contributions[j] + o0);
+    }
+  });
+}
+
+}  // namespace
+
+// Each wanted input gradient gets one contribution per element of the value: written straight
+// into the gradient for an input read at the same index, else into a buffer shaped like the value
+// that is then summed onto the input's shape (sum_to_shape, as nn.add's backward does).
+void FusedElementwiseOp::cpu_backward(CpuBackwardContext& ctx) const {
+  if (mode_ != LoweringMode::Training) throw Error("was fused for inference and has no backward");
+  const std::size_t nout = outputs_.size(), nin = static_cast<std::size_t>(inputs_);
+  const std::vector<std::int64_t> out = part_sizes(ctx.grad_output.shape(), nout);
+  std::vector<std::vector<std::int64_t>> shapes;
+  for (const auto& x : ctx.inputs) shapes.push_back(x.shape());
+  const WalkPlan plan = plan_walk(shapes, out, "[kg.fused_elementwise]");
   dispatch_float(dtype_, [&](auto zero) {
     using T = decltype(zero);
-    const T* dy = ctx.grad_output.data<T>();
-    ctx.parallel_for(tiles_of(n, kChunk), 16, [&](std::int64_t c0, std::int64_t c1) {
-      // Values v (members), their gradients dv, the inputs' gradients de, one derivative.
-      T* v = thread_scratch<T>((2 * mcount + nin + 1) * kChunk);
-      T* dv = v + mcount * kChunk;
-      T* de = dv + mcount * kChunk;
-      T* d = de + nin * kChunk;
-      thread_local std::vector<const void*> args;
-      auto value = [&](int a, std::int64_t o0) -> const void* {
-        return a >= 0 ? static_cast<const void*>(v + static_cast<std::size_t>(a) * kChunk)
-                      : static_cast<const void*>(ctx.inputs[static_cast<std::size_t>(-1 - a)].data<T>() + o0);
-      };
-      for (std::int64_t c = c0; c < c1; ++c) {
-        const std::int64_t o0 = c * kChunk, len = std::min(kChunk, n - o0);
-        const auto ulen = static_cast<std::size_t>(len);
-        for (std::size_t m = 0; m < mcount; ++m) {
-          args.clear();
-          for (int a : members_[m].args) args.push_back(value(a, o0));
-          members_[m].form.cpu(ElementwiseSpan{dtype_, args, nullptr, v + m * kChunk, len, 0});
-        }
-        std::fill(dv, dv + mcount * kChunk, T(0));
-        std::fill(de, de + nin * kChunk, T(0));
-        for (std::size_t j = 0; j < nout; ++j) {  // an output's incoming gradient (packed like the outputs)
-          const T* dyj = dy + static_cast<std::int64_t>(j) * n + o0;
-          std::copy(dyj, dyj + len, dv + static_cast<std::size_t>(outputs_[j]) * kChunk);
-        }
-        for (std::size_t m = mcount; m-- > 0;) {
-          const FusedMember& f = members_[m];
-          args.clear();
-          for (int a : f.args) args.push_back(value(a, o0));
-          const T* g = dv + m * kChunk;
-          for (std::size_t k = 0; k < f.args.size(); ++k) {
-            f.form.cpu_derivative(ElementwiseSpan{dtype_, args, v + m * kChunk, d, len, static_cast<int>(k)});
-            const int a = f.args[k];
-            T* target = a >= 0 ? dv + static_cast<std::size_t>(a) * kChunk
-                               : de + static_cast<std::size_t>(-1 - a) * kChunk;
-            for (std::size_t i = 0; i < ulen; ++i) target[i] += g[i] * d[i];
-          }
-        }
-        for (std::size_t j = 0; j < nin; ++j)
-          if (ctx.wants_input_grad(j))
-            std::copy(de + j * kChunk, de + j * kChunk + len, ctx.grad_inputs[j].data<T>() + o0);
+    std::vector<std::vector<T>> buffers(nin);
+    std::vector<T*> contributions(nin, nullptr);
+    for (std::size_t j = 0; j < nin; ++j) {
+      if (!ctx.wants_input_grad(j)) continue;
+      if (!reduced(plan.reads[j])) {
+        contributions[j] = ctx.grad_inputs[j].data<T>();
+        continue;
       }
-    });
+      buffers[j].resize(static_cast<std::size_t>(numel_of(out)));
+      contributions[j] = buffers[j].data();
+    }
+    backward_contributions<T>(*this, ctx, plan, contributions);
+    for (std::size_t j = 0; j < nin; ++j)
+      if (ctx.wants_input_grad(j) && reduced(plan.reads[j]))
+        sum_to_shape<T>(ctx, buffers[j].data(), out, shapes[j], ctx.grad_inputs[j].data<T>());
   });
 }
 

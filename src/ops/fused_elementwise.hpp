@@ -7,10 +7,13 @@
 // group), broadcast to its values as numpy does, and writes up to KG_FUSE_MAX_OUTPUTS of its
 // members' values (its root's, and any other needed outside it). With one output the node's value
 // is that output; with k > 1, all of one shape, it is a packed tensor [k, <shape>] and each output
-// is read through a kg.group_output view of its part (no copy). In training every input has the
-// output's shape (the pass keeps broadcasting nodes out of training groups); the backward takes
+// is read through a kg.group_output view of its part (no copy). In training the backward takes
 // one incoming gradient per output (packed like the outputs) and recomputes the members' values
-// from the saved inputs, so the group saves no more than its inputs.
+// from the saved inputs, so the group saves no more than its inputs. An input read at the same
+// index gets its gradient written element by element; a broadcast one (a scalar, or one walked)
+// gets the sum of its contributions over the elements that read it: on the GPU the backward
+// kernel writes them to scratch shaped like one output and nn.add's reduction sums them onto the
+// input's shape, on the CPU sum_to_shape does.
 #pragma once
 
 #include <string>

@@ -4,9 +4,8 @@
 //
 // A node is fusable when its op gives a form for its input dtypes, it owns no parameters, its
 // inputs and output share one dtype (f32 or f64) and its output shape is the broadcast of its
-// inputs' shapes. In training it also needs the form's derivative, and every input must have the
-// output's shape (a broadcast input's gradient is a reduction, which the fused backward does not
-// do): such nodes stay their own kernels.
+// inputs' shapes. In training it also needs the form's derivative; its inputs may broadcast as in
+// inference (the group's backward sums a broadcast input's contributions onto its shape).
 //
 // Groups grow from their root (the last node, whose value leaves the group) towards the inputs:
 // a fusable producer joins when every consumer of its value is in the group and it is not a model
@@ -52,11 +51,7 @@ std::optional<ElementwiseForm> fusable_form(const Graph& g, const Node& n, Lower
     throw Error(n.label() + " elementwise_form: " + e.what());
   }
   if (!form || form->function.empty() || !form->cpu) return std::nullopt;
-  if (mode == LoweringMode::Training) {
-    if (form->derivative.empty() || !form->cpu_derivative) return std::nullopt;
-    for (int in : n.inputs)
-      if (!same_shape(g.node(in).shape, n.shape)) return std::nullopt;
-  }
+  if (mode == LoweringMode::Training && (form->derivative.empty() || !form->cpu_derivative)) return std::nullopt;
   // The output must be the broadcast of the inputs.
   Shape b = g.node(n.inputs[0]).shape;
   try {

@@ -402,18 +402,163 @@ TEST(FuseElementwise, AnOpWithoutADerivativeIsNotFusedInTraining) {
   EXPECT_LT(m.forward(in)[0].data<float>()[0], first);
 }
 
-// In training a broadcasting node stays out of groups (its gradient is a reduction).
-TEST(FuseElementwise, BroadcastingNodesStayOutOfTrainingGroups) {
-  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 4}, "x");
-  auto bias = g->input(kg::DType::F32, {4}, "bias");
-  auto h = kg::nn::linear(x, 4, "fc");
-  auto y = kg::tanh(kg::sigmoid(kg::add(h, bias, "shift"), "s"), "t");
-  auto t = g->input(kg::DType::F32, {kg::Dim::named("batch"), 4}, "target");
-  kg::Model m(g, {kg::mse_loss(y, t, "loss")}, kg::LoweringMode::Training);
-  EXPECT_EQ(count_ops(m, "nn.add"), 1);
-  auto f = fused_ops(m);
-  ASSERT_EQ(f.size(), 1u);
-  EXPECT_EQ(member_names(*f[0]), (std::vector<std::string>{"s", "t"}));
+namespace {
+
+// x → linear → h [batch, 2, 3, 5], then one group over h with broadcast inputs that come from
+// linear layers on z [1, 3] (so their gradients reach parameters): a per-channel scale [2, 1, 1]
+// through a sigmoid inside the group (a member of that shape), a per-channel bias [1, 2, 1, 1]
+// and a scalar [1, 1]; and a row c [5] that is an input (no gradient wanted).
+Built broadcast_training_graph(std::int64_t batch = 3) {
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 2, 3, 6}, "x");
+  auto z = g->input(kg::DType::F32, {1, 3}, "z");
+  auto c = g->input(kg::DType::F32, {5}, "c");
+  auto t = g->input(kg::DType::F32, {kg::Dim::named("batch"), 2, 3, 5}, "target");
+  auto h = kg::nn::linear(x, 5, "fc");
+  auto scale = kg::reshape(kg::nn::linear(z, 2, "fs"), {2, 1, 1}, "scale_v");
+  auto bias = kg::reshape(kg::nn::linear(z, 2, "fb"), {1, 2, 1, 1}, "bias_v");
+  auto k = kg::nn::linear(z, 1, "fk");
+  auto y = kg::mul(h, kg::sigmoid(scale, "gs"), "scale");
+  y = kg::silu(kg::add(y, bias, "shift"), "act");
+  y = kg::tanh(kg::add(kg::mul(y, k, "u"), c, "addc"), "th");
+  return {g, {kg::mse_loss(y, t, "loss")}, {{batch, 2, 3, 6}, {1, 3}, {5}, {batch, 2, 3, 5}}};
+}
+
+// The gradients of `fused` and of `b` unfused, after one forward and backward on the same inputs
+// and parameters, on the CPU forms and checked under the emulator (poisoned buffers: every element
+// of every gradient written).
+void compare_training(const Built& b, const kg::Model& fused, std::mt19937_64& rng, double rtol, double atol) {
+  kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Training, {.fusion = false});
+  auto in = random_inputs(rng, b, kg::DType::F32);
+  auto mp = plain.load(kg::Device::cpu(), b.input_shapes);
+  mp.load_state_dict(random_params(plain, rng, 1.0), false);
+  mp.zero_grad();
+  const auto want_out = mp.forward(in);
+  mp.backward();
+  const auto want = mp.gradients();
+  for (bool emulated : {false, true}) {
+    SCOPED_TRACE(emulated ? "emulated kernels" : "cpu forms");
+    kg::LoadOptions opt;
+    opt.checked = emulated;
+    opt.poison_buffers = true;
+    auto mf = fused.load(kg::Device::cpu(), b.input_shapes, opt);
+    mf.load_state_dict(mp.state_dict());
+    mf.zero_grad();
+    const auto got_out = mf.forward(in);
+    for (std::size_t i = 0; i < want_out.size(); ++i)
+      EXPECT_TRUE(kg_test::all_close(got_out[i], want_out[i], rtol, atol));
+    mf.backward();
+    const auto got = mf.gradients();
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, w] : want) {
+      SCOPED_TRACE(name);
+      EXPECT_TRUE(kg_test::all_written(got.at(name)));
+      EXPECT_TRUE(kg_test::all_close(got.at(name), w, rtol, atol));
+    }
+  }
+}
+
+// The concrete shapes of a node's inputs, dynamic dims given `batch`.
+std::vector<std::vector<std::int64_t>> input_sizes(const kg::Graph& g, const kg::Node& n, std::int64_t batch) {
+  std::vector<std::vector<std::int64_t>> v;
+  for (int in : n.inputs) {
+    std::vector<std::int64_t> sizes;
+    for (const kg::Dim& d : g.node(in).shape) sizes.push_back(d.is_static() ? d.size() : batch);
+    v.push_back(sizes);
+  }
+  return v;
+}
+
+}  // namespace
+
+// In training, nodes whose inputs broadcast (a scalar, a per-channel scale and bias, a row) join
+// groups as in inference: the whole chain after the linear layer is one group, and its gradients
+// (the broadcast inputs' summed over the elements that read them) match the unfused graph's.
+TEST(FuseElementwise, BroadcastInputsJoinTrainingGroups) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  Built b = broadcast_training_graph();
+  kg::Model fused(b.graph, b.outputs, kg::LoweringMode::Training);
+  auto f = fused_ops(fused);
+  ASSERT_EQ(f.size(), 1u) << fused.summary();
+  EXPECT_EQ(member_names(*f[0]), (std::vector<std::string>{"gs", "scale", "shift", "act", "u", "addc", "th"}));
+  EXPECT_EQ(f[0]->inputs(), 5);  // the scale, h, the bias, the scalar and the row
+  EXPECT_EQ(count_ops(fused, "nn.add"), 0);
+  EXPECT_EQ(count_ops(fused, "nn.mul"), 0);
+  compare_training(b, fused, rng, 1e-5, 1e-6);
+}
+
+// The group with broadcast inputs against finite differences (every input, the scalar and the
+// per-channel ones included), on the CPU and in the emulated backward kernels, and the op checks.
+TEST(FuseElementwise, AGroupWithBroadcastInputsPassesTheGradientCheck) {
+  Built b = broadcast_training_graph();
+  kg::Model fused(b.graph, b.outputs, kg::LoweringMode::Training);
+  const int id = fused.graph().find("th");
+  ASSERT_GE(id, 0);
+  const kg::Node& node = fused.graph().node(id);
+  ASSERT_EQ(node.op_name(), "kg.fused_elementwise");
+  kg::testing::GradCheckOptions opt;
+  opt.gpu = false;
+  std::vector<kg::DType> dtypes(node.inputs.size(), kg::DType::F32);
+  const auto report = kg::testing::check_gradients(*node.op, input_sizes(fused.graph(), node, 4), dtypes, opt);
+  EXPECT_TRUE(report.ok) << report.to_string();
+  std::vector<kg::Shape> shapes;
+  for (int in : node.inputs) shapes.push_back(fused.graph().node(in).shape);
+  const auto fwd = kg::testing::check_op(*node.op, shapes, dtypes, {.rtol = 1e-5, .atol = 1e-6, .gpu = false});
+  EXPECT_TRUE(fwd.ok) << fwd.to_string();
+}
+
+// Random DAGs of fusable ops in training over values that broadcast in several ways, each from a
+// linear layer so that its gradient is checked: a full tensor, a channel vector, a row and a
+// scalar, plus a full input and a channel input that want no gradient.
+TEST(FuseElementwise, RandomBroadcastingTrainingGraphsAgreeFusedAndUnfused) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  int broadcast_groups = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const kg::DType dt = kg::DType::F32;
+    auto [x, g] = kg::SymTensor::input(dt, {kg::Dim::named("batch"), 3, 5, 4}, "x");
+    auto z = g->input(dt, {1, 4}, "z");
+    auto t = g->input(dt, {kg::Dim::named("batch"), 3, 5, 6}, "t");
+    auto h = kg::nn::linear(x, 6, "fh");
+    std::vector<kg::SymTensor> values{h,
+                                      kg::reshape(kg::nn::linear(z, 3, "fc"), {3, 1, 1}, "c"),
+                                      kg::nn::linear(z, 6, "frow"),
+                                      kg::nn::linear(z, 1, "fs"),
+                                      g->input(dt, {kg::Dim::named("batch"), 3, 5, 6}, "y"),
+                                      g->input(dt, {3, 1, 1}, "c_in")};
+    std::uniform_int_distribution<int> pick_op(0, 6);
+    for (int k = 0; k < 8; ++k) {
+      auto pick = [&] { return values[std::uniform_int_distribution<std::size_t>(0, values.size() - 1)(rng)]; };
+      const std::string name = "n" + std::to_string(k);
+      kg::SymTensor a = pick(), c = pick(), v;
+      switch (pick_op(rng)) {
+        case 0: v = kg::add(a, c, name); break;
+        case 1: v = kg::sub(a, c, name); break;
+        case 2: v = kg::mul(a, c, name); break;
+        case 3: v = kg::div(a, kg::add(kg::mul(c, c), 1.0), name); break;
+        case 4: v = kg::sigmoid(a, name); break;
+        case 5: v = kg::tanh(a, name); break;
+        default: v = kg::models::scaled_tanh(a, name); break;
+      }
+      values.push_back(v);
+    }
+    // The last value scaled by the channel vector and broadcast against h, so that a group reads
+    // broadcast values whatever was drawn.
+    auto out = kg::add(kg::mul(values.back(), values[1], "out_scale"), h, "out");
+    Built b{g, {kg::mse_loss(out, t, "loss")}, {{2, 3, 5, 4}, {1, 4}, {2, 3, 5, 6}, {2, 3, 5, 6}, {3, 1, 1}}};
+    kg::Model fused(b.graph, b.outputs, kg::LoweringMode::Training);
+    for (int id : fused.live_nodes()) {
+      const kg::Node& n = fused.graph().node(id);
+      if (n.kind != kg::Node::Kind::Op || !n.op->as<kg::ops::FusedElementwiseOp>()) continue;
+      broadcast_groups += std::any_of(n.inputs.begin(), n.inputs.end(),
+                                      [&](int in) { return !(fused.graph().node(in).shape == n.shape); });
+    }
+    compare_training(b, fused, rng, 1e-4, 1e-5);
+  }
+  EXPECT_GE(broadcast_groups, 8);  // out_scale and out are in a group with the channel vector
 }
 
 TEST(FuseElementwise, ABadGroupDescriptionIsAnError) {
@@ -593,6 +738,42 @@ TEST(FuseElementwiseGpu, TrainingGradientsMatchTheCpu) {
   for (const auto& [name, w] : want) {
     SCOPED_TRACE(name);
     EXPECT_TRUE(kg_test::all_close(got.at(name), w, 1e-4, 1e-5));
+  }
+}
+
+// A training group with broadcast inputs (a per-channel scale and bias, a scalar, a row): the
+// GPU's backward kernel and its reductions of the broadcast inputs' contributions against the
+// unfused CPU graph, at a batch whose scalar reduction is split over several blocks too.
+TEST(FuseElementwiseGpu, BroadcastTrainingGradientsMatchTheCpu) {
+  if (!kg::Device::cuda_available()) GTEST_SKIP() << "no CUDA GPU on this machine";
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (std::int64_t batch : {3, 2048}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    Built b = broadcast_training_graph(batch);
+    kg::Model fused(b.graph, b.outputs, kg::LoweringMode::Training);
+    kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Training, {.fusion = false});
+    ASSERT_EQ(fused_ops(fused).size(), 1u);
+    auto in = random_inputs(rng, b, kg::DType::F32);
+    auto mp = plain.load(kg::Device::cpu(), b.input_shapes);
+    mp.load_state_dict(random_params(plain, rng, 1.0), false);
+    kg::LoadOptions poisoned;
+    poisoned.poison_buffers = true;
+    auto mg = fused.load(kg::Device::cuda(), b.input_shapes, poisoned);
+    mg.load_state_dict(mp.state_dict());
+    for (auto* m : {&mp, &mg}) {
+      m->zero_grad();
+      m->forward(in);
+      m->backward();
+    }
+    const auto want = mp.gradients();
+    const auto got = mg.gradients();
+    for (const auto& [name, w] : want) {
+      SCOPED_TRACE(name);
+      EXPECT_TRUE(kg_test::all_written(got.at(name)));
+      EXPECT_TRUE(kg_test::all_close(got.at(name), w, 1e-4, 1e-5));
+    }
   }
 }
 

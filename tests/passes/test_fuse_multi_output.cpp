@@ -360,6 +360,57 @@ Built training_graph(bool a_in_loss) {
   return {g, {{"loss", loss}, {"a", a}}, {{6, 12}, {6, 10}, {6, 10}}};
 }
 
+// x → linear → h; hw = h * w with a row w [1, 10] and a scalar k [1, 1], each from a linear layer on
+// z [1, 3]; s = sigmoid(hw), a = s * k, b = tanh(s), c = a + b: one group writing a and c whose
+// backward sums the row's and the scalar's contributions over the elements that read them.
+Built broadcast_training_graph(std::int64_t batch) {
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 12}, "x");
+  auto z = g->input(kg::DType::F32, {1, 3}, "z");
+  auto t1 = g->input(kg::DType::F32, {kg::Dim::named("batch"), 10}, "t1");
+  auto t2 = g->input(kg::DType::F32, {kg::Dim::named("batch"), 10}, "t2");
+  auto h = kg::nn::linear(x, 10, "fc");
+  auto w = kg::nn::linear(z, 10, "fw");
+  auto k = kg::nn::linear(z, 1, "fk");
+  auto s = kg::sigmoid(kg::mul(h, w, "hw"), "s");
+  auto a = kg::mul(s, k, "a");
+  auto c = kg::add(a, kg::tanh(s, "b"), "c");
+  kg::SymTensor loss = kg::add(kg::mse_loss(a, t1, "l1"), kg::mse_loss(c, t2, "l2"), "loss");
+  return {g, {{"loss", loss}, {"a", a}}, {{batch, 12}, {1, 3}, {batch, 10}, {batch, 10}}};
+}
+
+// The fused model's outputs and gradients against the unfused one's, on the CPU forms and checked
+// under the emulator, with poisoned buffers (every gradient element must be written).
+void compare_training(const Built& b, const kg::Model& fused, std::mt19937_64& rng) {
+  kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Training, {.fusion = false});
+  auto in = random_inputs(rng, b, kg::DType::F32);
+  kg::LoadOptions checked;
+  checked.checked = true;
+  auto mp = plain.load(kg::Device::cpu(), b.input_shapes);
+  mp.zero_grad();
+  const auto want_out = mp.forward(in);
+  mp.backward();
+  const auto want = mp.gradients();
+  for (bool emulated : {false, true}) {
+    SCOPED_TRACE(emulated ? "emulated kernels" : "cpu forms");
+    kg::LoadOptions opt = emulated ? checked : kg::LoadOptions{};
+    opt.poison_buffers = true;
+    auto mf = fused.load(kg::Device::cpu(), b.input_shapes, opt);
+    mf.load_state_dict(mp.state_dict());
+    mf.zero_grad();
+    const auto got_out = mf.forward(in);
+    for (std::size_t i = 0; i < want_out.size(); ++i)
+      EXPECT_TRUE(kg_test::all_close(got_out[i], want_out[i], 1e-6, 1e-6));
+    mf.backward();
+    const auto got = mf.gradients();
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, w] : want) {
+      SCOPED_TRACE(name);
+      EXPECT_TRUE(kg_test::all_written(got.at(name)));
+      EXPECT_TRUE(kg_test::all_close(got.at(name), w, 1e-5, 1e-6));
+    }
+  }
+}
+
 }  // namespace
 
 TEST(FuseMultiOutput, TrainingGradientsMatchTheUnfusedOnes) {
@@ -370,37 +421,31 @@ TEST(FuseMultiOutput, TrainingGradientsMatchTheUnfusedOnes) {
     SCOPED_TRACE(a_in_loss ? "both outputs in the loss" : "one output outside the loss");
     Built b = training_graph(a_in_loss);
     kg::Model fused(b.graph, b.outputs, kg::LoweringMode::Training);
-    kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Training, {.fusion = false});
     auto f = fused_ops(fused);
     ASSERT_EQ(f.size(), 1u);
     EXPECT_EQ(names(*f[0], false), (std::vector<std::string>{"s", "a", "b", "c"}));
     EXPECT_EQ(names(*f[0], true), (std::vector<std::string>{"a", "c"}));
-    auto in = random_inputs(rng, b, kg::DType::F32);
-    kg::LoadOptions checked;
-    checked.checked = true;
-    auto mp = plain.load(kg::Device::cpu(), b.input_shapes);
-    mp.zero_grad();
-    const auto want_out = mp.forward(in);
-    mp.backward();
-    const auto want = mp.gradients();
-    for (bool emulated : {false, true}) {
-      SCOPED_TRACE(emulated ? "emulated kernels" : "cpu forms");
-      kg::LoadOptions opt = emulated ? checked : kg::LoadOptions{};
-      opt.poison_buffers = true;
-      auto mf = fused.load(kg::Device::cpu(), b.input_shapes, opt);
-      mf.load_state_dict(mp.state_dict());
-      mf.zero_grad();
-      const auto got_out = mf.forward(in);
-      for (std::size_t i = 0; i < want_out.size(); ++i)
-        EXPECT_TRUE(kg_test::all_close(got_out[i], want_out[i], 1e-6, 1e-6));
-      mf.backward();
-      const auto got = mf.gradients();
-      ASSERT_EQ(got.size(), want.size());
-      for (const auto& [name, w] : want) {
-        SCOPED_TRACE(name);
-        EXPECT_TRUE(kg_test::all_close(got.at(name), w, 1e-5, 1e-6));
-      }
-    }
+    compare_training(b, fused, rng);
+  }
+}
+
+// A group with several outputs whose inputs broadcast (a row and a scalar from linear layers) in
+// training: one group writing a and c, its gradients those of the unfused graph.
+TEST(FuseMultiOutput, BroadcastInputsInATrainingGroupWithSeveralOutputs) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  // At batch 4096 the scalar's reduction on the GPU (and emulated) is split over two blocks.
+  for (std::int64_t batch : {6, 4096}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    Built b = broadcast_training_graph(batch);
+    kg::Model fused(b.graph, b.outputs, kg::LoweringMode::Training);
+    auto f = fused_ops(fused);
+    ASSERT_EQ(f.size(), 1u) << fused.summary();
+    EXPECT_EQ(names(*f[0], false), (std::vector<std::string>{"hw", "s", "a", "b", "c"}));
+    EXPECT_EQ(names(*f[0], true), (std::vector<std::string>{"a", "c"}));
+    EXPECT_EQ(f[0]->inputs(), 3);  // h, the row and the scalar
+    compare_training(b, fused, rng);
   }
 }
 
@@ -549,8 +594,11 @@ TEST(FuseMultiOutputGpu, TrainingGradientsMatchTheCpu) {
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  for (bool a_in_loss : {true, false}) {
-    Built b = training_graph(a_in_loss);
+  // Both outputs in the loss, one outside it, and broadcast inputs (a row and a scalar) at a batch
+  // whose scalar reduction is split over several blocks.
+  for (int which = 0; which < 3; ++which) {
+    SCOPED_TRACE("graph " + std::to_string(which));
+    Built b = which < 2 ? training_graph(which == 0) : broadcast_training_graph(4096);
     kg::Model fused(b.graph, b.outputs, kg::LoweringMode::Training);
     kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Training, {.fusion = false});
     auto in = random_inputs(rng, b, kg::DType::F32);
