@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/emu/executor.hpp"
 #include "kg/models.hpp"
 #include "kg/testing.hpp"
 #include "ops/fused_gemm.hpp"
@@ -338,6 +339,43 @@ TEST(FuseGemm, SummaryAndDotShowTheEpilogue) {
   EXPECT_NE(lenet.find("fused: classifier.0"), std::string::npos) << lenet;
   EXPECT_NE(lenet.find("fused: classifier.2"), std::string::npos) << lenet;
   EXPECT_EQ(lenet.find("fused: features.0"), std::string::npos) << lenet;
+}
+
+// The vendor-library tactic without a GPU: the emulator runs each fused GEMM's library call by its
+// definition, then its epilogue launches (the module's apply kernel over the output in place, or
+// nothing for a lone ReLU, which the call itself applies), checked; the values are the unfused
+// graph's. A linear with a residual group, a bias-free linear with a ReLU, and a batched matmul
+// whose group walks a broadcast input.
+TEST(FuseGemm, TheLibraryTacticWithItsApplyKernelMatchesUnderTheEmulator) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), 24}, "x");
+  kg::SymTensor res = g->input(kg::DType::F32, {kg::Dim::named("batch"), 16}, "res");
+  kg::SymTensor a = g->input(kg::DType::F32, {kg::Dim::named("batch"), 3, 5, 7}, "a");
+  kg::SymTensor b = g->input(kg::DType::F32, {kg::Dim::named("batch"), 3, 7, 6}, "b");
+  kg::SymTensor e = g->input(kg::DType::F32, {kg::Dim::named("batch"), 1, 5, 6}, "e");
+  kg::SymTensor h = kg::models::swish(kg::add(kg::nn::linear(x, 16, "fc1"), res, "residual"), "act1");
+  kg::SymTensor r = kg::relu(kg::nn::linear(h, 8, "fc2", false), "act2");
+  kg::SymTensor m = kg::tanh(kg::mul(kg::matmul(a, b, "mm"), e, "gated"), "act3");
+  kg::Model fused(g, {r, m});
+  ASSERT_EQ(folded_ops(fused).size(), 3u) << fused.summary();
+  kg::Model plain(g, {r, m}, kg::LoweringMode::Inference, {.fusion = false});
+  const auto params = random_params(plain, rng);
+  const std::vector<std::vector<std::int64_t>> shapes{{4, 24}, {4, 16}, {4, 3, 5, 7}, {4, 3, 7, 6}, {4, 1, 5, 6}};
+  std::vector<kg::Tensor> in;
+  for (const auto& s : shapes) in.push_back(kg_test::random_tensor(rng, kg::DType::F32, s, -1.0, 1.0));
+  auto lp = plain.load(kg::Device::cpu(), shapes);
+  lp.load_state_dict(params);
+  const auto want = lp.forward(in);
+  int library_steps = 0;
+  const auto got = kg::emu::run_model(fused, in, params, /*checked=*/true, /*library_calls=*/true, &library_steps);
+  EXPECT_EQ(library_steps, 3);
+  ASSERT_EQ(got.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_TRUE(kg_test::all_written(got[i])) << i;
+    EXPECT_TRUE(kg_test::all_close(got[i], want[i], 1e-5, 1e-5)) << i;
+  }
 }
 
 // On a GPU: the tiled GEMM with its fused epilogue (vendor libraries off), cuBLASLt with the
