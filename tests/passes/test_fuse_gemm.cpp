@@ -390,7 +390,7 @@ TEST(FuseGemmGpu, FusedKernelsAndLibraryTacticsMatchTheCpu) {
   kg::SymTensor scale = g->input(kg::DType::F32, {200}, "scale");
   kg::SymTensor h1 = kg::relu(kg::nn::linear(x, 200, "fc1"), "act1");
   kg::SymTensor h2 = kg::models::swish(kg::mul(kg::nn::linear(h1, 200, "fc2"), scale, "scaled"), "act2");
-  kg::SymTensor a = g->input(kg::DType::F32, {kg::Dim::named("batch"), 4, 33, 20}, "a");
+  kg::SymTensor a = g->input(kg::DType::F32, {kg::Dim::named("groups"), 4, 33, 20}, "a");
   kg::SymTensor bm = g->input(kg::DType::F32, {20, 50}, "bm");
   kg::SymTensor h3 = kg::tanh(kg::matmul(a, bm, "mm"), "act3");
   kg::Model fused(g, {h2, h3});
