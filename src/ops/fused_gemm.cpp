@@ -254,12 +254,7 @@ std::optional<Lowered> FusedGemmOp::lower(const LowerContext& ctx) const {
 void FusedGemmOp::cpu_forward(CpuContext& ctx) const {
   const DType dtype = ctx.output.dtype();
   // The GEMM's output in scratch kept by the calling thread between runs.
-  thread_local std::vector<std::byte> scratch;
-  const std::vector<std::int64_t>& value = ctx.output.shape();
-  const std::size_t bytes = static_cast<std::size_t>(numel_of(value)) * dtype_size(dtype);
-  if (scratch.size() < bytes + 64) scratch.resize(bytes + 64);
-  void* aligned = scratch.data() + (64 - reinterpret_cast<std::uintptr_t>(scratch.data()) % 64) % 64;
-  const Tensor mid = Tensor::wrap(aligned, dtype, value);
+  const Tensor mid = thread_scratch_tensor(dtype, ctx.output.shape());
   {
     SubContext gc(ctx, ctx.inputs.subspan(0, static_cast<std::size_t>(gemm_inputs_)), ctx.params, mid);
     gemm_->cpu_forward(gc);

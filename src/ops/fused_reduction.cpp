@@ -185,11 +185,7 @@ void FusedReductionOp::cpu_forward(CpuContext& ctx) const {
   for (const auto& x : ctx.inputs) shapes.push_back(x.shape());
   // The prologue's value in scratch kept by the calling thread between runs.
   const std::vector<std::int64_t> value = broadcast_sizes(shapes, "[kg.fused_reduction]");
-  thread_local std::vector<std::byte> scratch;
-  const std::size_t bytes = static_cast<std::size_t>(numel_of(value)) * dtype_size(dtype_);
-  if (scratch.size() < bytes + 64) scratch.resize(bytes + 64);
-  void* aligned = scratch.data() + (64 - reinterpret_cast<std::uintptr_t>(scratch.data()) % 64) % 64;
-  std::vector<Tensor> mid{Tensor::wrap(aligned, dtype_, value)};
+  std::vector<Tensor> mid{thread_scratch_tensor(dtype_, value)};
   {
     SubContext pc(ctx, ctx.inputs, {}, mid[0]);
     prologue_->cpu_forward(pc);

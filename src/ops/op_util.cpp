@@ -12,6 +12,14 @@
 
 namespace kg::ops {
 
+Tensor thread_scratch_tensor(DType dtype, const std::vector<std::int64_t>& shape) {
+  thread_local std::vector<std::byte> scratch;
+  const std::size_t bytes = static_cast<std::size_t>(numel_of(shape)) * dtype_size(dtype);
+  if (scratch.size() < bytes + 64) scratch.resize(bytes + 64);
+  void* aligned = scratch.data() + (64 - reinterpret_cast<std::uintptr_t>(scratch.data()) % 64) % 64;
+  return Tensor::wrap(aligned, dtype, shape);
+}
+
 std::string hex_hash(const std::string& s) {
   std::uint64_t h = 1469598103934665603ull;
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;

@@ -72,6 +72,11 @@ class SubContext final : public CpuContext {
   const CpuContext& outer_;
 };
 
+// A tensor over scratch memory owned by the calling thread (64-byte aligned, kept between calls):
+// how a fused op's CPU form holds the value between its parts. Valid until the same thread calls
+// again, so the caller must be done with it before anything it runs could call it.
+Tensor thread_scratch_tensor(DType dtype, const std::vector<std::int64_t>& shape);
+
 // 16 hex digits of the 64-bit FNV-1a hash of `s`: how a generated kernel's entry is named after
 // its description.
 std::string hex_hash(const std::string& s);
