@@ -728,17 +728,7 @@ TEST(FuseElementwiseGpu, TrainingGradientsMatchTheCpu) {
   auto mp = plain.load(kg::Device::cpu(), b.input_shapes);
   auto mg = fused.load(kg::Device::cuda(), b.input_shapes);
   mg.load_state_dict(mp.state_dict());
-  for (auto* m : {&mp, &mg}) {
-    m->zero_grad();
-    m->forward(in);
-    m->backward();
-  }
-  const auto want = mp.gradients();
-  const auto got = mg.gradients();
-  for (const auto& [name, w] : want) {
-    SCOPED_TRACE(name);
-    EXPECT_TRUE(kg_test::all_close(got.at(name), w, 1e-4, 1e-5));
-  }
+  kg_test::expect_same_gradients(mp, mg, in, 1e-4, 1e-5);
 }
 
 // A training group with broadcast inputs (a per-channel scale and bias, a scalar, a row): the
@@ -762,18 +752,7 @@ TEST(FuseElementwiseGpu, BroadcastTrainingGradientsMatchTheCpu) {
     poisoned.poison_buffers = true;
     auto mg = fused.load(kg::Device::cuda(), b.input_shapes, poisoned);
     mg.load_state_dict(mp.state_dict());
-    for (auto* m : {&mp, &mg}) {
-      m->zero_grad();
-      m->forward(in);
-      m->backward();
-    }
-    const auto want = mp.gradients();
-    const auto got = mg.gradients();
-    for (const auto& [name, w] : want) {
-      SCOPED_TRACE(name);
-      EXPECT_TRUE(kg_test::all_written(got.at(name)));
-      EXPECT_TRUE(kg_test::all_close(got.at(name), w, 1e-4, 1e-5));
-    }
+    kg_test::expect_same_gradients(mp, mg, in, 1e-4, 1e-5, /*written=*/true);
   }
 }
 

@@ -605,16 +605,6 @@ TEST(FuseMultiOutputGpu, TrainingGradientsMatchTheCpu) {
     auto mp = plain.load(kg::Device::cpu(), b.input_shapes);
     auto mg = fused.load(kg::Device::cuda(), b.input_shapes);
     mg.load_state_dict(mp.state_dict());
-    for (auto* m : {&mp, &mg}) {
-      m->zero_grad();
-      m->forward(in);
-      m->backward();
-    }
-    const auto want = mp.gradients();
-    const auto got = mg.gradients();
-    for (const auto& [name, w] : want) {
-      SCOPED_TRACE(name);
-      EXPECT_TRUE(kg_test::all_close(got.at(name), w, 1e-4, 1e-5));
-    }
+    kg_test::expect_same_gradients(mp, mg, in, 1e-4, 1e-5);
   }
 }

@@ -126,4 +126,22 @@ kg::Tensor nan_tensor(kg::DType dtype, std::vector<std::int64_t> shape) {
   return ::testing::AssertionSuccess();
 }
 
+void expect_same_gradients(kg::LoadedModel& want, kg::LoadedModel& got, const std::vector<kg::Tensor>& in,
+                           double rtol, double atol, bool written) {
+  for (auto* m : {&want, &got}) {
+    m->zero_grad();
+    m->forward(in);
+    m->backward();
+  }
+  const auto w = want.gradients();
+  const auto g = got.gradients();
+  for (const auto& [name, t] : w) {
+    SCOPED_TRACE(name);
+    if (written) {
+      EXPECT_TRUE(all_written(g.at(name)));
+    }
+    EXPECT_TRUE(all_close(g.at(name), t, rtol, atol));
+  }
+}
+
 }  // namespace kg_test

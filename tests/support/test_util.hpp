@@ -61,4 +61,9 @@ int count_lines(const kg::testing::CheckOpReport& r, const std::string& prefix,
 // Runs `fn` and expects a kg::Error whose message contains every string of `parts`.
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts);
 
+// Runs zero_grad, forward(in) and backward() on both models and expects each of `want`'s
+// parameter gradients in `got` within rtol/atol (and, with `written`, every element written).
+void expect_same_gradients(kg::LoadedModel& want, kg::LoadedModel& got, const std::vector<kg::Tensor>& in,
+                           double rtol, double atol, bool written = false);
+
 }  // namespace kg_test
