@@ -3,6 +3,7 @@
 #pragma once
 
 #include "kg/custom_op.hpp"
+#include "kg/distributed.hpp"
 #include "kg/dlpack.hpp"
 #include "kg/dtype.hpp"
 #include "kg/error.hpp"

@@ -15,6 +15,8 @@
 
 namespace kg {
 
+class ProcessGroup;
+
 // Where a model runs.
 struct Device {
   enum class Kind { Cpu, Cuda };
@@ -86,6 +88,14 @@ struct LoadOptions {
   // Models lowered for training: the scalar output that LoadedModel::backward() starts from.
   // Empty: the only output of rank 0 (none or several: backward() is unavailable).
   std::string loss;
+  // Data-parallel training (kg/distributed.hpp, docs/distributed.md): this load is one rank of
+  // the group. Every rank loads the same training model for its shard of the global batch; the
+  // load starts from rank 0's parameters, and backward() leaves every gradient averaged over the
+  // ranks (MPI on the cpu, NCCL on cuda), so the same step() keeps the ranks equal.
+  std::shared_ptr<ProcessGroup> process_group;
+  // The gradients averaged by one all-reduce: a bucket starts once this many bytes of gradients
+  // are final, while the backward goes on.
+  std::size_t bucket_bytes = std::size_t{25} << 20;
 };
 
 // An optimiser for LoadedModel::step(), with PyTorch's update rules and defaults.

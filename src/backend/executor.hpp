@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string_view>
 #include <vector>
 
+#include "backend/comm/gradient_sync.hpp"
 #include "kg/error.hpp"
 #include "kg/model.hpp"
 
@@ -42,9 +44,15 @@ class Executor {
 
   // ---- training (plan.training.enabled) ----
   // The backward of the last run: parameter gradients written, or added with `accumulate_params`.
-  // `seed` and `training` are the forward's.
+  // `seed` and `training` are the forward's. With `sync` (data-parallel training), each plan
+  // step's parameter gradients are handed to it as they become final, and sync->finish() runs
+  // after the last.
   virtual void backward(bool accumulate_params, std::uint64_t seed, bool training,
-                        std::vector<NodeTime>* profile) = 0;
+                        std::vector<NodeTime>* profile, comm::GradientSync* sync) = 0;
+  // What averages this backend's parameter gradients over `group`'s ranks: MPI on host memory,
+  // NCCL on a GPU's.
+  virtual std::unique_ptr<comm::GradientSync> make_gradient_sync(comm::Group& group,
+                                                                 std::size_t bucket_bytes) = 0;
   virtual void zero_grad() = 0;
   // One optimiser update at step `step` (1-based); state starts at zero after reset_optimizer.
   virtual void step(const OptimizerOptions& options, std::int64_t step) = 0;

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/comm/gradient_sync.hpp"
 #include "backend/executor.hpp"
 #include "kg/model.hpp"
 #include "plan/plan.hpp"
@@ -43,9 +44,15 @@ struct LoadedModel::Impl {
   bool have_optimizer = false;
   OptimizerOptions optimizer;
   std::int64_t optimizer_steps = 0;
+
+  // ---- data-parallel training (LoadOptions::process_group) ----
+  // Declared last: it refers to the executor's gradients and goes before them.
+  std::unique_ptr<comm::GradientSync> sync;
 };
 
 // Zeroed host gradients for every trainable parameter a backward step reaches.
 void init_training_state(LoadedModel::Impl& m);
+// Data-parallel training: rank 0's parameters on every rank, and the gradient sync.
+void init_data_parallel(LoadedModel::Impl& m);
 
 }  // namespace kg

@@ -199,6 +199,7 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
     impl->exec = cpu::make_executor(*graph, impl->plan, std::move(lowered), options, impl->grads, impl->slots);
   }
   if (impl->plan.training.enabled) init_training_state(*impl);
+  if (options.process_group) init_data_parallel(*impl);
   LoadedModel full(impl);
   // Batch slices: timed with LoadOptions::tune, or one size forced by KG_BATCH_SLICE (for
   // tests and comparisons; ignored where it does not divide the batch).

@@ -2,6 +2,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "kg/distributed.hpp"
 #include "kg/error.hpp"
 #include "kg/io.hpp"
 #include "kg/model.hpp"
@@ -77,6 +78,20 @@ void init_training_state(Impl& m) {
   m.plan.memory.peak_bytes += bytes;
 }
 
+void init_data_parallel(Impl& m) {
+  ProcessGroup& group = *m.options.process_group;
+  if (m.mode != LoweringMode::Training || !m.plan.training.enabled)
+    throw Error("LoadOptions::process_group is for data-parallel training: the model must be lowered with "
+                "LoweringMode::Training and have a loss");
+  if (m.options.bucket_bytes == 0) throw Error("LoadOptions::bucket_bytes is 0; expected a size in bytes");
+  // Every rank starts from rank 0's parameters (trainable or not: BatchNorm's statistics too).
+  for (auto& st : m.plan.steps)
+    for (auto& p : st.params)
+      if (p.raw() && p.nbytes()) group.broadcast(p.raw(), p.nbytes(), 0);
+  m.exec->upload_params();
+  m.sync = m.exec->make_gradient_sync(group.impl(), m.options.bucket_bytes);
+}
+
 std::string LoadedModel::loss_name() const { return impl_->loss_name; }
 
 void LoadedModel::backward() {
@@ -87,7 +102,7 @@ void LoadedModel::backward() {
   m.forward_ready = false;
   const bool accumulate = !m.grads_fresh;
   std::vector<NodeTime>* prof = m.options.profile ? &m.last_profile : nullptr;
-  m.exec->backward(accumulate, m.last_seed, m.last_training, prof);
+  m.exec->backward(accumulate, m.last_seed, m.last_training, prof, m.sync.get());
   m.grads_fresh = false;
 }
 

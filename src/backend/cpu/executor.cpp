@@ -310,7 +310,7 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
 void Executor::run_backward(const Graph& graph, plan::Plan& plan, const std::vector<Tensor>& inputs,
                             void* arena, std::vector<std::vector<Tensor>>& param_grads,
                             bool accumulate_params, bool training, std::uint64_t seed,
-                            std::vector<NodeTime>* profile) {
+                            std::vector<NodeTime>* profile, comm::GradientSync* sync) {
   using clock = std::chrono::steady_clock;
   configure_library_threads();
   const plan::TrainingPlan& tp = plan.training;
@@ -390,10 +390,12 @@ void Executor::run_backward(const Graph& graph, plan::Plan& plan, const std::vec
     if (accumulate_params)
       for (std::size_t p = 0; p < step.specs.size(); ++p)
         if (p < b.want_param.size() && b.want_param[p]) add_into(pg[p], grad_params[p], pool());
+    if (sync) sync->ready(static_cast<std::size_t>(b.step));
     if (profile)
       profile->push_back({n.name, n.op_name() + " (backward)",
                           std::chrono::duration<double, std::milli>(clock::now() - t0).count()});
   }
+  if (sync) sync->finish();
 }
 
 Executor::Executor(int threads, lower::LoweredGraph lowered, bool checked)
@@ -637,11 +639,14 @@ class CpuModelExecutor final : public backend::Executor {
   void upload_params() override {}
   void download_params() override {}
 
-  void backward(bool accumulate_params, std::uint64_t seed, bool training,
-                std::vector<NodeTime>* profile) override {
+  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile,
+                comm::GradientSync* sync) override {
     exec_.run_backward(graph_, plan_, last_inputs_, arena_.raw(), grads_, accumulate_params, training, seed,
-                       profile);
+                       profile, sync);
     last_inputs_.clear();
+  }
+  std::unique_ptr<comm::GradientSync> make_gradient_sync(comm::Group& group, std::size_t bucket_bytes) override {
+    return comm::make_host_sync(group, grads_, bucket_bytes);
   }
   void zero_grad() override {}  // the host gradients are LoadedModel's, zeroed there
   void step(const OptimizerOptions& options, std::int64_t step) override {

@@ -38,7 +38,8 @@ class Executor {
   // and `training` must be the forward's.
   void run_backward(const Graph& graph, plan::Plan& plan, const std::vector<Tensor>& inputs, void* arena,
                     std::vector<std::vector<Tensor>>& param_grads, bool accumulate_params, bool training,
-                    std::uint64_t seed, std::vector<NodeTime>* profile);
+                    std::uint64_t seed, std::vector<NodeTime>* profile,
+                    comm::GradientSync* sync = nullptr);
   // The tensor of a node's output (a view into the arena or an input).
   static Tensor value_tensor(const plan::Plan& plan, int node, const std::vector<Tensor>& inputs,
                              void* arena);

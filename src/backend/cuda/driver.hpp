@@ -22,7 +22,8 @@ namespace kg::cuda {
                                       X(cuEventSynchronize) X(cuEventElapsedTime) X(cuGetErrorName)     \
                                           X(cuGetErrorString)                                           \
                                               X(cuModuleLoadData) X(cuLinkCreate) X(cuLinkAddData)      \
-                                                  X(cuLinkComplete) X(cuLinkDestroy) X(cuCtxGetCurrent)
+                                                  X(cuLinkComplete) X(cuLinkDestroy) X(cuCtxGetCurrent) \
+                                                      X(cuStreamWaitEvent)
 
 // Function pointers of the driver API, resolved through cuGetProcAddress for the ABI of the
 // cuda.h this was compiled with.

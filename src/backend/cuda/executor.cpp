@@ -16,6 +16,7 @@
 
 #ifdef KG_HAVE_CUDA
 #include "backend/cuda/context.hpp"
+#include "backend/cuda/nccl.hpp"
 #include "backend/cuda/trainer.hpp"
 #include "backend/cuda/vendor.hpp"
 #include "backend/poison.hpp"
@@ -95,9 +96,12 @@ class GpuExecutor final : public backend::Executor {
   double last_device_ms() const override;
   void upload_params() override;
   void download_params() override;
-  void backward(bool accumulate_params, std::uint64_t seed, bool training,
-                std::vector<NodeTime>* profile) override {
-    trainer().backward(accumulate_params, seed, training, profile);
+  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile,
+                comm::GradientSync* sync) override {
+    trainer().backward(accumulate_params, seed, training, profile, sync);
+  }
+  std::unique_ptr<comm::GradientSync> make_gradient_sync(comm::Group& group, std::size_t bucket_bytes) override {
+    return make_nccl_sync(ctx_, group, trainer().gradient_tensors(), bucket_bytes);
   }
   void zero_grad() override { trainer().zero_grad(); }
   void step(const OptimizerOptions& o, std::int64_t step) override { trainer().step(o, step); }

@@ -165,7 +165,7 @@ void Trainer::add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::strin
 }
 
 void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training,
-                       std::vector<NodeTime>* profile) {
+                       std::vector<NodeTime>* profile, comm::GradientSync* sync) {
   ctx_.make_current();
   const plan::TrainingPlan& tp = plan_.training;
   for (int r : tp.zero_roots)
@@ -229,7 +229,19 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
           {n.name, n.op_name() + " (backward)",
            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(), kernel});
     }
+    if (sync) sync->ready(static_cast<std::size_t>(b.step));
   }
+  if (sync) sync->finish();
+}
+
+std::vector<std::vector<DeviceTensor>> Trainer::gradient_tensors() const {
+  std::vector<std::vector<DeviceTensor>> out(grads_.size());
+  for (std::size_t s = 0; s < grads_.size(); ++s)
+    for (std::size_t p = 0; p < grads_[s].size(); ++p) {
+      const ParamSpec& spec = plan_.steps[s].specs[p];
+      out[s].push_back(DeviceTensor{grads_[s][p].ptr(), spec.shape, spec.dtype});
+    }
+  return out;
 }
 
 void Trainer::zero_grad() {

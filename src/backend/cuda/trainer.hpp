@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/comm/gradient_sync.hpp"
 #include "backend/cuda/context.hpp"
 #include "backend/cuda/vendor.hpp"
 #include "kg/model.hpp"
@@ -29,7 +30,11 @@ class Trainer {
           DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params,
           bool checked, std::optional<VendorOptions> vendor);
 
-  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile);
+  // With `sync`, each step's parameter gradients are handed to it once their work is enqueued.
+  void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile,
+                comm::GradientSync* sync);
+  // The parameter gradients per plan step and parameter (ptr 0 where there is none).
+  std::vector<std::vector<DeviceTensor>> gradient_tensors() const;
   void zero_grad();
   void reset_optimizer(const OptimizerOptions& options);
   void step(const OptimizerOptions& options, std::int64_t step);
