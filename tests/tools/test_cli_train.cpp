@@ -328,3 +328,105 @@ TEST_F(CliTrain, ErrorPaths) {
   expect_one_line_error(train({"--resume", path("w.safetensors")}), 1,
                         {path("w.safetensors"), "no 'epoch' in its metadata"});
 }
+
+// ---- data-parallel training (--nproc, mpirun) ----
+
+bool have_mpirun() { return std::system("command -v mpirun >/dev/null 2>&1") == 0; }
+
+// Every tensor of two checkpoints (parameters and optimiser state) within float summation-order
+// tolerance.
+void expect_close_checkpoints(const fs::path& a, const fs::path& b) {
+  const auto ta = kg::read_safetensors(a.string()), tb = kg::read_safetensors(b.string());
+  ASSERT_EQ(ta.size(), tb.size()) << a << " " << b;
+  for (const auto& [name, t] : ta) {
+    ASSERT_TRUE(tb.count(name)) << name;
+    EXPECT_TRUE(kg_test::all_close(tb.at(name), t, 1e-4, 1e-6)) << name << ": " << a << " against " << b;
+  }
+}
+
+TEST_F(CliTrain, TwoMpiRanksMatchOneProcessAndTheirCheckpointsResumeAtEitherCount) {
+  if (!have_mpirun()) GTEST_SKIP() << "no mpirun (scripts/install-deps installs openmpi-bin)";
+  SCOPED_TRACE("data seed " + std::to_string(seed_));
+  const std::vector<std::string> common{"lenet5", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9",
+                                        "--limit-test", "40", "--seed", "5"};
+  auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = common;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return train(args);
+  };
+  // 200 images, batch 32: 6 steps per epoch, 16 images per rank.
+  const CliResult two = run({"--nproc", "2", "--epochs", "1", "--out", path("two")});
+  ASSERT_EQ(two.code, 0) << two.out << two.err;
+  EXPECT_EQ(two.err, "");
+  EXPECT_NE(two.out.find("data parallel: 2 ranks over mpi, 16 images per rank of each batch"), std::string::npos)
+      << two.out;
+  // One job, one set of lines: the epoch and the final line once, progress lines of the global batch.
+  EXPECT_EQ(epoch_results(two.out).size(), 1u) << two.out;
+  EXPECT_EQ(lines_starting(two.out, "final test accuracy").size(), 1u) << two.out;
+  EXPECT_EQ(lines_starting(two.out, "epoch 1/1  batch 6/6  ").size(), 1u) << two.out;
+  std::map<std::string, std::string> meta;
+  kg::read_safetensors(path("two") + "/checkpoint-epoch1.safetensors", &meta);
+  EXPECT_EQ(meta["batch_size"], "32");
+  EXPECT_EQ(meta["ranks"], "2");
+
+  const CliResult one = run({"--epochs", "1", "--out", path("one")});
+  ASSERT_EQ(one.code, 0) << one.out << one.err;
+  expect_close_checkpoints(path("one") + "/checkpoint-epoch1.safetensors",
+                           path("two") + "/checkpoint-epoch1.safetensors");
+  // The same test results (rank 0 evaluates the same parameters).
+  EXPECT_EQ(lines_starting(two.out, "final test accuracy"), lines_starting(one.out, "final test accuracy"));
+
+  // What the comparison tells apart: a process training on one rank's share alone.
+  const CliResult alone = train({"lenet5", "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9",
+                                 "--limit-test", "40", "--seed", "5", "--epochs", "1", "--batch-size", "16",
+                                 "--limit-train", "96", "--out", path("alone")});
+  ASSERT_EQ(alone.code, 0) << alone.err;
+  {
+    const auto a = kg::read_safetensors(path("alone") + "/checkpoint-epoch1.safetensors");
+    const auto b = kg::read_safetensors(path("two") + "/checkpoint-epoch1.safetensors");
+    EXPECT_FALSE(kg_test::all_close(a.at("features.0.weight"), b.at("features.0.weight"), 1e-3, 1e-4));
+  }
+
+  // The two-rank checkpoint resumes in one process, and the one-process checkpoint in two ranks;
+  // both end where the uninterrupted one-process run's second epoch ends.
+  const CliResult one_more = run({"--epochs", "2", "--resume", path("one") + "/checkpoint-epoch1.safetensors",
+                                  "--out", path("one2")});
+  ASSERT_EQ(one_more.code, 0) << one_more.err;
+  const CliResult from_two = run({"--epochs", "2", "--resume", path("two") + "/checkpoint-epoch1.safetensors",
+                                  "--out", path("from_two")});
+  ASSERT_EQ(from_two.code, 0) << from_two.err;
+  const CliResult into_two = run({"--nproc", "2", "--epochs", "2", "--resume",
+                                  path("one") + "/checkpoint-epoch1.safetensors", "--out", path("into_two")});
+  ASSERT_EQ(into_two.code, 0) << into_two.out << into_two.err;
+  for (const char* d : {"from_two", "into_two"})
+    expect_close_checkpoints(path("one2") + "/checkpoint-epoch2.safetensors",
+                             path(d) + "/checkpoint-epoch2.safetensors");
+}
+
+TEST_F(CliTrain, DataParallelErrorPaths) {
+  // A batch that does not split, before any rank starts.
+  expect_one_line_error(train({"--nproc", "3", "--epochs", "1", "--out", path("e1")}), 1,
+                        {"--batch-size 32 does not split over --nproc 3 ranks", "multiple of 3"});
+  // No mpirun for the cpu's ranks.
+  expect_one_line_error(train({"--nproc", "2", "--epochs", "1", "--out", path("e2")}, "PATH=/nonexistent"), 1,
+                        {"--nproc 2 on the cpu", "mpirun", "openmpi-bin"});
+  // --nproc inside a job.
+  expect_one_line_error(train({"--nproc", "2", "--epochs", "1", "--out", path("e3")}, "KG_WORLD_SIZE=2"), 1,
+                        {"--nproc starts the ranks itself", "leave --nproc out"});
+  // GPU ranks take cuda:r.
+  expect_one_line_error(train({"--nproc", "2", "--device", "cuda:1", "--epochs", "1", "--out", path("e4")}), 1,
+                        {"--nproc 2 puts rank r on cuda:r", "cuda:1"});
+  // A rank whose peer never comes: the rendezvous gives up, naming it.
+  const std::string rv = path("rendezvous");
+  fs::create_directories(rv);
+  expect_one_line_error(
+      train({"--epochs", "1", "--out", path("e5")},
+            "KG_WORLD_SIZE=2 KG_RANK=0 KG_RENDEZVOUS=" + rv + " KG_RENDEZVOUS_TIMEOUT=1"),
+      1, {"rank 0 of 2", "waited 1 s", "rank(s) 1"});
+  // Two ranks of a rendezvous on the cpu: their gradients need MPI. (A group of one needs nothing.)
+  const CliResult solo =
+      train({"--epochs", "1", "--limit-train", "64", "--out", path("solo")},
+            "KG_WORLD_SIZE=1 KG_RANK=0 KG_RENDEZVOUS=" + rv);
+  EXPECT_EQ(solo.code, 0) << solo.err;
+  EXPECT_NE(solo.out.find("data parallel: 1 rank over rendezvous"), std::string::npos) << solo.out;
+}

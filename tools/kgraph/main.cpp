@@ -211,6 +211,7 @@ int main(int argc, char** argv) {
 
   kgraph::TrainArgs ta;
   CLI::App* train = kgraph::add_train_command(app, ta);
+  ta.command_line.assign(argv + 1, argv + argc);  // --nproc starts its ranks with these
 
   // --no-fusion on every command that builds a model: the fusion passes are skipped (through
   // KG_NO_FUSION, which every Model made in this process reads), for comparison.

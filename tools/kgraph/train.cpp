@@ -5,6 +5,7 @@
 #include "validators.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,9 +25,13 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <string_view>
+#include <thread>
 #include <vector>
 
+#include "kg/cuda.hpp"
 #include "kg/data.hpp"
+#include "kg/distributed.hpp"
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
@@ -251,16 +256,16 @@ class CsvLog {
   std::ofstream f_;
 };
 
-// The gnuplot program on $PATH ("" when there is none), found without a shell. An empty entry
-// of $PATH is the current folder, as for the shell.
-std::string find_gnuplot() {
+// A program on $PATH ("" when there is none), found without a shell. An empty entry of $PATH is
+// the current folder, as for the shell.
+std::string find_program(const std::string& name) {
   const char* env = std::getenv("PATH");
   const std::string path = env ? env : "/usr/local/bin:/usr/bin:/bin";
   std::size_t begin = 0;
   for (;;) {
     const std::size_t end = std::min(path.find(':', begin), path.size());
     const std::string folder = path.substr(begin, end - begin);
-    const fs::path candidate = fs::path(folder.empty() ? "." : folder) / "gnuplot";
+    const fs::path candidate = fs::path(folder.empty() ? "." : folder) / name;
     std::error_code ec;
     if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0)
       return fs::absolute(candidate, ec).string();  // absolute: the child changes folder
@@ -426,6 +431,183 @@ class Progress {
   Clock::time_point last_{};
 };
 
+// Swallows what ranks other than 0 would print.
+class NullStream : public std::ostream {
+ public:
+  NullStream() : std::ostream(nullptr) {}
+};
+
+// The device of this rank: with several ranks on GPUs each takes cuda:<local rank>.
+kg::Device rank_device(const std::string& text, const kg::ProcessGroup* group) {
+  kg::Device d = kg::Device::parse(text);
+  if (!group || d.kind != kg::Device::Kind::Cuda) return d;
+  if (text.find(':') != std::string::npos && group->size() > 1)
+    throw kg::Error(kg::util::cat("--device ", text, " names one GPU, but the job has ", group->size(),
+                                  " ranks, each on a GPU of its own; pass --device cuda"));
+  if (text.find(':') == std::string::npos) {
+    const int count = kg::cuda::device_count();
+    if (group->local_rank() >= count)
+      throw kg::Error(kg::util::cat("rank ", group->rank(), " is local rank ", group->local_rank(),
+                                    " on a machine with ", count, count == 1 ? " GPU" : " GPUs",
+                                    "; start at most one rank per GPU"));
+    d.index = group->local_rank();
+  }
+  return d;
+}
+
+// Rows [rank * rows, (rank + 1) * rows) of a global batch.
+kg::data::Batch shard(const kg::data::Batch& b, int rank, std::int64_t rows) {
+  const std::int64_t total = b.images.dim(0);
+  if (rows == total) return b;
+  auto rows_of = [&](const kg::Tensor& t) {
+    std::vector<std::int64_t> shape = t.shape();
+    const std::size_t row_bytes = t.nbytes() / static_cast<std::size_t>(total);
+    shape[0] = rows;
+    kg::Tensor out = kg::Tensor::empty(t.dtype(), shape);
+    std::memcpy(out.raw(), static_cast<const char*>(t.raw()) + static_cast<std::size_t>(rank * rows) * row_bytes,
+                out.nbytes());
+    return out;
+  };
+  kg::data::Batch out = b;
+  out.images = rows_of(b.images);
+  out.labels = rows_of(b.labels);
+  out.real = std::clamp<std::int64_t>(b.real - rank * rows, 0, rows);
+  return out;
+}
+
+// kgraph's arguments without --nproc (both "--nproc N" and "--nproc=N").
+std::vector<std::string> rank_arguments(const std::vector<std::string>& cl) {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < cl.size(); ++i) {
+    if (cl[i] == "--nproc") {
+      ++i;
+      continue;
+    }
+    if (cl[i].rfind("--nproc=", 0) == 0) continue;
+    out.push_back(cl[i]);
+  }
+  return out;
+}
+
+std::string self_executable() {
+  std::error_code ec;
+  const fs::path p = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) throw kg::Error("--nproc: cannot find kgraph's own executable (/proc/self/exe): " + ec.message());
+  return p.string();
+}
+
+// Starts `argv` as a child with `env` added to this process's environment.
+pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::pair<std::string, std::string>>& env) {
+  std::vector<std::string> args = argv;
+  std::vector<char*> cargv;
+  for (auto& a : args) cargv.push_back(a.data());
+  cargv.push_back(nullptr);
+  std::vector<std::string> envs;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view kv(*e);
+    bool replaced = false;
+    for (const auto& [k, v] : env) replaced = replaced || kv.rfind(k + "=", 0) == 0;
+    if (!replaced) envs.emplace_back(kv);
+  }
+  for (const auto& [k, v] : env) envs.push_back(k + "=" + v);
+  std::vector<char*> cenv;
+  for (auto& e : envs) cenv.push_back(e.data());
+  cenv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw kg::Error(kg::util::cat("--nproc: cannot start a rank: ", std::strerror(errno)));
+  if (pid == 0) {
+    ::execve(cargv[0], cargv.data(), cenv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Waits for the children; when one fails, stops the others (they would wait for it). Returns the
+// first failure's text, or "".
+std::string wait_all(std::vector<pid_t> pids, const std::vector<std::string>& names) {
+  std::string failure;
+  std::size_t left = pids.size();
+  while (left > 0) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    const auto it = std::find(pids.begin(), pids.end(), pid);
+    if (it == pids.end()) continue;
+    const std::size_t k = static_cast<std::size_t>(it - pids.begin());
+    *it = -1;
+    --left;
+    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    if (!ok && failure.empty()) {
+      failure = WIFEXITED(status) ? kg::util::cat(names[k], " exited with status ", WEXITSTATUS(status))
+                                  : kg::util::cat(names[k], " was killed by signal ", WTERMSIG(status));
+      for (pid_t other : pids)
+        if (other > 0) ::kill(other, SIGTERM);
+    }
+  }
+  return failure;
+}
+
+// --nproc N: on the cpu the ranks run under OpenMPI's mpirun (their gradients go over MPI); on
+// GPUs they are N children of this process that meet in a rendezvous folder and average their
+// gradients with NCCL.
+void launch_ranks(const TrainArgs& a, std::ostream& out) {
+  const int n = a.nproc;
+  const kg::Device device = kg::Device::parse(a.device);
+  std::vector<std::string> rest = rank_arguments(a.command_line);
+  const std::string self = self_executable();
+  if (a.batch_size && *a.batch_size % n != 0)
+    throw kg::Error(kg::util::cat("--batch-size ", *a.batch_size, " does not split over --nproc ", n,
+                                  " ranks (each rank takes an equal share; pick a multiple of ", n, ")"));
+  const std::string tty = &out == &std::cout && ::isatty(STDOUT_FILENO) ? "1" : "0";
+  out << std::flush;
+  if (device.kind == kg::Device::Kind::Cpu) {
+    const std::string mpirun = find_program("mpirun");
+    if (mpirun.empty())
+      throw kg::Error(kg::util::cat("--nproc ", n, " on the cpu runs the ranks under OpenMPI's mpirun, which is not "
+                                    "on PATH (Debian: apt install openmpi-bin), or start them yourself: "
+                                    "mpirun -np ", n, " kgraph train ..."));
+    std::vector<std::string> argv{mpirun, "-np", std::to_string(n), "--oversubscribe", "--bind-to", "none"};
+    if (::geteuid() == 0) argv.push_back("--allow-run-as-root");
+    argv.push_back(self);
+    argv.insert(argv.end(), rest.begin(), rest.end());
+    // The cores are shared out between the ranks unless --threads says otherwise.
+    if (a.threads == 0 && !std::getenv("KG_NUM_THREADS")) {
+      const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      argv.push_back("--threads");
+      argv.push_back(std::to_string(std::max(1u, cores / static_cast<unsigned>(n))));
+    }
+    const std::string failure = wait_all({spawn(argv, {{"KG_PROGRESS_TTY", tty}})}, {"mpirun"});
+    if (!failure.empty()) throw kg::Error("the data-parallel job failed: " + failure);
+    return;
+  }
+  if (device.index != 0 || a.device.find(':') != std::string::npos)
+    throw kg::Error(kg::util::cat("--nproc ", n, " puts rank r on cuda:r; pass --device cuda, not ", a.device));
+  if (n > kg::cuda::device_count())
+    throw kg::Error(kg::util::cat("--nproc ", n, " needs a GPU per rank; this machine has ", kg::cuda::device_count()));
+  std::string pattern = (fs::temp_directory_path() / "kgraph-rendezvous-XXXXXX").string();
+  if (!::mkdtemp(pattern.data()))
+    throw kg::Error(kg::util::cat("--nproc: cannot make a rendezvous folder: ", std::strerror(errno)));
+  std::vector<pid_t> pids;
+  std::vector<std::string> names;
+  std::vector<std::string> argv{self};
+  argv.insert(argv.end(), rest.begin(), rest.end());
+  for (int r = 0; r < n; ++r) {
+    pids.push_back(spawn(argv, {{"KG_WORLD_SIZE", std::to_string(n)},
+                                {"KG_RANK", std::to_string(r)},
+                                {"KG_LOCAL_RANK", std::to_string(r)},
+                                {"KG_RENDEZVOUS", pattern},
+                                {"KG_PROGRESS_TTY", tty}}));
+    names.push_back(kg::util::cat("rank ", r));
+  }
+  const std::string failure = wait_all(pids, names);
+  std::error_code ec;
+  fs::remove_all(pattern, ec);
+  if (!failure.empty()) throw kg::Error("the data-parallel job failed: " + failure);
+}
+
 }  // namespace
 
 CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
@@ -495,10 +677,20 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
        "Evaluate on the first N test images only")
       ->check(kgraph_cli::positive_integer)
       ->option_text("N");
+  t->add_option("--nproc", a.nproc,
+                "Data-parallel: start N ranks, each training on its share of every batch (cpu: under "
+                "OpenMPI's mpirun; GPUs: one per rank, gradients over NCCL)")
+      ->check(kgraph_cli::positive_integer)
+      ->option_text("N");
   return t;
 }
 
-void train(const TrainArgs& args, std::ostream& out) {
+// One rank of a job (`group`), or the whole run when `group` is null.
+static void train_rank(const TrainArgs& args, std::ostream& all_out, kg::ProcessGroup* group) {
+  const int rank = group ? group->rank() : 0, ranks = group ? group->size() : 1;
+  const bool lead = rank == 0;  // prints, evaluates and writes the files
+  NullStream quiet;
+  std::ostream& out = lead ? all_out : quiet;
   // ---- settings, from the flags and the checkpoint ----
   std::map<std::string, std::string> meta;
   std::int64_t done_epochs = 0, global_step = 0;
@@ -512,7 +704,11 @@ void train(const TrainArgs& args, std::ostream& out) {
                                                0, kMaxCheckpointStep);
   }
   const Settings s = resolve(args, args.resume.empty() ? nullptr : &meta);
-  const kg::Device device = kg::Device::parse(args.device);
+  if (s.batch % ranks != 0)
+    throw kg::Error(kg::util::cat("the batch of ", s.batch, " does not split over ", ranks,
+                                  " ranks (each rank takes an equal share; pick a multiple of ", ranks, ")"));
+  const std::int64_t local_batch = s.batch / ranks;
+  const kg::Device device = rank_device(args.device, group);
   kg::Model model = build_training_model(s.model);
 
   // ---- data ----
@@ -528,7 +724,7 @@ void train(const TrainArgs& args, std::ostream& out) {
   kg::data::ImageDataset test_set = kg::data::ImageDataset::load(files.test_images, files.test_labels);
   if (s.limit_train) train_set.truncate(*s.limit_train);
   if (args.limit_test) test_set.truncate(*args.limit_test);
-  const std::vector<std::int64_t> in_shape = kg::models::input_shape(s.model, s.batch);
+  const std::vector<std::int64_t> in_shape = kg::models::input_shape(s.model, local_batch);
   if (train_set.height() != in_shape[2] || train_set.width() != in_shape[3] ||
       test_set.height() != in_shape[2] || test_set.width() != in_shape[3])
     throw kg::Error(kg::util::cat("the images in '", data_dir, "' are ", train_set.height(), "x",
@@ -546,9 +742,10 @@ void train(const TrainArgs& args, std::ostream& out) {
   lo.threads = args.threads;
   lo.checked = args.checked;
   lo.loss = "loss";
+  if (group) lo.process_group = std::shared_ptr<kg::ProcessGroup>(group, [](kg::ProcessGroup*) {});
   std::optional<kg::LoadedModel> loaded;
   try {
-    loaded.emplace(model.load(device, {in_shape, {s.batch}}, lo));
+    loaded.emplace(model.load(device, {in_shape, {local_batch}}, lo));
   } catch (const kg::Error& e) {
     throw kg::Error(
         kg::util::cat("cannot load ", s.model, " for training on ", device.to_string(), ": ", e.what()));
@@ -573,13 +770,16 @@ void train(const TrainArgs& args, std::ostream& out) {
   if (dir.empty())
     dir = args.resume.empty() ? fs::path("runs") / kg::util::cat(s.model, "-", timestamp())
                               : fs::absolute(args.resume).parent_path();
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (!fs::is_directory(dir))
-    throw kg::Error(kg::util::cat("cannot create the output folder '", dir.string(), "'"));
-  CsvLog log(dir / "log.csv", kLogHeader, done_epochs);
-  CsvLog epochs_log(dir / "epochs.csv", kEpochsHeader, done_epochs);
-  const std::string gnuplot_program = find_gnuplot();
+  std::optional<CsvLog> log, epochs_log;
+  if (lead) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (!fs::is_directory(dir))
+      throw kg::Error(kg::util::cat("cannot create the output folder '", dir.string(), "'"));
+    log.emplace(dir / "log.csv", kLogHeader, done_epochs);
+    epochs_log.emplace(dir / "epochs.csv", kEpochsHeader, done_epochs);
+  }
+  const std::string gnuplot_program = lead ? find_program("gnuplot") : std::string();
   const bool gnuplot = !gnuplot_program.empty();
 
   const std::string opt_text =
@@ -590,17 +790,26 @@ void train(const TrainArgs& args, std::ostream& out) {
       << " training and " << test_set.size() << " test images from " << data_dir << "\n";
   out << "batch " << s.batch << " (" << steps << " steps per epoch), " << opt_text << ", seed " << s.seed
       << ", writing to " << dir.string() << "\n";
+  if (group)
+    out << "data parallel: " << ranks << (ranks == 1 ? " rank" : " ranks") << " over " << group->transport()
+        << (device.kind == kg::Device::Kind::Cuda ? " (gradients over NCCL)" : "") << ", " << local_batch
+        << " images per rank of each batch\n";
   if (!args.resume.empty()) out << "resuming from " << args.resume << " after epoch " << done_epochs << "\n";
-  if (!gnuplot) out << "note: gnuplot not found, so no plot is drawn (install gnuplot-nox)\n";
+  if (lead && !gnuplot) out << "note: gnuplot not found, so no plot is drawn (install gnuplot-nox)\n";
   out << std::flush;
 
-  const bool tty = &out == &std::cout && ::isatty(STDOUT_FILENO);
+  // mpirun gives its ranks a pseudo-terminal whatever its own output is: there the launcher says
+  // (KG_PROGRESS_TTY), and a rank under a user's mpirun prints plain lines.
+  const char* tty_env = std::getenv("KG_PROGRESS_TTY");
+  const bool tty = lead && &all_out == &std::cout &&
+                   (tty_env ? std::string_view(tty_env) == "1"
+                            : (!group || group->transport() != "mpi") && ::isatty(STDOUT_FILENO));
   Progress progress(out, tty);
   EvalResult last{};
   if (done_epochs >= args.epochs) {
     out << "the checkpoint is at epoch " << done_epochs << ", which --epochs " << args.epochs
         << " does not go beyond; evaluating it\n";
-    last = evaluate(m, test_set, s.batch, logits_i);
+    if (lead) last = evaluate(m, test_set, local_batch, logits_i);
     out << "epoch " << done_epochs << ": test loss " << fixed(last.loss, 4) << ", test accuracy "
         << fixed(last.accuracy, 2) << "%\n";
   }
@@ -610,7 +819,7 @@ void train(const TrainArgs& args, std::ostream& out) {
     train_set.shuffle(kg::data::epoch_seed(s.seed, epoch));
     double loss_sum = 0;
     for (std::int64_t k = 0; k < steps; ++k) {
-      const kg::data::Batch b = train_set.batch(k, s.batch);
+      const kg::data::Batch b = shard(train_set.batch(k, s.batch), rank, local_batch);
       m.zero_grad();
       const std::vector<kg::Tensor> outs = m.forward({b.images, b.labels});
       m.backward();
@@ -619,20 +828,23 @@ void train(const TrainArgs& args, std::ostream& out) {
       loss_sum += loss;
       ++global_step;
       const bool last_step = k + 1 == steps;
-      if (!last_step) log.row(kg::util::cat(epoch, ",", global_step, ",", fixed(loss, 6), ","));
+      if (lead && !last_step) log->row(kg::util::cat(epoch, ",", global_step, ",", fixed(loss, 6), ","));
       const double elapsed = seconds_since(t0);
       const double per_batch = elapsed / static_cast<double>(k + 1);
       progress.update(epoch, args.epochs, k + 1, steps, static_cast<double>((k + 1) * s.batch) / elapsed,
                       loss_sum / static_cast<double>(k + 1), per_batch * static_cast<double>(steps - k - 1));
-      if (last_step) {
+      if (last_step && lead) {
         progress.clear();
-        last = evaluate(m, test_set, s.batch, logits_i);
-        log.row(kg::util::cat(epoch, ",", global_step, ",", fixed(loss, 6), ",", fixed(last.accuracy, 4)));
+        last = evaluate(m, test_set, local_batch, logits_i);
+        log->row(kg::util::cat(epoch, ",", global_step, ",", fixed(loss, 6), ",", fixed(last.accuracy, 4)));
       }
     }
-    const double train_loss = loss_sum / static_cast<double>(steps);
+    // Each rank's mean over its shards; the job's mean is the mean over the ranks.
+    if (group) group->all_reduce_sum(&loss_sum, 1);
+    const double train_loss = loss_sum / static_cast<double>(steps * ranks);
     const double secs = seconds_since(t0);
-    epochs_log.row(kg::util::cat(epoch, ",", global_step, ",", fixed(train_loss, 6), ",", fixed(last.loss, 6),
+    if (!lead) continue;
+    epochs_log->row(kg::util::cat(epoch, ",", global_step, ",", fixed(train_loss, 6), ",", fixed(last.loss, 6),
                                  ",", fixed(last.accuracy, 4), ",", fixed(secs, 3)));
     out << "epoch " << epoch << ": train loss " << fixed(train_loss, 4) << ", test loss "
         << fixed(last.loss, 4) << ", test accuracy " << fixed(last.accuracy, 2) << "%, time "
@@ -649,6 +861,7 @@ void train(const TrainArgs& args, std::ostream& out) {
                                       {"weight_decay", exact(s.weight_decay)},
                                       {"momentum", exact(s.momentum)},
                                       {"batch_size", std::to_string(s.batch)},
+                                      {"ranks", std::to_string(ranks)},
                                       {"limit_train", s.limit_train ? std::to_string(*s.limit_train) : "all"},
                                       {"train_loss", fixed(train_loss, 6)},
                                       {"test_loss", fixed(last.loss, 6)},
@@ -660,8 +873,33 @@ void train(const TrainArgs& args, std::ostream& out) {
         out << "note: no plot: " << problem << "\n";
     }
   }
+  if (!lead) return;
   if (gnuplot && fs::exists(dir / "plot.png")) out << "plot: " << (dir / "plot.png").string() << "\n";
   out << "final test accuracy: " << fixed(last.accuracy, 2) << "%\n";
+}
+
+
+void train(const TrainArgs& args, std::ostream& out) {
+  const bool in_job = std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("KG_WORLD_SIZE");
+  if (args.nproc > 0) {
+    if (in_job)
+      throw kg::Error(
+          "--nproc starts the ranks itself; under mpirun (or in a rank it started) leave --nproc out");
+    launch_ranks(args, out);
+    return;
+  }
+  if (!in_job) {
+    train_rank(args, out, nullptr);
+    return;
+  }
+  const std::shared_ptr<kg::ProcessGroup> group = kg::ProcessGroup::join();
+  try {
+    train_rank(args, out, group.get());
+  } catch (const kg::Error& e) {
+    if (group->size() > 1)
+      throw kg::Error(kg::util::cat("rank ", group->rank(), " of ", group->size(), ": ", e.what()));
+    throw;
+  }
 }
 
 }  // namespace kgraph

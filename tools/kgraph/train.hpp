@@ -6,6 +6,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -30,12 +31,17 @@ struct TrainArgs {
   std::string resume;                       // checkpoint to continue from
   std::optional<std::int64_t> limit_train;  // use the first N training images
   std::optional<std::int64_t> limit_test;   // use the first N test images
+  int nproc = 0;                            // start this many ranks (data-parallel), 0: this process
+  std::vector<std::string> command_line;    // kgraph's arguments, for the ranks --nproc starts
 };
 
 // Adds the `train` subcommand to `app`, filling `args` when it is parsed.
 CLI::App* add_train_command(CLI::App& app, TrainArgs& args);
 
 // Runs the training; prints progress, one line per epoch and "final test accuracy: NN.NN%".
+// Under mpirun (or as a rank --nproc started) this process is one rank of a data-parallel job:
+// it trains on its shard of each global batch, and rank 0 alone prints and writes files.
+// With --nproc N it starts the N ranks instead and waits for them.
 void train(const TrainArgs& args, std::ostream& out);
 
 }  // namespace kgraph
