@@ -43,7 +43,9 @@ class ProcessGroup {
   void all_reduce_sum(double* data, std::size_t n);
   void barrier();
 
+  // Over a transport of kernelgraph's (join() and single() make them; the type is internal).
   explicit ProcessGroup(std::shared_ptr<comm::Group> impl);
+  // The transport, for the backends.
   comm::Group& impl() const { return *impl_; }
 
  private:
