@@ -7,9 +7,6 @@
 
 #define KG_EW_THREADS 256    // threads per block of every elementwise kernel
 #define KG_EW_PACK_BYTES 16  // contiguous maps load and store packs of this many bytes
-// Packs in flight per thread in a generated group's packed loop. Two measured best on an H200 for
-// a 64M-float chain (more packs per thread leave fewer threads to hide the latency with).
-#define KG_EW_GROUP_PACKS 2
 #define KG_EW_MAX_DIMS 8     // merged dims of a general broadcast or of a gradient reduction
 
 // ---- broadcasting ----

@@ -111,7 +111,7 @@ class FusedRuntime final : public RuntimeOp {
       l.args.add(raw_bytes(&w, sizeof w));
       l.grid = grid_1d(tiles_of(n, KG_UNROLL), kThreads);
     } else {
-      const auto per_thread = static_cast<std::int64_t>(KG_EW_PACK_BYTES / dtype_size(dtype_)) * KG_EW_GROUP_PACKS;
+      const auto per_thread = static_cast<std::int64_t>(KG_EW_PACK_BYTES / dtype_size(dtype_)) * KG_UNROLL;
       l.grid = grid_1d(tiles_of(n, per_thread), kThreads);
     }
     return {l};
@@ -413,7 +413,7 @@ std::optional<Lowered> FusedElementwiseOp::lower(const LowerContext& ctx) const 
     src += util::cat(
         scalars, "  struct kg_in {\n    KgPack<kg_s> p[", std::max(same, 1), "];\n  };\n",
         "  constexpr int W = KG_EW_PACK_BYTES / sizeof(kg_s);\n  kg_index done = 0;\n  if (", aligned,
-        ") {\n    kg_for_each_unrolled<kg_in, KG_EW_GROUP_PACKS>(\n      n / W,\n      [&](kg_index i) {\n        kg_in r;\n",
+        ") {\n    kg_for_each_unrolled<kg_in>(\n      n / W,\n      [&](kg_index i) {\n        kg_in r;\n",
         pack_loads, "        return r;\n      },\n      [&](kg_index i, const kg_in& in) {\n",
         "        kg_packs r;\n#pragma unroll\n        for (int k = 0; k < W; ++k) {\n          const kg_out o = eval(",
         pack_args, ");\n", pack_results, "        }\n", pack_stores, "      });\n",
