@@ -94,13 +94,16 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 // Median of the summed node times of `runs` profiled forwards, and of their host round trips.
 struct Measured {
   kg_bench::Timing device, round_trip;
+  // With `forward_events`: CUDA events around each forward's launches of a load without
+  // per-node timing (LoadedModel::last_device_ms), as PyTorch is timed: no event between nodes.
+  kg_bench::Timing forward;
   int nodes = 0;
   kg::Tensor out;
 };
 
 // `tactics`, when given, gets "node:kernel" for every node, comma-separated.
 Measured measure(const kg::Model& model, const kg::Tensor& x, const Args& a, bool tune = false,
-                 bool vendor = true, std::string* tactics = nullptr) {
+                 bool vendor = true, std::string* tactics = nullptr, bool forward_events = false) {
   kg::LoadOptions opt;
   opt.profile = true;
   opt.tune = tune;
@@ -124,6 +127,16 @@ Measured measure(const kg::Model& model, const kg::Tensor& x, const Args& a, boo
     }
   }
   r.out = r.out.clone();  // the model's output buffer goes with the model
+  if (forward_events) {
+    opt.profile = false;
+    kg::LoadedModel plain = model.load(a.cpu ? kg::Device::cpu() : kg::Device::cuda(a.device), {x.shape()}, opt);
+    std::vector<double> fwd;
+    for (int i = 0; i < a.warmup + a.runs; ++i) {
+      plain.forward({x});
+      if (i >= a.warmup) fwd.push_back(plain.last_device_ms());
+    }
+    r.forward = kg_bench::summarise(fwd);
+  }
   r.device = kg_bench::summarise(dev);
   r.round_trip = kg_bench::summarise(trip);
   return r;
@@ -167,10 +180,11 @@ int main(int argc, char** argv) {
                 static_cast<long long>(n), bytes / 4.3e12 * 1e3);
     for (bool fusion : {true, false}) {
       kg::Model model(g, {y}, kg::LoweringMode::Inference, {.fusion = fusion});
-      const Measured r = measure(model, x, a);
-      std::printf("case=chain fusion=%s nodes=%d device_median_ms=%.4f device_min_ms=%.4f GBps=%.0f\n",
+      const Measured r = measure(model, x, a, false, true, nullptr, /*forward_events=*/true);
+      std::printf("case=chain fusion=%s nodes=%d device_median_ms=%.4f device_min_ms=%.4f GBps=%.0f "
+                  "forward_median_ms=%.4f forward_min_ms=%.4f\n",
                   fusion ? "on" : "off", r.nodes, r.device.median, r.device.min,
-                  bytes / (r.device.median * 1e-3) / 1e9);
+                  bytes / (r.device.median * 1e-3) / 1e9, r.forward.median, r.forward.min);
       std::fflush(stdout);
       if (!a.output_dir.empty())
         kg::write_safetensors(
