@@ -1,8 +1,9 @@
 // Data-parallel training through LoadOptions::process_group: two ranks (threads of this process
 // over an in-process group) that each train on half of every batch end where one process training
-// on the whole batch ends, whatever the bucket size; ranks start from rank 0's parameters; a group
-// of one changes nothing; the file rendezvous's collectives and its errors; on a GPU, a one-rank
-// NCCL job matches the plain run. The MPI path runs as a program in tests/tools/test_cli_train.cpp.
+// on the whole batch ends, whatever the bucket size and with gradients accumulated over two
+// backward calls; ranks start from rank 0's parameters; a group of one changes nothing; the file
+// rendezvous's collectives and its errors; on a GPU, a one-rank NCCL job matches the plain run.
+// The MPI path runs as a program in tests/tools/test_cli_train.cpp.
 #include <gtest/gtest.h>
 
 #include <barrier>
@@ -188,6 +189,55 @@ struct TempDir {
   }
   std::string path;
 };
+
+// Gradients of two backward() calls summed before one step (no zero_grad between): the second
+// average adds only the new part's mean, so two ranks still end where one process ends.
+TEST(DataParallel, GradientsAccumulatedOverTwoBackwardsStayAveraged) {
+  std::mt19937_64 rng(kg_test::fresh_seed());
+  std::vector<Batch> batches;
+  for (int k = 0; k < 2 * kSteps; ++k) batches.push_back(random_batch(rng, kGlobal));
+  const kg::Model model = mlp();
+  const kg::OptimizerOptions sgd = kg::OptimizerOptions::sgd(0.05);
+  kg::LoadOptions opt;
+  opt.seed = 11;
+  opt.threads = 1;
+  auto accumulate_steps = [&](kg::LoadedModel& m, std::int64_t first, std::int64_t n) {
+    for (std::size_t k = 0; k < batches.size(); k += 2) {
+      m.zero_grad();
+      for (std::size_t j = k; j < k + 2; ++j) {
+        m.forward({rows(batches[j].x, first, n), rows(batches[j].labels, first, n)});
+        m.backward();
+      }
+      m.step();
+    }
+  };
+  kg::LoadedModel one = model.load(kg::Device::cpu(), {{kGlobal, 12}, {kGlobal}}, opt);
+  one.set_optimizer(sgd);
+  one.set_training(true);
+  accumulate_steps(one, 0, kGlobal);
+  PairState state;
+  std::map<std::string, Tensor> got[2];
+  std::string failure[2];
+  auto rank_main = [&](int r) {
+    try {
+      kg::LoadOptions o = opt;
+      o.process_group = std::make_shared<kg::ProcessGroup>(std::make_shared<PairGroup>(state, r));
+      kg::LoadedModel m = model.load(kg::Device::cpu(), {{kGlobal / 2, 12}, {kGlobal / 2}}, o);
+      m.set_optimizer(sgd);
+      m.set_training(true);
+      accumulate_steps(m, r * (kGlobal / 2), kGlobal / 2);
+      got[r] = m.state_dict();
+    } catch (const std::exception& e) {
+      failure[r] = e.what();
+    }
+  };
+  std::thread t1(rank_main, 1);
+  rank_main(0);
+  t1.join();
+  ASSERT_EQ(failure[0], "");
+  ASSERT_EQ(failure[1], "");
+  for (const auto& [name, t] : one.state_dict()) EXPECT_TRUE(kg_test::all_close(got[0].at(name), t, 1e-5, 1e-6)) << name;
+}
 
 TEST(DataParallel, AGroupOfOneChangesNothing) {
   std::mt19937_64 rng(kg_test::fresh_seed());
