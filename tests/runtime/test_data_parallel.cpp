@@ -72,6 +72,24 @@ class PairGroup final : public kg::comm::Group {
   int rank_;
 };
 
+// Runs rank_main(1) in a thread and rank_main(0) here, each as one rank of a pair; returns what
+// each threw ("" where nothing).
+template <class F>
+std::vector<std::string> on_two_ranks(F&& rank_main) {
+  std::vector<std::string> failure(2);
+  auto guarded = [&](int r) {
+    try {
+      rank_main(r);
+    } catch (const std::exception& e) {
+      failure[static_cast<std::size_t>(r)] = e.what();
+    }
+  };
+  std::thread t1(guarded, 1);
+  guarded(0);
+  t1.join();
+  return failure;
+}
+
 // logits = W2 relu(W1 x + b1) + b2, loss = cross-entropy.
 kg::Model mlp() {
   auto [x, g] = SymTensor::input(DType::F32, {kg::Dim::named("batch"), 12}, "x");
@@ -134,28 +152,20 @@ TEST(DataParallel, TwoRanksOnHalfBatchesEndWhereOneProcessOnTheWholeBatchEnds) {
     std::map<std::string, Tensor> got[2];
     std::map<std::string, Tensor> initial[2];
     int reduces[2] = {0, 0};
-    std::string failure[2];
-    auto rank_main = [&](int r) {
-      try {
-        auto group = std::make_shared<PairGroup>(state, r);
-        kg::LoadOptions o = opt;
-        o.seed = opt.seed + static_cast<std::uint64_t>(r) * 1000;  // rank 1's own start is replaced
-        o.process_group = std::make_shared<kg::ProcessGroup>(group);
-        o.bucket_bytes = bucket;
-        kg::LoadedModel m = model.load(kg::Device::cpu(), {{kGlobal / 2, 12}, {kGlobal / 2}}, o);
-        initial[r] = m.state_dict();
-        m.set_optimizer(sgd);
-        m.set_training(true);
-        train_steps(m, batches, r * (kGlobal / 2), kGlobal / 2);
-        got[r] = m.state_dict();
-        reduces[r] = group->all_reduces;
-      } catch (const std::exception& e) {
-        failure[r] = e.what();
-      }
-    };
-    std::thread t1(rank_main, 1);
-    rank_main(0);
-    t1.join();
+    const std::vector<std::string> failure = on_two_ranks([&](int r) {
+      auto group = std::make_shared<PairGroup>(state, r);
+      kg::LoadOptions o = opt;
+      o.seed = opt.seed + static_cast<std::uint64_t>(r) * 1000;  // rank 1's own start is replaced
+      o.process_group = std::make_shared<kg::ProcessGroup>(group);
+      o.bucket_bytes = bucket;
+      kg::LoadedModel m = model.load(kg::Device::cpu(), {{kGlobal / 2, 12}, {kGlobal / 2}}, o);
+      initial[r] = m.state_dict();
+      m.set_optimizer(sgd);
+      m.set_training(true);
+      train_steps(m, batches, r * (kGlobal / 2), kGlobal / 2);
+      got[r] = m.state_dict();
+      reduces[r] = group->all_reduces;
+    });
     ASSERT_EQ(failure[0], "");
     ASSERT_EQ(failure[1], "");
     // Four gradients (backward order: fc2.weight 320 bytes, fc2.bias 20, fc1.weight 768, fc1.bias
@@ -217,23 +227,15 @@ TEST(DataParallel, GradientsAccumulatedOverTwoBackwardsStayAveraged) {
   accumulate_steps(one, 0, kGlobal);
   PairState state;
   std::map<std::string, Tensor> got[2];
-  std::string failure[2];
-  auto rank_main = [&](int r) {
-    try {
-      kg::LoadOptions o = opt;
-      o.process_group = std::make_shared<kg::ProcessGroup>(std::make_shared<PairGroup>(state, r));
-      kg::LoadedModel m = model.load(kg::Device::cpu(), {{kGlobal / 2, 12}, {kGlobal / 2}}, o);
-      m.set_optimizer(sgd);
-      m.set_training(true);
-      accumulate_steps(m, r * (kGlobal / 2), kGlobal / 2);
-      got[r] = m.state_dict();
-    } catch (const std::exception& e) {
-      failure[r] = e.what();
-    }
-  };
-  std::thread t1(rank_main, 1);
-  rank_main(0);
-  t1.join();
+  const std::vector<std::string> failure = on_two_ranks([&](int r) {
+    kg::LoadOptions o = opt;
+    o.process_group = std::make_shared<kg::ProcessGroup>(std::make_shared<PairGroup>(state, r));
+    kg::LoadedModel m = model.load(kg::Device::cpu(), {{kGlobal / 2, 12}, {kGlobal / 2}}, o);
+    m.set_optimizer(sgd);
+    m.set_training(true);
+    accumulate_steps(m, r * (kGlobal / 2), kGlobal / 2);
+    got[r] = m.state_dict();
+  });
   ASSERT_EQ(failure[0], "");
   ASSERT_EQ(failure[1], "");
   for (const auto& [name, t] : one.state_dict()) EXPECT_TRUE(kg_test::all_close(got[0].at(name), t, 1e-5, 1e-6)) << name;
@@ -281,29 +283,21 @@ TEST(DataParallel, Errors) {
 
 TEST(Rendezvous, TwoRanksBroadcastSumAndMeet) {
   TempDir dir;
-  std::string failure[2];
   double sums[2][3];
   std::uint64_t got[2] = {0, 0};
-  auto rank_main = [&](int r) {
-    try {
-      auto g = kg::comm::make_rendezvous(dir.path, r, 2, r, 20);
-      EXPECT_EQ(g->rank(), r);
-      EXPECT_EQ(std::string(g->transport()), "rendezvous");
-      std::uint64_t token = r == 1 ? 0x1234'5678'9abc'def0ULL : 0;
-      g->broadcast(&token, sizeof token, 1);
-      got[r] = token;
-      for (int k = 0; k < 3; ++k) sums[r][k] = (r + 1) * 0.1 + k;
-      for (int round = 0; round < 5; ++round) g->barrier();  // old generations are cleaned up
-      g->all_reduce_sum(sums[r], 3);
-      float grad = 1;
-      EXPECT_THROW(g->start_all_reduce_sum(&grad, 1, DType::F32), kg::Error);
-    } catch (const std::exception& e) {
-      failure[r] = e.what();
-    }
-  };
-  std::thread t1(rank_main, 1);
-  rank_main(0);
-  t1.join();
+  const std::vector<std::string> failure = on_two_ranks([&](int r) {
+    auto g = kg::comm::make_rendezvous(dir.path, r, 2, r, 20);
+    EXPECT_EQ(g->rank(), r);
+    EXPECT_EQ(std::string(g->transport()), "rendezvous");
+    std::uint64_t token = r == 1 ? 0x1234'5678'9abc'def0ULL : 0;
+    g->broadcast(&token, sizeof token, 1);
+    got[r] = token;
+    for (int k = 0; k < 3; ++k) sums[r][k] = (r + 1) * 0.1 + k;
+    for (int round = 0; round < 5; ++round) g->barrier();  // old generations are cleaned up
+    g->all_reduce_sum(sums[r], 3);
+    float grad = 1;
+    EXPECT_THROW(g->start_all_reduce_sum(&grad, 1, DType::F32), kg::Error);
+  });
   ASSERT_EQ(failure[0], "");
   ASSERT_EQ(failure[1], "");
   for (int r = 0; r < 2; ++r) {
