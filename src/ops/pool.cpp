@@ -285,7 +285,8 @@ Size2 default_stride(Size2 stride, Size2 kernel) {
 constexpr unsigned kPoolThreads = KG_POOL_THREADS;
 
 // One launch over [N, C, H, W] → [N, C, H', W'] of the pool.cu entry for `kind`; the backward
-// is one launch of pool_backward.cu's entry "<stem>_backward", a thread per input element.
+// launches pool_backward.cu's entry "<stem>_backward", a thread per input element (after
+// "<stem>_picks", a thread per window, for max pooling).
 class PoolRuntime final : public RuntimeOp {
  public:
   enum class Kind { Max, Avg, Global, Upsample };
@@ -310,21 +311,40 @@ class PoolRuntime final : public RuntimeOp {
     return grid_1d(numel_of(shape), kPoolThreads);
   }
 
+  // Max pooling first writes each window's pick into the scratch (an int32 per output element),
+  // then gathers; the others gather in one launch.
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     require_backward_dtype(op_name_, dtype_);  // pool_backward.cu has f32 and f64 entries only
     const DeviceTensor& dx = t.grad_inputs.at(0);
+    const auto& in = t.inputs.at(0).shape;
+    std::vector<Launch> ls;
+    if (kind_ == Kind::Max && dx.ptr != 0) {
+      if (in[2] * in[3] > std::numeric_limits<std::int32_t>::max())
+        throw Error(util::cat(op_name_, ": the backward indexes a plane in 32 bits, and this input's planes have ",
+                              in[2], " x ", in[3], " elements"));
+      Launch P;
+      P.entry = entry_for(stem_ + "_picks", dtype_);
+      P.block = {kPoolThreads, 1, 1};
+      P.grid = grid_1d(numel_of(t.grad_output.shape), kPoolThreads);
+      P.args.pointer(t.inputs[0].ptr);
+      P.args.pointer(t.scratch);
+      pack_geometry(in, t.grad_output.shape, P.args);
+      ls.push_back(std::move(P));
+    }
     Launch L;
     L.entry = entry_for(stem_ + "_backward", dtype_);
     L.block = {kPoolThreads, 1, 1};
     // Not wanted: one idle block (the kernel returns at once).
-    if (dx.ptr != 0) L.grid = grid_1d(numel_of(t.inputs.at(0).shape), kPoolThreads);
-    if (kind_ == Kind::Max) L.args.pointer(t.inputs[0].ptr);
+    if (dx.ptr != 0) L.grid = grid_1d(numel_of(in), kPoolThreads);
+    if (kind_ == Kind::Max) L.args.pointer(dx.ptr != 0 ? t.scratch : 0);
     L.args.pointer(t.grad_output.ptr);
     L.args.pointer(dx.ptr);
-    pack_geometry(t.inputs[0].shape, t.grad_output.shape, L.args);
-    std::vector<Launch> ls;
+    pack_geometry(in, t.grad_output.shape, L.args);
     ls.push_back(std::move(L));
     return ls;
+  }
+  std::size_t backward_scratch_bytes(const LaunchTensors& t) const override {
+    return kind_ == Kind::Max ? sizeof(std::int32_t) * static_cast<std::size_t>(numel_of(t.grad_output.shape)) : 0;
   }
 
  private:

@@ -7,44 +7,12 @@
 // sum in float and round once into the output.
 // KG_POOL_THREADS and the geometry passed by value, KgPoolShape, are pool_shared.cuh's.
 #include "kg_device.cuh"
+#include "pool_device.cuh"
 #include "pool_shared.cuh"
-
-// a / b and a % b, in 32 bits when every value involved fits (Small).
-template <bool Small>
-__device__ __forceinline__ long long kg_pool_divmod(long long a, long long b, long long& rem) {
-  if (Small) {
-    const unsigned q = (unsigned)a / (unsigned)b;
-    rem = (long long)((unsigned)a - q * (unsigned)b);
-    return q;
-  }
-  const long long q = a / b;
-  rem = a - q * b;
-  return q;
-}
 
 __device__ __forceinline__ float kg_pool_lowest(float) { return __int_as_float(0xff800000); }
 __device__ __forceinline__ double kg_pool_lowest(double) {
   return __longlong_as_double(0xfff0000000000000ULL);
-}
-
-// Runs body(i, plane, oy, ox) for every output element i of the planes.
-template <bool Small, class Body>
-__device__ __forceinline__ void kg_pool_for_each(const KgPoolShape& s, const Body& body) {
-  const long long hwo = s.ho * s.wo, total = s.planes * hwo;
-  for (long long i = kg_thread_index(); i < total; i += kg_grid_stride()) {
-    long long pix, ox;
-    const long long pl = kg_pool_divmod<Small>(i, hwo, pix);
-    const long long oy = kg_pool_divmod<Small>(pix, s.wo, ox);
-    body(i, pl, oy, ox);
-  }
-}
-
-template <class Body>
-__device__ __forceinline__ void kg_pool_launch(const KgPoolShape& s, const Body& body) {
-  if (s.planes * s.ho * s.wo < (1LL << 31))
-    kg_pool_for_each<true>(s, body);
-  else
-    kg_pool_for_each<false>(s, body);
 }
 
 // ---- nn.max_pool2d ----
@@ -55,7 +23,7 @@ template <class T>
 __device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __restrict__ y,
                                               const KgPoolShape& s) {
   typedef kg_compute_t<T> C;
-  kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
+  kg_pool_launch(s.planes, s.ho, s.wo, [&](long long i, long long pl, long long oy, long long ox) {
     const T* src = x + pl * s.h * s.w;
     const long long iy0 = oy * s.sh - s.ph, ix0 = ox * s.sw - s.pw;
     C m = kg_pool_lowest(C(0));
@@ -86,7 +54,7 @@ template <class T>
 __device__ __forceinline__ void kg_avg_pool2d(const T* __restrict__ x, T* __restrict__ y,
                                               const KgPoolShape& s, int count_include_pad) {
   typedef kg_compute_t<T> C;
-  kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
+  kg_pool_launch(s.planes, s.ho, s.wo, [&](long long i, long long pl, long long oy, long long ox) {
     const T* src = x + pl * s.h * s.w;
     long long y0 = oy * s.sh - s.ph, y1 = min(y0 + s.kh, s.h + s.ph);
     long long x0 = ox * s.sw - s.pw, x1 = min(x0 + s.kw, s.w + s.pw);
@@ -109,7 +77,7 @@ __device__ __forceinline__ void kg_avg_pool2d(const T* __restrict__ x, T* __rest
 template <class T>
 __device__ __forceinline__ void kg_upsample_nearest2d(const T* __restrict__ x, T* __restrict__ y,
                                                       const KgPoolShape& s) {
-  kg_pool_launch(s, [&](long long i, long long pl, long long oy, long long ox) {
+  kg_pool_launch(s.planes, s.ho, s.wo, [&](long long i, long long pl, long long oy, long long ox) {
     y[i] = x[(pl * s.h + oy / s.kh) * s.w + ox / s.kw];
   });
 }

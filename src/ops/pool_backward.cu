@@ -3,25 +3,24 @@
 // windows that cover it, so every element of dx is written once, with no atomics and in a
 // fixed order. The window arithmetic is that of the forward kernels in pool.cu.
 //
-// - max_pool2d: a window's gradient goes to the tap its forward picked (the first largest, or
-//   the last NaN, as PyTorch); the thread recomputes the pick of each window covering it.
+// - max_pool2d: two launches. The first finds each window's pick, the tap the forward took (the
+//   first largest, or the last NaN, as PyTorch), and writes it to the backward's scratch as an
+//   index in its plane; the second gives each input element the gradients of the windows that
+//   picked it.
 // - avg_pool2d: each covering window adds dy / its divisor (count_include_pad or not).
 // - global_avg_pool: dy of the plane / (H * W).
 // - upsample_nearest2d: the sum of dy over the scale_h × scale_w block the element was copied to.
-// The block size and the geometry (KgPoolShape, that of the forward) are pool_shared.cuh's.
+// The block size and the geometry (KgPoolShape, that of the forward) are pool_shared.cuh's, the
+// index loops pool_device.cuh's.
 #include "kg_device.cuh"
+#include "pool_device.cuh"
 #include "pool_shared.cuh"
 
 // Runs body(i, plane, iy, ix) for every input element i of the planes; nothing when dx is null
 // (not wanted).
 template <class T, class Body>
 __device__ __forceinline__ void kg_pool_grad_for_each(T* dx, const KgPoolShape& s, const Body& body) {
-  if (!dx) return;
-  const long long hw = s.h * s.w, total = s.planes * hw;
-  for (long long i = kg_thread_index(); i < total; i += kg_grid_stride()) {
-    const long long pl = i / hw, pix = i - pl * hw, iy = pix / s.w, ix = pix - iy * s.w;
-    body(i, pl, iy, ix);
-  }
+  if (dx) kg_pool_launch(s.planes, s.h, s.w, body);
 }
 
 // Calls fn(o, t) for each window o in [0, n) (first tap at o * stride - pad, taps dil apart)
@@ -29,43 +28,56 @@ __device__ __forceinline__ void kg_pool_grad_for_each(T* dx, const KgPoolShape& 
 template <class Fn>
 __device__ __forceinline__ void kg_pool_windows(long long pos, long long n, long long k, long long stride,
                                                 long long pad, long long dil, const Fn& fn) {
+  const bool small = pos + pad < (1LL << 31) && stride < (1LL << 31);
   for (long long t = 0; t < k; ++t) {
     const long long q = pos + pad - t * dil;
-    if (q < 0 || q % stride != 0) continue;
-    const long long o = q / stride;
-    if (o < n) fn(o, t);
+    if (q < 0) break;  // q falls as t grows
+    long long r;
+    const long long o = small ? kg_pool_divmod<true>(q, stride, r) : kg_pool_divmod<false>(q, stride, r);
+    if (r == 0 && o < n) fn(o, t);
   }
 }
 
 // ---- nn.max_pool2d ----
 
+// Each window's pick as an index in its plane (iy * W + ix), or -1 for a window with no tap
+// inside the input: the first strictly larger value, or a NaN. A thread per output element.
 template <class T>
-__device__ __forceinline__ void kg_max_pool2d_backward(const T* __restrict__ x, const T* __restrict__ dy,
+__device__ __forceinline__ void kg_max_pool2d_picks(const T* __restrict__ x, int* __restrict__ picks,
+                                                    const KgPoolShape& s) {
+  kg_pool_launch(s.planes, s.ho, s.wo, [&](long long i, long long pl, long long oy, long long ox) {
+    const T* src = x + pl * s.h * s.w;
+    const long long y0 = oy * s.sh - s.ph, x0 = ox * s.sw - s.pw;
+    long long pick = -1;
+    T m = T(0);
+    for (long long ky = 0; ky < s.kh; ++ky) {
+      const long long yy = y0 + ky * s.dh;
+      if (yy < 0 || yy >= s.h) continue;
+      for (long long kx = 0; kx < s.kw; ++kx) {
+        const long long xx = x0 + kx * s.dw;
+        if (xx < 0 || xx >= s.w) continue;
+        const T v = src[yy * s.w + xx];
+        if (pick < 0 || v > m || v != v) {
+          m = v;
+          pick = yy * s.w + xx;
+        }
+      }
+    }
+    picks[i] = (int)pick;
+  });
+}
+
+template <class T>
+__device__ __forceinline__ void kg_max_pool2d_backward(const int* __restrict__ picks, const T* __restrict__ dy,
                                                        T* __restrict__ dx, const KgPoolShape& s) {
   kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
-    const T* src = x + pl * s.h * s.w;
-    const long long self = iy * s.w + ix;
+    const int self = (int)(iy * s.w + ix);
+    const long long plane = pl * s.ho * s.wo;
     T acc = T(0);
     kg_pool_windows(iy, s.ho, s.kh, s.sh, s.ph, s.dh, [&](long long oy, long long) {
       kg_pool_windows(ix, s.wo, s.kw, s.sw, s.pw, s.dw, [&](long long ox, long long) {
-        // The forward's pick in window (oy, ox): the first strictly larger value, or a NaN.
-        const long long y0 = oy * s.sh - s.ph, x0 = ox * s.sw - s.pw;
-        long long pick = -1;
-        T m = T(0);
-        for (long long ky = 0; ky < s.kh; ++ky) {
-          const long long yy = y0 + ky * s.dh;
-          if (yy < 0 || yy >= s.h) continue;
-          for (long long kx = 0; kx < s.kw; ++kx) {
-            const long long xx = x0 + kx * s.dw;
-            if (xx < 0 || xx >= s.w) continue;
-            const T v = src[yy * s.w + xx];
-            if (pick < 0 || v > m || v != v) {
-              m = v;
-              pick = yy * s.w + xx;
-            }
-          }
-        }
-        if (pick == self) acc += dy[(pl * s.ho + oy) * s.wo + ox];
+        const long long o = plane + oy * s.wo + ox;
+        if (picks[o] == self) acc += dy[o];
       });
     });
     dx[i] = acc;
@@ -117,20 +129,28 @@ template <class T>
 __device__ __forceinline__ void kg_global_avg_pool_backward(const T* __restrict__ dy, T* __restrict__ dx,
                                                             long long planes, long long hw) {
   if (!dx) return;
-  for (long long i = kg_thread_index(); i < planes * hw; i += kg_grid_stride()) dx[i] = dy[i / hw] / (T)hw;
+  kg_pool_launch(planes, 1, hw, [&](long long i, long long pl, long long, long long) { dx[i] = dy[pl] / (T)hw; });
 }
 
 // ---- entries ----
 
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
-    kg_max_pool2d_backward_f32(const float* __restrict__ x, const float* __restrict__ dy, float* __restrict__ dx,
-                               KgPoolShape s) {
-  kg_max_pool2d_backward<float>(x, dy, dx, s);
+    kg_max_pool2d_picks_f32(const float* __restrict__ x, int* __restrict__ picks, KgPoolShape s) {
+  kg_max_pool2d_picks<float>(x, picks, s);
 }
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
-    kg_max_pool2d_backward_f64(const double* __restrict__ x, const double* __restrict__ dy,
+    kg_max_pool2d_picks_f64(const double* __restrict__ x, int* __restrict__ picks, KgPoolShape s) {
+  kg_max_pool2d_picks<double>(x, picks, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_max_pool2d_backward_f32(const int* __restrict__ picks, const float* __restrict__ dy,
+                               float* __restrict__ dx, KgPoolShape s) {
+  kg_max_pool2d_backward<float>(picks, dy, dx, s);
+}
+extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)
+    kg_max_pool2d_backward_f64(const int* __restrict__ picks, const double* __restrict__ dy,
                                double* __restrict__ dx, KgPoolShape s) {
-  kg_max_pool2d_backward<double>(x, dy, dx, s);
+  kg_max_pool2d_backward<double>(picks, dy, dx, s);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_POOL_THREADS)

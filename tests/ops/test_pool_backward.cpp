@@ -2,7 +2,8 @@
 // f64 and the backward kernels under the CUDA emulator against it (kg::testing::check_gradients)
 // for max pooling (padding, dilation, ceil mode), average pooling (count_include_pad, ceil
 // mode), the global average and nearest upsampling; max pooling's choice of tap on ties and NaN
-// against PyTorch's rule; and the RuntimeOp's backward launch.
+// against PyTorch's rule, on the CPU and in the emulated kernels; and the RuntimeOp's backward
+// launches and scratch.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 
 #include "kg/runtime_op.hpp"
 #include "kg/testing.hpp"
+#include "ops/backward_check.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -94,6 +96,14 @@ std::vector<double> naive_max_backward(const kg::Tensor& x, const kg::Tensor& dy
   return dx;
 }
 
+// Plane `pl` of an [N, C, H, W] tensor as a [1, 1, H, W] f64 tensor.
+kg::Tensor plane_of(const kg::Tensor& t, std::int64_t pl) {
+  const std::int64_t hw = t.dim(2) * t.dim(3);
+  kg::Tensor p = kg::Tensor::empty(kg::DType::F64, {1, 1, t.dim(2), t.dim(3)});
+  for (std::int64_t i = 0; i < hw; ++i) p.data<double>()[i] = t.item(pl * hw + i);
+  return p;
+}
+
 // The CPU backward of `op` for input x and output gradient dy, dx poisoned with NaN first.
 kg::Tensor cpu_dx(const kg::CustomData& op, const kg::Tensor& x, const kg::Tensor& dy) {
   std::vector<kg::Tensor> inputs{x}, no_params, no_grads;
@@ -166,7 +176,7 @@ TEST(PoolBackward, MaxPoolSendsTiesToTheFirstAndNanToTheLast) {
     EXPECT_NEAR(dx.item(i), want[static_cast<std::size_t>(i)], 1e-12) << "element " << i;
 }
 
-TEST(PoolBackward, RuntimeOpLaunchesOneKernel) {
+TEST(PoolBackward, RuntimeOpLaunchesPicksThenTheGather) {
   const kg::CustomData op = pool_op([](const kg::SymTensor& x) { return kg::max_pool2d(x, 3, 2, 1); },
                                     {2, 3, 9, 9}, kg::DType::F64);
   kg::LowerContext lc;
@@ -185,13 +195,88 @@ TEST(PoolBackward, RuntimeOpLaunchesOneKernel) {
   t.grad_output = {0x2000, {2, 3, 5, 5}, kg::DType::F64};
   t.grad_inputs = {{0x3000, {2, 3, 9, 9}, kg::DType::F64}};
   t.training = true;
+  EXPECT_EQ(rt.backward_scratch_bytes(t), 4u * 150);  // an int32 pick per window
+  t.scratch = 0x4000;
   const std::vector<kg::Launch> ls = rt.backward_launches(t);
-  ASSERT_EQ(ls.size(), 1u);
-  EXPECT_EQ(ls[0].entry, "kg_max_pool2d_backward_f64");
-  EXPECT_EQ(ls[0].grid.x, 2u);  // 486 input elements, a thread each
-  EXPECT_EQ(ls[0].block.x, 256u);
-  EXPECT_EQ(ls[0].args.size(), 4u);  // x, dy, dx, the geometry
-  EXPECT_NE(op->lower_backward_source(lc).find("kg_max_pool2d_backward_f64"), std::string::npos);
-  t.grad_inputs[0].ptr = 0;  // not wanted: one idle block
-  EXPECT_EQ(rt.backward_launches(t).at(0).grid.x, 1u);
+  ASSERT_EQ(ls.size(), 2u);
+  EXPECT_EQ(ls[0].entry, "kg_max_pool2d_picks_f64");
+  EXPECT_EQ(ls[0].grid.x, 1u);  // 150 windows, a thread each
+  ASSERT_EQ(ls[0].args.size(), 3u);  // x, the picks, the geometry
+  EXPECT_EQ(ls[1].entry, "kg_max_pool2d_backward_f64");
+  EXPECT_EQ(ls[1].grid.x, 2u);  // 486 input elements, a thread each
+  EXPECT_EQ(ls[1].block.x, 256u);
+  EXPECT_EQ(ls[1].args.size(), 4u);  // the picks, dy, dx, the geometry
+  const std::string source = op->lower_backward_source(lc);
+  EXPECT_NE(source.find("kg_max_pool2d_picks_f64"), std::string::npos);
+  EXPECT_NE(source.find("kg_max_pool2d_backward_f64"), std::string::npos);
+  t.grad_inputs[0].ptr = 0;  // not wanted: one idle block, no picks
+  const std::vector<kg::Launch> idle = rt.backward_launches(t);
+  ASSERT_EQ(idle.size(), 1u);
+  EXPECT_EQ(idle[0].entry, "kg_max_pool2d_backward_f64");
+  EXPECT_EQ(idle[0].grid.x, 1u);
+
+  // The other pooling ops need no scratch and launch once.
+  const kg::CustomData avg = pool_op([](const kg::SymTensor& x) { return kg::avg_pool2d(x, 3, 2, 1); },
+                                     {2, 3, 9, 9}, kg::DType::F64);
+  const auto avg_rt = avg->lower(lc)->runtime_op;
+  EXPECT_EQ(avg_rt->backward_scratch_bytes(t), 0u);
+  t.grad_inputs[0].ptr = 0x3000;
+  EXPECT_EQ(avg_rt->backward_launches(t).size(), 1u);
+}
+
+TEST(PoolBackward, MaxPoolRefusesPlanesPast32BitIndices) {
+  const std::vector<std::int64_t> in{1, 1, 50000, 50000}, out{1, 1, 25000, 25000};
+  const kg::CustomData op = pool_op([](const kg::SymTensor& x) { return kg::max_pool2d(x, 2); }, in,
+                                    kg::DType::F32);
+  kg::LowerContext lc;
+  lc.input_dtypes = {kg::DType::F32};
+  lc.output_dtype = kg::DType::F32;
+  lc.input_shapes = {kg::Shape::of(in)};
+  lc.output_shape = kg::Shape::of(out);
+  lc.mode = kg::LoweringMode::Training;
+  const auto rt = op->lower(lc)->runtime_op;
+  kg::LaunchTensors t;
+  t.inputs = {{0x1000, in, kg::DType::F32}};
+  t.output = {0, out, kg::DType::F32};
+  t.grad_output = {0x2000, out, kg::DType::F32};
+  t.grad_inputs = {{0x3000, in, kg::DType::F32}};
+  t.scratch = 0x4000;
+  kg_test::expect_error([&] { (void)rt->backward_launches(t); },
+                        {"nn.max_pool2d", "32 bits", "50000 x 50000"});
+}
+
+// The emulated kernels (picks, then the gather) follow the tie and NaN rule of the CPU backward
+// and of PyTorch: first largest, last NaN; a window of -inf gives its first tap. Every element of
+// dx is written (poisoned first), overlapping windows included.
+TEST(PoolBackward, EmulatedMaxPoolSendsTiesToTheFirstAndNanToTheLast) {
+  std::mt19937_64 rng(fresh_seed());
+  std::uniform_int_distribution<int> level(0, 3);
+  for (kg::DType dt : {kg::DType::F32, kg::DType::F64}) {
+    for (int with_nan = 0; with_nan < 3; ++with_nan) {
+      SCOPED_TRACE(std::string(kg::dtype_name(dt)) + " nan case " + std::to_string(with_nan));
+      const Sizes shape{2, 3, 9, 8};
+      kg::Tensor x = kg::Tensor::empty(kg::DType::F64, shape);
+      for (std::int64_t i = 0; i < x.numel(); ++i) x.data<double>()[i] = level(rng);
+      if (with_nan == 1) x.data<double>()[17] = x.data<double>()[19] = std::numeric_limits<double>::quiet_NaN();
+      if (with_nan == 2)  // a whole plane of -inf
+        for (std::int64_t i = 0; i < 72; ++i) x.data<double>()[72 + i] = -std::numeric_limits<double>::infinity();
+      kg_test::bwd::Problem p{pool_op([](const kg::SymTensor& v) { return kg::max_pool2d(v, 3, 2, 1); }, shape, dt),
+                              {x.to(dt)}};
+      const kg::Tensor y = kg_test::bwd::forward(p);
+      const kg::Tensor dy = kg_test::random_tensor(rng, dt, y.shape());
+      const kg::Tensor got = kg_test::bwd::emulated_backward(p, y, dy, kg_test::bwd::want_all(p)).inputs[0];
+      const kg::Tensor cpu = cpu_dx(p.op, p.inputs[0], dy);
+      for (std::int64_t pl = 0; pl < 6; ++pl) {
+        const std::vector<double> want =
+            naive_max_backward(plane_of(p.inputs[0], pl), plane_of(dy, pl), 3, 2, 1);
+        for (std::int64_t i = 0; i < 72; ++i) {
+          const std::int64_t e = pl * 72 + i;
+          // A tap picked by several windows sums their gradients, in an order of its own.
+          const double w = want[static_cast<std::size_t>(i)], tol = (dt == kg::DType::F32 ? 1e-6 : 1e-14) * 4;
+          EXPECT_NEAR(got.item(e), w, tol * (1 + std::abs(w))) << "plane " << pl << " element " << i;
+          EXPECT_NEAR(got.item(e), cpu.item(e), tol * (1 + std::abs(w))) << "element " << e;
+        }
+      }
+    }
+  }
 }
