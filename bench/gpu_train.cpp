@@ -25,7 +25,8 @@
 // --device-time times the steps on the device instead (scripts/bench-gpu-models): the batch is
 // uploaded once, and a step is zero_grad(); forward_device({input, labels}); backward(); step()
 // with CUDA events recorded on the models' stream before and after it (kg_bench::StreamTimer;
-// the wall time on the cpu); the median of those times is printed, with "timing=device" added.
+// the wall time on the cpu); the median of those times is printed, with "timing=device" and
+// "host_issue_ms=<m>" added: the median host time to issue a step, before waiting for it.
 // Inputs come from DIR/input_b<n>.safetensors (tensors "input" f32 and "labels" i64 or i32) when
 // --input-dir is given, else uniform in [-1, 1) with random labels; weights from --weights, else
 // the default initialisation (seed S). --cpu runs the same steps on the CPU instead: it checks
@@ -230,13 +231,17 @@ struct DeviceBatch {
 
 // One training step on a batch already on the device; returns its device time in ms and leaves
 // the loss (on the device) in `loss`.
+// `host_ms` gets the host's time to issue the step (before waiting for the device): when it is
+// close to the device time, the host, not the GPU, sets the pace.
 double device_step(kg::LoadedModel& m, const DeviceBatch& b, kg_bench::StreamTimer& timer,
-                   kg::DeviceTensor& loss) {
+                   kg::DeviceTensor& loss, double& host_ms) {
   timer.start();
+  const auto t0 = std::chrono::steady_clock::now();
   m.zero_grad();
   loss = m.forward_device(b.tensors).at(0);
   m.backward();
   m.step();
+  host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return timer.stop_ms();
 }
 
@@ -307,14 +312,18 @@ int main(int argc, char** argv) {
       if (a.check_only) continue;
 
       double last = 0;
-      std::vector<double> ms;
+      std::vector<double> ms, host_ms;
       ms.reserve(static_cast<std::size_t>(a.runs));
       if (a.device_time) {
         const DeviceBatch db(b, device);
         kg_bench::StreamTimer timer(!a.cpu, a.device);
         kg::DeviceTensor loss;
-        for (int i = 0; i < a.warmup; ++i) device_step(m, db, timer, loss);
-        for (int i = 0; i < a.runs; ++i) ms.push_back(device_step(m, db, timer, loss));
+        double h = 0;
+        for (int i = 0; i < a.warmup; ++i) device_step(m, db, timer, loss, h);
+        for (int i = 0; i < a.runs; ++i) {
+          ms.push_back(device_step(m, db, timer, loss, h));
+          host_ms.push_back(h);
+        }
         last = kg_bench::to_host(loss, !a.cpu, a.device).item(0);
       } else {
         for (int i = 0; i < a.warmup; ++i) last = train_step(m, b, device);
@@ -331,9 +340,11 @@ int main(int argc, char** argv) {
         status = 1;
       }
       const Timing t = summarise(ms);
-      std::printf("batch=%lld median_ms=%.4f min_ms=%.4f p90_ms=%.4f runs=%d load_ms=%.1f%s\n",
+      std::printf("batch=%lld median_ms=%.4f min_ms=%.4f p90_ms=%.4f runs=%d load_ms=%.1f%s",
                   static_cast<long long>(batch), t.median, t.min, t.p90, a.runs, load_ms,
                   a.device_time ? " timing=device" : "");
+      if (!host_ms.empty()) std::printf(" host_issue_ms=%.4f", summarise(host_ms).median);
+      std::printf("\n");
       if (a.profile) {
         // One more step on a model loaded with per-node timing (each node synchronised).
         kg::LoadOptions popt = lopt;
