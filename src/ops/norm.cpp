@@ -17,19 +17,34 @@ namespace {
 constexpr unsigned kNormThreads = KG_NORM_THREADS;
 constexpr std::int64_t kMaxBlocks = 65535LL * 32;  // grid-stride loops take the rest
 
+// The ranges each channel's M = N*H*W values are cut into for the batch-norm kernels' partial
+// sums (norm_shared.cuh): enough blocks to fill the GPU, none under KG_BN_MIN_CHUNK values.
+std::int64_t bn_chunks(const std::vector<std::int64_t>& shape) {
+  const std::int64_t c = std::max<std::int64_t>(shape.at(1), 1), m = shape.at(0) * shape.at(2) * shape.at(3);
+  const std::int64_t want = (KG_BN_TARGET_BLOCKS + c - 1) / c;
+  return std::clamp<std::int64_t>(std::min(want, m / KG_BN_MIN_CHUNK), 1, std::max<std::int64_t>(m, 1));
+}
+
+// Bytes of `head` values of `dtype`, rounded up to a multiple of 8 (the partials are doubles).
+std::size_t aligned_head(std::int64_t head, DType dtype) {
+  return (static_cast<std::size_t>(head) * dtype_size(dtype) + 7) / 8 * 8;
+}
+
 // nn.batch_norm2d on the GPU, one kernel entry for both modes (its `training` argument, packed per
-// run): launch 0 computes a per-channel scale and shift (in scratch) from the running statistics
-// (inference, a thread per channel) or from the batch's, updating the running ones and
-// num_batches_tracked in place (train mode, a block per channel); launch 1 applies them
-// elementwise. Backward (norm_backward.cu): launch 0 sums per channel and writes dw, db and the
-// coefficients of dx (in scratch), launch 1 (when dx is wanted) applies them; `training_` picks
-// batch or running statistics.
+// run), its phases in norm.cu: in train mode launch 0 writes per-(channel, range) partial moments,
+// launch 1 turns them into a per-channel scale and shift (in scratch), updating the running
+// statistics and num_batches_tracked in place; in inference launch 1 (the first) takes the
+// running statistics. The last launch applies scale and shift elementwise. Backward
+// (norm_backward.cu): partial sums per (channel, range), then dw, db and the coefficients of dx
+// per channel, then (when dx is wanted) dx elementwise; `training_` picks batch or running
+// statistics.
 class BatchNorm2dRuntime final : public RuntimeOp {
  public:
   BatchNorm2dRuntime(std::int64_t channels, double eps, double momentum, DType dtype, bool training)
       : c_(channels), eps_(eps), momentum_(momentum), dtype_(dtype), training_(training) {}
-  std::size_t scratch_bytes(const LaunchTensors&) const override {
-    return static_cast<std::size_t>(KG_BN_SCALE_SHIFT * c_) * dtype_size(dtype_);
+  std::size_t scratch_bytes(const LaunchTensors& t) const override {
+    return aligned_head(KG_BN_SCALE_SHIFT * c_, dtype_) +
+           sizeof(double) * KG_BN_FWD_PARTIALS * static_cast<std::size_t>(c_ * bn_chunks(t.output.shape));
   }
 
   bool supports_train_mode() const override { return true; }
@@ -39,22 +54,21 @@ class BatchNorm2dRuntime final : public RuntimeOp {
     if (t.training && shape.at(0) * shape.at(2) * shape.at(3) <= 1)
       throw Error(util::cat("nn.batch_norm2d: training mode needs more than 1 value per channel, got input ",
                             sizes_to_string(shape)));
-    std::vector<Launch> ls(2);
-    for (int phase = 0; phase < 2; ++phase) {
-      Launch& L = ls[static_cast<std::size_t>(phase)];
+    const std::int64_t chunks = bn_chunks(shape);
+    const DevicePtr partials = t.scratch ? t.scratch + aligned_head(KG_BN_SCALE_SHIFT * c_, dtype_) : 0;
+    std::vector<Launch> ls;
+    for (int phase = t.training ? 0 : 1; phase < 3; ++phase) {
+      Launch L;
       L.block = {kNormThreads, 1, 1};
-      if (phase == 1)
-        L.grid = elementwise_grid(shape);
-      else if (t.training)
-        L.grid = channel_blocks();
-      else
-        L.grid = grid_1d(c_, kNormThreads);  // a thread per channel
+      L.grid = phase == 0 ? range_blocks(chunks) : phase == 1 ? grid_1d(c_, kNormThreads) : elementwise_grid(shape);
       L.args.pointer(t.inputs.at(0).ptr);
       for (std::size_t i = 0; i < 5; ++i) L.args.pointer(t.params.at(i).ptr);
       L.args.pointer(t.output.ptr);
       L.args.pointer(t.scratch);
+      L.args.pointer(partials);
       L.args.i64(numel_of(shape));
       L.args.i64(c_);
+      L.args.i64(chunks);
       L.args.f64(eps_);
       L.args.f64(momentum_);
       L.args.i32(t.training ? 1 : 0);
@@ -62,21 +76,25 @@ class BatchNorm2dRuntime final : public RuntimeOp {
       const KgDivider hw = kg_divider(shape[2] * shape[3]), c = kg_divider(c_);
       L.args.bytes(&hw, sizeof hw);
       L.args.bytes(&c, sizeof c);
+      ls.push_back(std::move(L));
     }
     return ls;
   }
 
-  std::size_t backward_scratch_bytes(const LaunchTensors&) const override {
-    return static_cast<std::size_t>(KG_BN_COEFS * c_) * dtype_size(dtype_);
+  std::size_t backward_scratch_bytes(const LaunchTensors& t) const override {
+    return aligned_head(KG_BN_COEFS * c_, dtype_) +
+           sizeof(double) * KG_BN_BWD_PARTIALS * static_cast<std::size_t>(c_ * bn_chunks(t.grad_output.shape));
   }
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
     const auto& shape = t.grad_output.shape;
-    std::vector<Launch> ls(t.grad_inputs.at(0).ptr ? 2 : 1);
+    const std::int64_t chunks = bn_chunks(shape);
+    const DevicePtr partials = t.scratch ? t.scratch + aligned_head(KG_BN_COEFS * c_, dtype_) : 0;
+    std::vector<Launch> ls(t.grad_inputs.at(0).ptr ? 3 : 2);
     for (std::size_t phase = 0; phase < ls.size(); ++phase) {
       Launch& L = ls[phase];
       L.entry = entry_for("kg_batch_norm2d_backward", dtype_);
       L.block = {kNormThreads, 1, 1};
-      L.grid = phase == 0 ? channel_blocks() : elementwise_grid(shape);
+      L.grid = phase == 0 ? range_blocks(chunks) : phase == 1 ? grid_1d(c_, kNormThreads) : elementwise_grid(shape);
       const KgDivider hw = kg_divider(shape.at(2) * shape.at(3)), c = kg_divider(c_);
       L.args = {t.inputs.at(0),
                 t.params.at(0),
@@ -87,8 +105,10 @@ class BatchNorm2dRuntime final : public RuntimeOp {
                 t.grad_params.at(0),
                 t.grad_params.at(1),
                 ptr(t.scratch),
+                ptr(partials),
                 shape.at(0),
                 c_,
+                chunks,
                 eps_,
                 static_cast<std::int32_t>(training_ && t.training ? 1 : 0),
                 static_cast<std::int32_t>(phase),
@@ -99,9 +119,9 @@ class BatchNorm2dRuntime final : public RuntimeOp {
   }
 
  private:
-  // A block per channel.
-  Dim3 channel_blocks() const {
-    return {static_cast<unsigned>(std::clamp<std::int64_t>(c_, 1, kMaxBlocks)), 1, 1};
+  // A block per (channel, range).
+  Dim3 range_blocks(std::int64_t chunks) const {
+    return {static_cast<unsigned>(std::clamp<std::int64_t>(c_ * chunks, 1, kMaxBlocks)), 1, 1};
   }
   // kg_for_each_unrolled over every element.
   static Dim3 elementwise_grid(const std::vector<std::int64_t>& shape) {

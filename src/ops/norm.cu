@@ -4,6 +4,7 @@
 // (ops/fused_reduction), whose module holds this file without the sections guarded by
 // KG_FUSED_MODULE (its entries) and an entry of its own.
 #include "index.cuh"
+#include "norm_device.cuh"
 #include "norm_shared.cuh"
 #include "prologue.cuh"
 #include "reduce.cuh"
@@ -12,16 +13,20 @@ __device__ __forceinline__ float kg_sqrt(float v) { return sqrtf(v); }
 __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 
 // ---- nn.batch_norm2d ----
-// One entry for both modes; `training` selects launch 0's statistics. Launch 0 computes a
-// per-channel scale and shift in double as the CPU does: scale = w / sqrt(var + eps),
-// shift = b - mean * scale, stored as T in `scale_shift` (the C scales, then the C shifts).
-//   inference: mean and var are the running statistics (a thread per channel);
-//   training: the batch's mean and biased variance (a block per channel, two passes, block
-//     tree sums in double: no atomics, the same result for any schedule), and the running
-//     statistics updated in place as PyTorch does: running = (1 - momentum) running +
-//     momentum batch (the unbiased variance), num_batches_tracked + 1.
-// Launch 1 applies y = x * scale[c] + shift[c] to every element, the channel of element i being
-// (i / hw) % c.
+// One entry for both modes, three phases (`phase`); `training` selects batch statistics.
+//   phase 0 (training only): each channel's M = N*H*W values are cut into `chunks` ranges, a
+//     block per (channel, range); each block writes the count, mean and sum of squared
+//     deviations of its range (two passes, block tree sums in double) to `partials`
+//     (KG_BN_FWD_PARTIALS doubles per block, channel-major).
+//   phase 1 (a thread per channel): the scale and shift, in double as the CPU computes them:
+//     scale = w / sqrt(var + eps), shift = b - mean * scale, stored as T in `scale_shift` (the C
+//     scales, then the C shifts). Inference takes the running statistics; training merges the
+//     ranges in order (Chan's pairwise update: exact algebra, no atomics, the same result for
+//     any schedule), takes the biased variance and updates the running statistics in place as
+//     PyTorch does: running = (1 - momentum) running + momentum batch (the unbiased variance),
+//     num_batches_tracked + 1.
+//   phase 2 applies y = x * scale[c] + shift[c] to every element, the channel of element i
+//     being (i / hw) % c.
 
 template <class T, bool Small>
 __device__ __forceinline__ void kg_batch_norm2d_apply(const T* __restrict__ x,
@@ -37,95 +42,104 @@ __device__ __forceinline__ void kg_batch_norm2d_apply(const T* __restrict__ x,
       });
 }
 
-// Element i of channel ch's m = N*H*W values (batch-major).
-template <bool Small>
-__device__ __forceinline__ kg_index kg_bn_offset(kg_index i, kg_index ch, kg_index c,
-                                                 const KgDivider& hw_div) {
-  const kg_index plane = kg_div<Small>(hw_div, i);  // batch index
-  return (plane * c + ch) * hw_div.d + (i - plane * hw_div.d);
-}
-
-// Training launch 0: a block per channel (grid-stride over channels).
 template <class T, bool Small>
-__device__ __forceinline__ void kg_batch_norm2d_batch_stats(const T* __restrict__ x, const T* __restrict__ w,
-                                                            const T* __restrict__ b, T* running_mean,
-                                                            T* running_var, long long* tracked,
-                                                            T* scale_shift, kg_index total, kg_index c,
-                                                            double eps, double momentum,
-                                                            const KgDivider& hw_div) {
+__device__ __forceinline__ void kg_batch_norm2d_partials(const T* __restrict__ x, double* __restrict__ partials,
+                                                         kg_index total, kg_index c, kg_index chunks,
+                                                         const KgDivider& hw_div) {
   __shared__ double smem[32];
   const kg_index m = total / c;
-  for (kg_index ch = blockIdx.x; ch < c; ch += gridDim.x) {
+  for (kg_index blk = blockIdx.x; blk < c * chunks; blk += gridDim.x) {
+    const kg_index ch = blk / chunks, k = blk - ch * chunks;
+    const KgBnRange r = kg_bn_range(m, chunks, k);
     double s = 0;
-    for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS)
+    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS)
       s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
-    const double mean = kg_block_sum(s, smem) / (double)m;
+    const double count = (double)(r.end - r.begin), mean = kg_block_sum(s, smem) / count;
     double v = 0;
-    for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS) {
+    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS) {
       const double d = (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)] - mean;
       v += d * d;
     }
-    const double var = kg_block_sum(v, smem) / (double)m;
+    v = kg_block_sum(v, smem);
     if (threadIdx.x == 0) {
-      const double sc = (double)w[ch] / sqrt(var + eps);
-      scale_shift[ch] = (T)sc;
-      scale_shift[c + ch] = (T)((double)b[ch] - mean * sc);
-      const double unbias = (double)m / (double)(m - 1);
-      running_mean[ch] = (T)((1.0 - momentum) * (double)running_mean[ch] + momentum * mean);
-      running_var[ch] = (T)((1.0 - momentum) * (double)running_var[ch] + momentum * var * unbias);
+      double* p = partials + KG_BN_FWD_PARTIALS * blk;
+      p[0] = count;
+      p[1] = mean;
+      p[2] = v;
     }
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) *tracked += 1;
+}
+
+template <class T>
+__device__ __forceinline__ void kg_batch_norm2d_scale_shift(const T* __restrict__ w, const T* __restrict__ b,
+                                                            T* mean, T* var, long long* tracked, T* scale_shift,
+                                                            const double* __restrict__ partials, kg_index c,
+                                                            kg_index chunks, double eps, double momentum,
+                                                            int training) {
+  for (kg_index ch = kg_thread_index(); ch < c; ch += kg_grid_stride()) {
+    double mu, sigma2;
+    if (training) {
+      KgBnMoments acc = kg_bn_moments(partials + KG_BN_FWD_PARTIALS * ch * chunks);
+      for (kg_index k = 1; k < chunks; ++k)
+        acc = kg_bn_merge(acc, kg_bn_moments(partials + KG_BN_FWD_PARTIALS * (ch * chunks + k)));
+      mu = acc.mean;
+      sigma2 = acc.m2 / acc.count;
+      const double unbias = acc.count / (acc.count - 1);
+      mean[ch] = (T)((1.0 - momentum) * (double)mean[ch] + momentum * mu);
+      var[ch] = (T)((1.0 - momentum) * (double)var[ch] + momentum * sigma2 * unbias);
+      if (ch == 0) *tracked += 1;
+    } else {
+      mu = (double)mean[ch];
+      sigma2 = (double)var[ch];
+    }
+    const double sc = (double)w[ch] / sqrt(sigma2 + eps);
+    scale_shift[ch] = (T)sc;
+    scale_shift[c + ch] = (T)((double)b[ch] - mu * sc);
+  }
 }
 
 template <class T>
 __device__ __forceinline__ void kg_batch_norm2d(const T* __restrict__ x, const T* __restrict__ w,
                                                 const T* __restrict__ b, T* mean, T* var, long long* tracked,
-                                                T* __restrict__ y, T* scale_shift, long long total,
-                                                long long c, double eps, double momentum, int training,
-                                                int phase, KgDivider hw_div, KgDivider c_div) {
+                                                T* __restrict__ y, T* scale_shift, double* partials,
+                                                long long total, long long c, long long chunks, double eps,
+                                                double momentum, int training, int phase, KgDivider hw_div,
+                                                KgDivider c_div) {
   const bool small = total < (1LL << 31);
   if (phase == 0) {
-    if (training) {
-      if (small)
-        kg_batch_norm2d_batch_stats<T, true>(x, w, b, mean, var, tracked, scale_shift, total, c, eps,
-                                             momentum, hw_div);
-      else
-        kg_batch_norm2d_batch_stats<T, false>(x, w, b, mean, var, tracked, scale_shift, total, c, eps,
-                                              momentum, hw_div);
-      return;
-    }
-    for (kg_index ch = kg_thread_index(); ch < c; ch += kg_grid_stride()) {
-      const double s = (double)w[ch] / sqrt((double)var[ch] + eps);
-      scale_shift[ch] = (T)s;
-      scale_shift[c + ch] = (T)((double)b[ch] - (double)mean[ch] * s);
-    }
-    return;
-  }
-  if (small)
+    if (small)
+      kg_batch_norm2d_partials<T, true>(x, partials, total, c, chunks, hw_div);
+    else
+      kg_batch_norm2d_partials<T, false>(x, partials, total, c, chunks, hw_div);
+  } else if (phase == 1) {
+    kg_batch_norm2d_scale_shift<T>(w, b, mean, var, tracked, scale_shift, partials, c, chunks, eps, momentum,
+                                   training);
+  } else if (small) {
     kg_batch_norm2d_apply<T, true>(x, scale_shift, y, total, c, hw_div, c_div);
-  else
+  } else {
     kg_batch_norm2d_apply<T, false>(x, scale_shift, y, total, c, hw_div, c_div);
+  }
 }
 
 #ifndef KG_FUSED_MODULE
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_batch_norm2d_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
                         float* running_mean, float* running_var, long long* num_batches_tracked,
-                        float* __restrict__ y, float* scale_shift, long long total, long long c, double eps,
-                        double momentum, int training, int phase, KgDivider hw_div, KgDivider c_div) {
-  kg_batch_norm2d<float>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, total, c,
-                         eps, momentum, training, phase, hw_div, c_div);
+                        float* __restrict__ y, float* scale_shift, double* partials, long long total, long long c,
+                        long long chunks, double eps, double momentum, int training, int phase, KgDivider hw_div,
+                        KgDivider c_div) {
+  kg_batch_norm2d<float>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, partials, total,
+                         c, chunks, eps, momentum, training, phase, hw_div, c_div);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
     kg_batch_norm2d_f64(const double* __restrict__ x, const double* __restrict__ w,
                         const double* __restrict__ b, double* running_mean, double* running_var,
                         long long* num_batches_tracked, double* __restrict__ y, double* scale_shift,
-                        long long total, long long c, double eps, double momentum, int training, int phase,
-                        KgDivider hw_div, KgDivider c_div) {
-  kg_batch_norm2d<double>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, total, c,
-                          eps, momentum, training, phase, hw_div, c_div);
+                        double* partials, long long total, long long c, long long chunks, double eps,
+                        double momentum, int training, int phase, KgDivider hw_div, KgDivider c_div) {
+  kg_batch_norm2d<double>(x, w, b, running_mean, running_var, num_batches_tracked, y, scale_shift, partials,
+                          total, c, chunks, eps, momentum, training, phase, hw_div, c_div);
 }
 #endif  // KG_FUSED_MODULE
 

@@ -3,6 +3,7 @@
 // skips each gradient whose pointer is null. The block size, the row strategies and the scratch
 // layouts are norm_shared.cuh's.
 #include "index.cuh"
+#include "norm_device.cuh"
 #include "norm_shared.cuh"
 #include "reduce.cuh"
 
@@ -14,59 +15,88 @@ __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 //   training (batch statistics): mean, biased var of x; r = 1 / sqrt(var + eps); x̂ = (x - mean) r
 //     db = Σ dy, dw = Σ dy x̂, dx = w r (dy - db / M - x̂ dw / M)
 //   inference (running statistics): mean, var the running ones; db, dw alike, dx = w r dy.
-// Launch 0 takes one block per channel (grid-stride over channels) and sums in double; it writes
-// dw, db and, for launch 1, the coefficients of dx = A dy + B (x - mean) + C as T in `coef`
-// (A, B, mean, C for each channel, channel-major). Launch 1 applies them elementwise.
-
-template <bool Small>
-__device__ __forceinline__ kg_index kg_bn_offset(kg_index i, kg_index ch, kg_index c,
-                                                 const KgDivider& hw_div) {
-  const kg_index plane = kg_div<Small>(hw_div, i);  // batch index
-  return (plane * c + ch) * hw_div.d + (i - plane * hw_div.d);
-}
+// Three phases (`phase`), as the forward's:
+//   phase 0: a block per (channel, range of its M values, `chunks` ranges) writes to `partials`
+//     (KG_BN_BWD_PARTIALS doubles per block, channel-major) its count, its centre (the range's
+//     own mean in training, the running mean in inference), the sum of squared deviations from
+//     the centre, Σ dy and Σ dy (x - centre); two passes over the range in training, one in
+//     inference, block tree sums in double;
+//   phase 1 (a thread per channel) merges the ranges in order (no atomics, the same result for
+//     any schedule), using Σ dy (x - mean) = Σ dy (x - centre) + (centre - mean) Σ dy, and writes
+//     dw, db and the coefficients of dx = A dy + B (x - mean) + C as T in `coef` (A, B, mean, C for
+//     each channel, channel-major);
+//   phase 2 (when dx is wanted) applies them elementwise.
 
 template <class T, bool Small>
-__device__ __forceinline__ void kg_batch_norm2d_backward_stats(
-    const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ rmean, const T* __restrict__ rvar,
-    const T* __restrict__ dy, T* __restrict__ dw, T* __restrict__ db, T* __restrict__ coef, kg_index n,
-    kg_index c, const KgDivider& hw_div, double eps, int training) {
+__device__ __forceinline__ void kg_batch_norm2d_backward_partials(const T* __restrict__ x,
+                                                                  const T* __restrict__ rmean,
+                                                                  const T* __restrict__ dy,
+                                                                  double* __restrict__ partials, kg_index n,
+                                                                  kg_index c, kg_index chunks,
+                                                                  const KgDivider& hw_div, int training) {
   __shared__ double smem[32];
   const kg_index m = n * hw_div.d;
-  for (kg_index ch = blockIdx.x; ch < c; ch += gridDim.x) {
-    double mean, rstd;
+  for (kg_index blk = blockIdx.x; blk < c * chunks; blk += gridDim.x) {
+    const kg_index ch = blk / chunks, k = blk - ch * chunks;
+    const KgBnRange r = kg_bn_range(m, chunks, k);
+    const double count = (double)(r.end - r.begin);
+    double centre;
     if (training) {
       double s = 0;
-      for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS)
+      for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS)
         s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
-      mean = kg_block_sum(s, smem) / (double)m;
-      double v = 0;
-      for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS) {
-        const double d = (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)] - mean;
-        v += d * d;
-      }
-      rstd = 1.0 / sqrt(kg_block_sum(v, smem) / (double)m + eps);
+      centre = kg_block_sum(s, smem) / count;
     } else {
-      mean = (double)rmean[ch];
-      rstd = 1.0 / sqrt((double)rvar[ch] + eps);
+      centre = (double)rmean[ch];
     }
-    double sdy = 0, sdyx = 0;
-    for (kg_index i = threadIdx.x; i < m; i += KG_NORM_THREADS) {
-      const kg_index k = kg_bn_offset<Small>(i, ch, c, hw_div);
-      const double g = (double)dy[k];
+    double v = 0, sdy = 0, sdyx = 0;
+    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS) {
+      const kg_index e = kg_bn_offset<Small>(i, ch, c, hw_div);
+      const double d = (double)x[e] - centre, g = (double)dy[e];
+      v += d * d;
       sdy += g;
-      sdyx += g * ((double)x[k] - mean);
+      sdyx += g * d;
     }
+    v = training ? kg_block_sum(v, smem) : 0.0;
     sdy = kg_block_sum(sdy, smem);
-    sdyx = kg_block_sum(sdyx, smem) * rstd;  // Σ dy x̂
+    sdyx = kg_block_sum(sdyx, smem);
     if (threadIdx.x == 0) {
-      if (db) db[ch] = (T)sdy;
-      if (dw) dw[ch] = (T)sdyx;
-      const double a = (double)w[ch] * rstd;
-      coef[KG_BN_COEFS * ch] = (T)a;
-      coef[KG_BN_COEFS * ch + 1] = training ? (T)(-a * rstd * sdyx / (double)m) : T(0);
-      coef[KG_BN_COEFS * ch + 2] = (T)mean;
-      coef[KG_BN_COEFS * ch + 3] = training ? (T)(-a * sdy / (double)m) : T(0);
+      double* p = partials + KG_BN_BWD_PARTIALS * blk;
+      p[0] = count;
+      p[1] = centre;
+      p[2] = v;
+      p[3] = sdy;
+      p[4] = sdyx;
     }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void kg_batch_norm2d_backward_coefs(const T* __restrict__ w, const T* __restrict__ rvar,
+                                                               T* __restrict__ dw, T* __restrict__ db,
+                                                               T* __restrict__ coef,
+                                                               const double* __restrict__ partials, kg_index c,
+                                                               kg_index chunks, double eps, int training) {
+  for (kg_index ch = kg_thread_index(); ch < c; ch += kg_grid_stride()) {
+    const double* p0 = partials + KG_BN_BWD_PARTIALS * ch * chunks;
+    KgBnMoments acc = kg_bn_moments(p0);
+    for (kg_index k = 1; k < chunks; ++k) acc = kg_bn_merge(acc, kg_bn_moments(p0 + KG_BN_BWD_PARTIALS * k));
+    const double mean = acc.mean, m = acc.count;
+    double sdy = 0, sdyx = 0;  // Σ dy, Σ dy (x - mean)
+    for (kg_index k = 0; k < chunks; ++k) {
+      const double* p = p0 + KG_BN_BWD_PARTIALS * k;
+      sdy += p[3];
+      sdyx += p[4] + (p[1] - mean) * p[3];
+    }
+    const double rstd = 1.0 / sqrt((training ? acc.m2 / m : (double)rvar[ch]) + eps);
+    sdyx *= rstd;  // Σ dy x̂
+    if (db) db[ch] = (T)sdy;
+    if (dw) dw[ch] = (T)sdyx;
+    const double a = (double)w[ch] * rstd;
+    coef[KG_BN_COEFS * ch] = (T)a;
+    coef[KG_BN_COEFS * ch + 1] = training ? (T)(-a * rstd * sdyx / m) : T(0);
+    coef[KG_BN_COEFS * ch + 2] = (T)mean;
+    coef[KG_BN_COEFS * ch + 3] = training ? (T)(-a * sdy / m) : T(0);
   }
 }
 
@@ -90,16 +120,19 @@ template <class T>
 __device__ __forceinline__ void kg_batch_norm2d_backward(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ rmean, const T* __restrict__ rvar,
     const T* __restrict__ dy, T* __restrict__ dx, T* __restrict__ dw, T* __restrict__ db, T* coef,
-    long long n, long long c, double eps, int training, int phase, KgDivider hw_div, KgDivider c_div) {
+    double* partials, long long n, long long c, long long chunks, double eps, int training, int phase,
+    KgDivider hw_div, KgDivider c_div) {
   const kg_index total = n * c * hw_div.d;
   const bool small = total < (1LL << 31);
   if (phase == 0) {
     if (small)
-      kg_batch_norm2d_backward_stats<T, true>(x, w, rmean, rvar, dy, dw, db, coef, n, c, hw_div, eps,
-                                              training);
+      kg_batch_norm2d_backward_partials<T, true>(x, rmean, dy, partials, n, c, chunks, hw_div, training);
     else
-      kg_batch_norm2d_backward_stats<T, false>(x, w, rmean, rvar, dy, dw, db, coef, n, c, hw_div, eps,
-                                               training);
+      kg_batch_norm2d_backward_partials<T, false>(x, rmean, dy, partials, n, c, chunks, hw_div, training);
+    return;
+  }
+  if (phase == 1) {
+    kg_batch_norm2d_backward_coefs<T>(w, rvar, dw, db, coef, partials, c, chunks, eps, training);
     return;
   }
   if (!dx) return;
@@ -114,10 +147,10 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
                                  const float* __restrict__ running_mean,
                                  const float* __restrict__ running_var, const float* __restrict__ dy,
                                  float* __restrict__ dx, float* __restrict__ dw, float* __restrict__ db,
-                                 float* coef, long long n, long long c, double eps, int training, int phase,
-                                 KgDivider hw_div, KgDivider c_div) {
-  kg_batch_norm2d_backward<float>(x, w, running_mean, running_var, dy, dx, dw, db, coef, n, c, eps, training,
-                                  phase, hw_div, c_div);
+                                 float* coef, double* partials, long long n, long long c, long long chunks,
+                                 double eps, int training, int phase, KgDivider hw_div, KgDivider c_div) {
+  kg_batch_norm2d_backward<float>(x, w, running_mean, running_var, dy, dx, dw, db, coef, partials, n, c, chunks,
+                                  eps, training, phase, hw_div, c_div);
 }
 
 extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
@@ -125,10 +158,10 @@ extern "C" __global__ void __launch_bounds__(KG_NORM_THREADS)
                                  const double* __restrict__ running_mean,
                                  const double* __restrict__ running_var, const double* __restrict__ dy,
                                  double* __restrict__ dx, double* __restrict__ dw, double* __restrict__ db,
-                                 double* coef, long long n, long long c, double eps, int training, int phase,
-                                 KgDivider hw_div, KgDivider c_div) {
-  kg_batch_norm2d_backward<double>(x, w, running_mean, running_var, dy, dx, dw, db, coef, n, c, eps, training,
-                                   phase, hw_div, c_div);
+                                 double* coef, double* partials, long long n, long long c, long long chunks,
+                                 double eps, int training, int phase, KgDivider hw_div, KgDivider c_div) {
+  kg_batch_norm2d_backward<double>(x, w, running_mean, running_var, dy, dx, dw, db, coef, partials, n, c,
+                                   chunks, eps, training, phase, hw_div, c_div);
 }
 
 // ---- nn.layer_norm ----

@@ -286,8 +286,11 @@ TEST(BatchNorm2d, GpuLoweringCompilesAndMatchesTheCpu) {
       if (!dry) continue;
       ASSERT_EQ(dry->launches.steps.size(), 1u);
       const auto& step = dry->launches.steps[0];
-      EXPECT_EQ(step.scratch_bytes, 2 * 6 * kg::dtype_size(dt));  // per-channel scale and shift
-      ASSERT_EQ(step.launches.size(), 2u);
+      // Per-channel scale and shift (8-byte aligned), then 3 doubles per (channel, range): the
+      // ranges of at least 1024 values of the 9 * 13 * batch per channel (1 at batch 1 and 7, 10 at 96).
+      const std::size_t ranges = batch == 96 ? 10 : 1;
+      EXPECT_EQ(step.scratch_bytes, (2 * 6 * kg::dtype_size(dt) + 7) / 8 * 8 + 3 * 8 * 6 * ranges);
+      ASSERT_EQ(step.launches.size(), 2u);  // inference: the scale and shift, then y
       for (const auto& l : step.launches)
         EXPECT_EQ(l.entry, dt == kg::DType::F32 ? "kg_batch_norm2d_f32" : "kg_batch_norm2d_f64");
       EXPECT_EQ(step.launches[0].launch.grid.x, 1u);  // 6 channels
@@ -298,7 +301,8 @@ TEST(BatchNorm2d, GpuLoweringCompilesAndMatchesTheCpu) {
 }
 
 TEST(BatchNorm2d, GpuRuntimeSharesItsScratchBetweenItsLaunches) {
-  // Launch 0 writes the per-channel scale and shift to scratch, launch 1 reads them.
+  // The partial moments (train mode) and the per-channel scale and shift go to scratch; the
+  // launches after the one that writes them read them.
   auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::dynamic, 4, 5, 5});
   auto y = kg::nn::batch_norm2d(x, "bn");
   kg::LowerContext lc;
@@ -315,16 +319,22 @@ TEST(BatchNorm2d, GpuRuntimeSharesItsScratchBetweenItsLaunches) {
   for (kg::DevicePtr p : {0x200, 0x210, 0x220, 0x230}) t.params.push_back({p, {4}, kg::DType::F32});
   t.params.push_back({0x300, {}, kg::DType::I64});
   t.output = {0x400, {2, 4, 5, 5}, kg::DType::F32};
-  EXPECT_EQ(lowered->runtime_op->scratch_bytes(t), 2 * 4 * sizeof(float));
+  // Scale and shift, then one range's partial moments per channel (50 values each).
+  EXPECT_EQ(lowered->runtime_op->scratch_bytes(t), 2 * 4 * sizeof(float) + 3 * 4 * sizeof(double));
   t.scratch = 0x500;
-  const std::vector<kg::Launch> ls = lowered->runtime_op->launches(t);
-  ASSERT_EQ(ls.size(), 2u);
-  for (const kg::Launch& l : ls) {
-    EXPECT_EQ(l.entry, "");  // the lowering's entry point
-    ASSERT_EQ(l.args.size(), 16u);
-    kg::DevicePtr scratch = 0;
-    std::memcpy(&scratch, l.args.args()[7].data().data(), sizeof scratch);
-    EXPECT_EQ(scratch, 0x500u);
+  for (bool training : {false, true}) {
+    t.training = training;
+    const std::vector<kg::Launch> ls = lowered->runtime_op->launches(t);
+    ASSERT_EQ(ls.size(), training ? 3u : 2u);  // train mode adds the partial moments first
+    for (const kg::Launch& l : ls) {
+      EXPECT_EQ(l.entry, "");  // the lowering's entry point
+      ASSERT_EQ(l.args.size(), 18u);
+      kg::DevicePtr scratch = 0, partials = 0;
+      std::memcpy(&scratch, l.args.args()[7].data().data(), sizeof scratch);
+      std::memcpy(&partials, l.args.args()[8].data().data(), sizeof partials);
+      EXPECT_EQ(scratch, 0x500u);
+      EXPECT_EQ(partials, 0x500u + 2 * 4 * sizeof(float));
+    }
   }
 }
 

@@ -259,33 +259,39 @@ TEST(TrainMode, DropoutPacksTheSameArgumentsInBothModes) {
   EXPECT_EQ(eval_args.back(), "i32 0");  // the copy
 }
 
-TEST(TrainMode, BatchNormTrainLaunchTakesABlockPerChannel) {
-  auto rt = runtime_of([](const SymTensor& t) { return kg::nn::batch_norm2d(t, "bn"); }, {2, 300, 5, 5});
-  EXPECT_TRUE(rt->depends_on_run());
-  EXPECT_TRUE(rt->supports_train_mode());
-  const std::vector<std::int64_t> shape{2, 300, 5, 5};
-  kg::LaunchTensors t;
-  t.inputs = {{16, shape, DType::F32}};
-  t.params = {{100, {300}, DType::F32},
-              {200, {300}, DType::F32},
-              {300, {300}, DType::F32},
-              {400, {300}, DType::F32},
-              {500, {}, DType::I64}};
-  t.output = {16, shape, DType::F32};
-  t.scratch = 64;
-  const auto eval = rt->launches(run_tensors(t, false, 0)), train = rt->launches(run_tensors(t, true, 7));
-  ASSERT_EQ(train.size(), 2u);
-  ASSERT_EQ(eval.size(), 2u);
-  EXPECT_EQ(train[0].grid.x, 300u);
-  EXPECT_EQ(eval[0].grid.x, 2u);  // a thread per channel
-  EXPECT_EQ(train[1].grid.x, eval[1].grid.x);
-  // Both modes pack the same argument list; only `training` differs.
-  const auto eval_args = as_text(eval[0].args), train_args = as_text(train[0].args);
-  ASSERT_EQ(eval_args.size(), train_args.size());
-  std::size_t differ = 0;
-  for (std::size_t i = 0; i < eval_args.size(); ++i) differ += eval_args[i] != train_args[i];
-  EXPECT_EQ(differ, 1u);
-  EXPECT_EQ(train_args.at(5), "p500");  // num_batches_tracked
+TEST(TrainMode, BatchNormTrainLaunchesTakeABlockPerChannelRange) {
+  for (const std::vector<std::int64_t>& shape :
+       std::vector<std::vector<std::int64_t>>{{2, 300, 5, 5}, {2, 300, 40, 40}, {64, 4, 56, 56}}) {
+    SCOPED_TRACE(kg::sizes_to_string(shape));
+    auto rt = runtime_of([](const SymTensor& t) { return kg::nn::batch_norm2d(t, "bn"); }, kg::Shape::of(shape));
+    EXPECT_TRUE(rt->depends_on_run());
+    EXPECT_TRUE(rt->supports_train_mode());
+    const std::int64_t c = shape[1];
+    kg::LaunchTensors t;
+    t.inputs = {{16, shape, DType::F32}};
+    t.params = {{100, {c}, DType::F32}, {200, {c}, DType::F32}, {300, {c}, DType::F32},
+                {400, {c}, DType::F32}, {500, {}, DType::I64}};
+    t.output = {16, shape, DType::F32};
+    t.scratch = 64;
+    const auto eval = rt->launches(run_tensors(t, false, 0)), train = rt->launches(run_tensors(t, true, 7));
+    ASSERT_EQ(train.size(), 3u);  // partial moments, scale and shift, y
+    ASSERT_EQ(eval.size(), 2u);   // scale and shift, y
+    // Ranges of at least 1024 values, up to about 1024 blocks in all: 50 values per channel give
+    // one range; 3200 give 3; 200704 give 196 (1024 / 4 channels = 256, capped by 200704 / 1024).
+    const unsigned ranges = shape[2] == 5 ? 1u : shape[2] == 40 ? 3u : 196u;
+    EXPECT_EQ(train[0].grid.x, static_cast<unsigned>(c) * ranges);
+    EXPECT_EQ(train[1].grid.x, static_cast<unsigned>((c + 255) / 256));  // a thread per channel
+    EXPECT_EQ(eval[0].grid.x, train[1].grid.x);
+    EXPECT_EQ(train[2].grid.x, eval[1].grid.x);
+    // Both modes pack the same argument list for the same phase; only `training` differs.
+    const auto eval_args = as_text(eval[0].args), train_args = as_text(train[1].args);
+    ASSERT_EQ(eval_args.size(), train_args.size());
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < eval_args.size(); ++i) differ += eval_args[i] != train_args[i];
+    EXPECT_EQ(differ, 1u);
+    EXPECT_EQ(train_args.at(5), "p500");  // num_batches_tracked
+    EXPECT_EQ(train_args.at(11), "i64 " + std::to_string(ranges));
+  }
 }
 
 // ---- on a GPU ----
