@@ -344,6 +344,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(batch), t.median, t.min, t.p90, a.runs, load_ms,
                   a.device_time ? " timing=device" : "");
       if (!host_ms.empty()) std::printf(" host_issue_ms=%.4f", summarise(host_ms).median);
+      std::printf(" cuda_graph_replays=%lld", static_cast<long long>(m.cuda_graph_replays()));
       std::printf("\n");
       if (a.profile) {
         // One more step on a model loaded with per-node timing (each node synchronised).

@@ -61,8 +61,11 @@ struct LoadOptions {
   std::uint64_t seed = 0;
   // Worker threads for CPU ops (0: one per core).
   int threads = 0;
-  // On cuda: capture the whole forward into a CUDA graph at the first run and replay it (not
-  // while profiling, in checked mode, or in a training run whose launches change per run).
+  // On cuda: capture the whole forward into a CUDA graph at the first run and replay it; in
+  // training also the whole backward, from the second run whose launches are the same as the
+  // previous one's. Not while profiling, in checked mode, in a run whose launches change (a new
+  // Dropout seed each run), or with a process group (the gradients' all-reduce overlaps the
+  // backward).
   bool cuda_graph = true;
   // On cuda: run the matrix products and convolutions that describe a library call with cuBLASLt
   // and cuDNN where those libraries are present (the op's own kernels otherwise). The environment
@@ -204,6 +207,9 @@ class LoadedModel {
   // forward_device's copies of the inputs into the model's buffers; host copies excluded); on
   // cpu, the wall time of the run.
   double last_device_ms() const;
+  // Forward and backward runs so far that were replayed from a CUDA graph (LoadOptions::
+  // cuda_graph; 0 off the GPU).
+  std::int64_t cuda_graph_replays() const;
   // Train mode (Dropout, BatchNorm batch statistics) or inference mode (default).
   void set_training(bool training);
 

@@ -37,6 +37,8 @@ class Executor {
   }
   // Device time of the last run in ms, or a negative value where the backend has no clock of its own.
   virtual double last_device_ms() const { return -1; }
+  // Forward and backward runs replayed from a CUDA graph so far (0 where there is none).
+  virtual std::int64_t cuda_graph_replays() const { return 0; }
   // Host parameter values (plan.steps[].params) to the device's copy, and back (no-ops where the
   // host tensors are the parameters).
   virtual void upload_params() = 0;

@@ -77,6 +77,21 @@ std::vector<CheckedLaunch> check_launches(const KernelModule& m, std::vector<Lau
   return out;
 }
 
+bool same_launches(const std::vector<CheckedLaunch>& a, const std::vector<CheckedLaunch>& b) {
+  if (a.size() != b.size()) return false;
+  auto same_dim = [](const Dim3& x, const Dim3& y) { return x.x == y.x && x.y == y.y && x.z == y.z; };
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const Launch &x = a[i].launch, &y = b[i].launch;
+    if (a[i].ptx_entry != b[i].ptx_entry || a[i].entry != b[i].entry || !same_dim(x.grid, y.grid) ||
+        !same_dim(x.block, y.block) || x.shared_bytes != y.shared_bytes || x.args.size() != y.args.size())
+      return false;
+    for (std::size_t k = 0; k < x.args.size(); ++k)
+      if (x.args.args()[k].kind() != y.args.args()[k].kind() || x.args.args()[k].data() != y.args.args()[k].data())
+        return false;
+  }
+  return true;
+}
+
 DevicePtr value_address(const plan::Plan& plan, int node, DevicePtr arena,
                         const std::vector<DevicePtr>& inputs) {
   const auto& v = plan.values[static_cast<std::size_t>(node)];

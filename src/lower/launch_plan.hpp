@@ -49,6 +49,10 @@ struct CheckedLaunch {
 std::vector<CheckedLaunch> check_launches(const KernelModule& module, std::vector<Launch> launches,
                                           const std::string& label, const std::string& what);
 
+// True when both lists launch the same entries with the same grids, blocks, shared memory and
+// argument bytes: a CUDA graph captured from one replays the other.
+bool same_launches(const std::vector<CheckedLaunch>& a, const std::vector<CheckedLaunch>& b);
+
 struct StepLaunches {
   int node = -1;
   std::string label;  // "[op @ node]"

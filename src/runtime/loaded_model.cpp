@@ -160,6 +160,8 @@ double LoadedModel::last_device_ms() const {
   return ms >= 0 ? ms : impl_->last_wall_ms;
 }
 
+std::int64_t LoadedModel::cuda_graph_replays() const { return impl_->exec->cuda_graph_replays(); }
+
 // ---- parameters and weights ----
 
 std::vector<ParamInfo> LoadedModel::parameters() const {

@@ -121,4 +121,64 @@ TEST(CudaTraining, GpuCheckpointMovesBetweenDevices) {
   expect_same(cpu.optimizer_state(), gpu.optimizer_state(), "optimizer state");
 }
 
+// conv → BatchNorm (batch statistics) → ReLU → max pool 3x3 s2 p1 → linear → cross-entropy,
+// optionally with a Dropout before the linear layer.
+kg::Model cnn(bool with_dropout) {
+  auto [x, g] = SymTensor::input(DType::F32, {kg::Dim::named("batch"), 3, 12, 12}, "x");
+  SymTensor labels = g->input(DType::I64, {kg::Dim::named("batch")}, "labels");
+  SymTensor h = kg::nn::conv2d(x, 8, 3, {1, 1, 1, 1, false}, "conv");
+  h = kg::relu(kg::nn::batch_norm2d(h, "bn"), "act");
+  h = kg::flatten(kg::max_pool2d(h, 3, 2, 1, 1, false, "pool"));
+  if (with_dropout) h = kg::dropout(h, 0.25, "drop");
+  SymTensor loss = kg::cross_entropy(kg::nn::linear(h, 5, "fc"), labels, "loss");
+  return kg::Model(g, {{"loss", loss}}, kg::LoweringMode::Training);
+}
+
+// Training steps whose forward and backward replay CUDA graphs (from the second step: BatchNorm's
+// train-mode launches are the same each run) match the CPU and the same steps launched one by
+// one, parameters and running statistics after every step. A Dropout model, whose launches
+// change every run (a new seed), replays nothing and still matches the CPU.
+TEST(CudaTraining, GpuCudaGraphStepsMatchTheCpuAndStepByStep) {
+  KG_REQUIRE_GPU();
+  std::mt19937_64 rng(kg_test::fresh_seed());
+  for (bool with_dropout : {false, true}) {
+    SCOPED_TRACE(with_dropout ? "with dropout" : "without dropout");
+    kg::Model model = cnn(with_dropout);
+    const std::vector<std::vector<std::int64_t>> shapes{{6, 3, 12, 12}, {6}};
+    kg::LoadOptions graphed, plain;
+    plain.cuda_graph = false;
+    kg::LoadedModel cpu = model.load(kg::Device::cpu(), shapes);
+    kg::LoadedModel gpu = model.load(kg::Device::cuda(), shapes, graphed);
+    kg::LoadedModel one_by_one = model.load(kg::Device::cuda(), shapes, plain);
+    for (auto* m : {&gpu, &one_by_one}) m->load_state_dict(cpu.state_dict());
+    for (auto* m : {&cpu, &gpu, &one_by_one}) {
+      m->set_training(true);
+      m->set_optimizer(kg::OptimizerOptions::sgd(0.05, 0.9));
+    }
+    const int steps = 4;
+    for (int step = 0; step < steps; ++step) {
+      SCOPED_TRACE("step " + std::to_string(step));
+      const Tensor x = kg_test::random_tensor(rng, DType::F32, shapes[0]);
+      Tensor labels = Tensor::empty(DType::I64, {6});
+      for (std::int64_t i = 0; i < 6; ++i) labels.data<std::int64_t>()[i] = static_cast<std::int64_t>(rng() % 5);
+      std::vector<double> losses;
+      for (auto* m : {&cpu, &gpu, &one_by_one}) {
+        m->zero_grad();
+        losses.push_back(m->forward({x, labels}).at(0).item(0));
+        m->backward();
+        m->step();
+      }
+      // The same load seed draws the same Dropout masks on both devices.
+      EXPECT_NEAR(losses[1], losses[0], 1e-4 * (1 + std::abs(losses[0])));
+      expect_same(gpu.state_dict(), cpu.state_dict(), "graphed GPU vs CPU");
+      EXPECT_NEAR(losses[1], losses[2], 1e-5 * (1 + std::abs(losses[2])));
+      expect_same(gpu.state_dict(), one_by_one.state_dict(), "graphed vs one by one");
+    }
+    // Forward and backward replayed from the second step on; nothing with Dropout or without graphs.
+    EXPECT_EQ(gpu.cuda_graph_replays(), with_dropout ? 0 : 2 * (steps - 1));
+    EXPECT_EQ(one_by_one.cuda_graph_replays(), 0);
+    EXPECT_EQ(cpu.cuda_graph_replays(), 0);
+  }
+}
+
 }  // namespace

@@ -94,6 +94,9 @@ class GpuExecutor final : public backend::Executor {
   std::vector<DeviceTensor> run_device(const std::vector<DeviceTensor>& inputs, bool training,
                                        std::uint64_t seed, std::vector<NodeTime>* profile) override;
   double last_device_ms() const override;
+  std::int64_t cuda_graph_replays() const override {
+    return graph_replays_ + (trainer_ ? trainer_->graph_replays() : 0);
+  }
   void upload_params() override;
   void download_params() override;
   void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile,
@@ -141,7 +144,7 @@ class GpuExecutor final : public backend::Executor {
   // Checked mode: poisons step i's output, runs it, and verifies that it wrote every output
   // element and no arena byte outside its output and scratch (guards included).
   void launch_checked(std::size_t i);
-  // Packs the launches that depend on the run again; true when any was.
+  // Packs the launches that depend on the run again; true when any of them changed.
   bool repack_for_run(bool training, std::uint64_t seed);
   Trainer& trainer() {
     if (!trainer_) throw Error("cuda: the model has no training plan");
@@ -161,6 +164,7 @@ class GpuExecutor final : public backend::Executor {
   std::vector<Step> steps_;
   CUgraph graph_handle_ = nullptr;
   CUgraphExec graph_exec_ = nullptr;
+  std::int64_t graph_replays_ = 0;  // forward runs launched from graph_exec_
   std::vector<std::string> eval_only_;  // labels of ops whose kernels have no train mode
   bool any_run_dependent_ = false;
   bool packed_training_ = false;  // the mode the run-dependent launches are packed for
@@ -216,7 +220,7 @@ GpuExecutor::GpuExecutor(int device, const Graph& graph, const lower::LoweredGra
   for (const auto& sl : lp_.steps) any_run_dependent_ = any_run_dependent_ || sl.depends_on_run;
   if (plan.training.enabled)
     trainer_ = std::make_unique<Trainer>(ctx_, graph, lowered, plan, arena_, input_ptrs_, param_ptrs,
-                                         options.checked, vendor_options());
+                                         options.checked, vendor_options(), options.cuda_graph);
 }
 
 GpuExecutor::~GpuExecutor() {
@@ -450,21 +454,29 @@ void GpuExecutor::launch_checked(std::size_t i) {
 
 bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {
   if (!any_run_dependent_ || (!training && !packed_training_)) return false;
+  bool changed = false;
   for (std::size_t i = 0; i < steps_.size(); ++i) {
     auto& sl = lp_.steps[i];
     if (!sl.depends_on_run) continue;
     // Eval-mode launches take no seed, so they stay the same from run to run (and in a CUDA graph).
+    std::vector<lower::CheckedLaunch> before = std::move(sl.launches);
     lower::pack_step(sl, training, training ? plan::node_seed(seed, sl.node) : 0);
+    if (lower::same_launches(before, sl.launches)) continue;
     bind_launches(i);
+    changed = true;
   }
   packed_training_ = training;
-  return true;
+  return changed;
 }
 
 void GpuExecutor::execute(bool training, std::uint64_t seed, std::vector<NodeTime>* profile,
                           const std::vector<DeviceTensor>* device_inputs) {
   const Driver& d = ctx_.driver();
-  if (repack_for_run(training, seed) && graph_exec_) {  // the captured graph holds the old arguments
+  // Launches that changed for this run (a new seed for Dropout, train mode switched): the captured
+  // graph holds the old arguments, and this run's launches go one by one. Launches that stay the
+  // same from run to run (BatchNorm in train mode) are captured at the next run and replayed.
+  const bool repacked = repack_for_run(training, seed);
+  if (repacked && graph_exec_) {
     d.cuGraphExecDestroy(graph_exec_);
     d.cuGraphDestroy(graph_handle_);
     graph_exec_ = nullptr;
@@ -536,7 +548,7 @@ void GpuExecutor::execute(bool training, std::uint64_t seed, std::vector<NodeTim
       profile->push_back({n.name, n.op_name(), static_cast<double>(ms),
                           steps_[i].vendor ? steps_[i].vendor->describe() : lp_.steps[i].module.name});
     }
-  } else if (options_.cuda_graph && !options_.checked && !(training && any_run_dependent_)) {
+  } else if (options_.cuda_graph && !options_.checked && !repacked) {
     if (!graph_exec_) {
       d.check(d.cuStreamBeginCapture(ctx_.stream(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
               "cuStreamBeginCapture");
@@ -552,6 +564,7 @@ void GpuExecutor::execute(bool training, std::uint64_t seed, std::vector<NodeTim
       d.check(d.cuGraphInstantiateWithFlags(&graph_exec_, graph_handle_, 0), "cuGraphInstantiateWithFlags");
     }
     d.check(d.cuGraphLaunch(graph_exec_, ctx_.stream()), "cuGraphLaunch");
+    ++graph_replays_;
   } else {
     launch_all();
   }

@@ -22,8 +22,14 @@ constexpr unsigned kThreads = 256;
 
 Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const plan::Plan& plan,
                  DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params,
-                 bool checked, std::optional<VendorOptions> vendor)
-    : ctx_(ctx), graph_(graph), plan_(plan), arena_(arena), params_(std::move(params)), checked_(checked) {
+                 bool checked, std::optional<VendorOptions> vendor, bool cuda_graph)
+    : ctx_(ctx),
+      graph_(graph),
+      plan_(plan),
+      arena_(arena),
+      params_(std::move(params)),
+      checked_(checked),
+      cuda_graph_(cuda_graph && !checked) {
   const plan::TrainingPlan& tp = plan.training;
   // Runtime kernels.
   {
@@ -164,9 +170,98 @@ void Trainer::add(DevicePtr dst, DevicePtr src, std::int64_t n, const std::strin
   launch_1d(add_, n, p, label);
 }
 
+Trainer::~Trainer() {
+  for (Captured& c : captured_) release(c);
+}
+
+void Trainer::release(Captured& c) {
+  const Driver& d = ctx_.driver();
+  if (c.exec) d.cuGraphExecDestroy(c.exec);
+  if (c.graph) d.cuGraphDestroy(c.graph);
+  c.exec = nullptr;
+  c.graph = nullptr;
+}
+
+std::vector<std::vector<lower::CheckedLaunch>> Trainer::describe(bool accumulate_params, std::uint64_t seed,
+                                                                 bool training) {
+  std::vector<std::vector<lower::CheckedLaunch>> out(steps_.size());
+  for (std::size_t s = 0; s < steps_.size(); ++s) {
+    Backward& bw = steps_[s];
+    LaunchTensors& t = bw.tensors;
+    for (std::size_t p = 0; p < t.grad_params.size(); ++p)
+      t.grad_params[p].ptr = accumulate_params ? bw.temp_param_grads[p] : bw.direct_param_grads[p];
+    t.seed = plan::node_seed(seed, bw.step->node);
+    t.training = training;
+    if (!bw.library.empty()) continue;
+    try {
+      out[s] = lower::check_launches(bw.module, bw.rt->backward_launches(t), graph_.node(bw.step->node).label(),
+                                     "backward");
+    } catch (const Error& err) {
+      throw lower::labelled(bw.label, err);
+    }
+  }
+  return out;
+}
+
 void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training,
                        std::vector<NodeTime>* profile, comm::GradientSync* sync) {
   ctx_.make_current();
+  auto launches = describe(accumulate_params, seed, training);
+  if (cuda_graph_ && !profile && !sync) {
+    Captured& c = captured_[accumulate_params ? 1 : 0];
+    bool same = c.described && c.launches.size() == launches.size();
+    for (std::size_t s = 0; same && s < launches.size(); ++s) same = lower::same_launches(c.launches[s], launches[s]);
+    if (same && c.exec) {
+      const Driver& d = ctx_.driver();
+      d.check(d.cuGraphLaunch(c.exec, ctx_.stream()), "backward: cuGraphLaunch");
+      ++graph_replays_;
+      return;
+    }
+    if (same && capture_and_launch(c, accumulate_params)) {
+      ++graph_replays_;
+      return;
+    }
+    // New launches (the first run, a new seed, train mode switched): run them one by one, and
+    // capture them if the next run describes the same.
+    release(c);
+    c.launches = std::move(launches);
+    c.described = true;
+    enqueue(accumulate_params, c.launches, profile, sync);
+    return;
+  }
+  enqueue(accumulate_params, launches, profile, sync);
+}
+
+bool Trainer::capture_and_launch(Captured& c, bool accumulate_params) {
+  const Driver& d = ctx_.driver();
+  d.check(d.cuStreamBeginCapture(ctx_.stream(), CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+          "backward: cuStreamBeginCapture");
+  CUgraph g = nullptr;
+  try {
+    enqueue(accumulate_params, c.launches, nullptr, nullptr);
+  } catch (const Error&) {
+    // A library call that cannot be captured: end the capture, keep running step by step.
+    d.cuStreamEndCapture(ctx_.stream(), &g);
+    if (g) d.cuGraphDestroy(g);
+    cuda_graph_ = false;
+    return false;
+  }
+  CUresult r = d.cuStreamEndCapture(ctx_.stream(), &g);
+  CUgraphExec exec = nullptr;
+  if (r == CUDA_SUCCESS) r = d.cuGraphInstantiateWithFlags(&exec, g, 0);
+  if (r != CUDA_SUCCESS) {
+    if (g) d.cuGraphDestroy(g);
+    cuda_graph_ = false;
+    return false;
+  }
+  c.graph = g;
+  c.exec = exec;
+  d.check(d.cuGraphLaunch(c.exec, ctx_.stream()), "backward: cuGraphLaunch");
+  return true;
+}
+
+void Trainer::enqueue(bool accumulate_params, const std::vector<std::vector<lower::CheckedLaunch>>& launches,
+                      std::vector<NodeTime>* profile, comm::GradientSync* sync) {
   const plan::TrainingPlan& tp = plan_.training;
   for (int r : tp.zero_roots)
     ctx_.fill_bytes_async(arena_ + tp.grad_offset[static_cast<std::size_t>(r)], 0,
@@ -181,16 +276,13 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
     void* p[] = {&lp, &one, &n};
     launch_1d(fill_, n, p, "[kg.train loss seed]");
   }
-  for (auto& bw : steps_) {
+  for (std::size_t s = 0; s < steps_.size(); ++s) {
+    Backward& bw = steps_[s];
     const plan::BackwardStep& b = *bw.step;
     const Node& n = graph_.node(b.node);
     auto t0 = std::chrono::steady_clock::now();
     if (profile) ctx_.synchronize();
-    LaunchTensors& t = bw.tensors;
-    for (std::size_t p = 0; p < t.grad_params.size(); ++p)
-      t.grad_params[p].ptr = accumulate_params ? bw.temp_param_grads[p] : bw.direct_param_grads[p];
-    t.seed = plan::node_seed(seed, b.node);
-    t.training = training;
+    const LaunchTensors& t = bw.tensors;
     try {
       if (!bw.library.empty()) {
         const Backward::Library& lib = bw.library[accumulate_params ? 1 : 0];
@@ -200,9 +292,7 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
         }
         for (const auto& L : lib.launches) launch_checked(bw, L);
       } else {
-        for (const auto& L :
-             lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward"))
-          launch_checked(bw, L);
+        for (const auto& L : launches[s]) launch_checked(bw, L);
       }
       if (checked_) ctx_.synchronize(bw.label);
     } catch (const Error& err) {
@@ -212,8 +302,8 @@ void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training
       const plan::GradTarget& g = b.inputs[i];
       if (g.root < 0 || !g.accumulate) continue;
       const auto& v = plan_.values[static_cast<std::size_t>(n.inputs[i])];
-      add(arena_ + plan::grad_offset_of(plan_, n.inputs[i]), arena_ + g.temp_offset,
-          numel_of(v.shape), bw.label + " gradient sum");
+      add(arena_ + plan::grad_offset_of(plan_, n.inputs[i]), arena_ + g.temp_offset, numel_of(v.shape),
+          bw.label + " gradient sum");
     }
     if (accumulate_params)
       for (std::size_t p = 0; p < bw.direct_param_grads.size(); ++p)

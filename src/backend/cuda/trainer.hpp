@@ -25,14 +25,21 @@ class Trainer {
   // Compiles every backward source for the device, checks entries and blocks, and allocates
   // gradients. `params[s]` are the device addresses of plan.steps[s]'s parameters.
   // With `vendor`, an op whose backward describes library calls runs them (cuBLASLt, cuDNN) when
-  // every call can be planned.
+  // every call can be planned. With `cuda_graph`, a backward whose launches are the same as the
+  // previous run's is captured into a CUDA graph and replayed while they stay the same.
   Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lowered, const plan::Plan& plan,
           DevicePtr arena, std::vector<DevicePtr> inputs, std::vector<std::vector<DevicePtr>> params,
-          bool checked, std::optional<VendorOptions> vendor);
+          bool checked, std::optional<VendorOptions> vendor, bool cuda_graph);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
 
-  // With `sync`, each step's parameter gradients are handed to it once their work is enqueued.
+  // With `sync`, each step's parameter gradients are handed to it once their work is enqueued
+  // (never from a CUDA graph).
   void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile,
                 comm::GradientSync* sync);
+  // Backward runs replayed from a CUDA graph so far (for tests and benchmarks).
+  std::int64_t graph_replays() const { return graph_replays_; }
   // The parameter gradients per plan step and parameter (ptr 0 where there is none).
   std::vector<std::vector<DeviceTensor>> gradient_tensors() const;
   void zero_grad();
@@ -61,6 +68,24 @@ class Trainer {
     };
     std::vector<Library> library;
   };
+  // A backward as one CUDA graph, for one value of accumulate_params: the launches it was
+  // captured with (per step; empty for library steps), and whether they were seen twice in a row.
+  struct Captured {
+    std::vector<std::vector<lower::CheckedLaunch>> launches;
+    bool described = false;
+    CUgraph graph = nullptr;
+    CUgraphExec exec = nullptr;
+  };
+  // The launches of every step for this run (library steps: none).
+  std::vector<std::vector<lower::CheckedLaunch>> describe(bool accumulate_params, std::uint64_t seed,
+                                                          bool training);
+  // Enqueues the whole backward on the stream.
+  void enqueue(bool accumulate_params, const std::vector<std::vector<lower::CheckedLaunch>>& launches,
+               std::vector<NodeTime>* profile, comm::GradientSync* sync);
+  // Captures enqueue() into c and launches it; false (nothing enqueued, graphs off from now on) when
+  // the driver or a library refuses the capture.
+  bool capture_and_launch(Captured& c, bool accumulate_params);
+  void release(Captured& c);
   // Plans bw's library path for both parameter-gradient addresses, or leaves it empty.
   void plan_library(Backward& bw, const VendorOptions& vendor);
   void launch_checked(Backward& bw, const lower::CheckedLaunch& L);
@@ -76,6 +101,9 @@ class Trainer {
   std::vector<std::vector<std::vector<DeviceBuffer>>> slots_;  // per plan step, parameter, slot
   std::vector<std::vector<DevicePtr>> params_;
   bool checked_ = false;  // synchronise after each backward step, so a fault names its op
+  bool cuda_graph_ = true;
+  Captured captured_[2];  // by accumulate_params
+  std::int64_t graph_replays_ = 0;
   CUfunction fill_ = nullptr, add_ = nullptr, sgd_ = nullptr, adamw_ = nullptr;
   DeviceBuffer workspace_;  // shared by the library calls
 };
