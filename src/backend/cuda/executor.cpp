@@ -461,7 +461,10 @@ bool GpuExecutor::repack_for_run(bool training, std::uint64_t seed) {
     // Eval-mode launches take no seed, so they stay the same from run to run (and in a CUDA graph).
     std::vector<lower::CheckedLaunch> before = std::move(sl.launches);
     lower::pack_step(sl, training, training ? plan::node_seed(seed, sl.node) : 0);
-    if (lower::same_launches(before, sl.launches)) continue;
+    if (lower::same_launches(before, sl.launches)) {
+      sl.launches = std::move(before);  // the bound kernel parameters point into these
+      continue;
+    }
     bind_launches(i);
     changed = true;
   }
