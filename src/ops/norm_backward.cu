@@ -42,31 +42,28 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_partials(const T* __res
     const double count = (double)(r.end - r.begin);
     double centre;
     if (training) {
-      double s = 0;
-      for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS)
-        s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
-      centre = kg_block_sum(s, smem) / count;
+      double s[KG_UNROLL] = {};
+      kg_bn_range_each<Small>(r, ch, c, hw_div, [&](int u, kg_index e) { s[u] += (double)x[e]; });
+      centre = kg_block_sum(kg_bn_total(s), smem) / count;
     } else {
       centre = (double)rmean[ch];
     }
-    double v = 0, sdy = 0, sdyx = 0;
-    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS) {
-      const kg_index e = kg_bn_offset<Small>(i, ch, c, hw_div);
+    double v[KG_UNROLL] = {}, sdy[KG_UNROLL] = {}, sdyx[KG_UNROLL] = {};
+    kg_bn_range_each<Small>(r, ch, c, hw_div, [&](int u, kg_index e) {
       const double d = (double)x[e] - centre, g = (double)dy[e];
-      v += d * d;
-      sdy += g;
-      sdyx += g * d;
-    }
-    v = training ? kg_block_sum(v, smem) : 0.0;
-    sdy = kg_block_sum(sdy, smem);
-    sdyx = kg_block_sum(sdyx, smem);
+      v[u] += d * d;
+      sdy[u] += g;
+      sdyx[u] += g * d;
+    });
+    const double vs = training ? kg_block_sum(kg_bn_total(v), smem) : 0.0;
+    const double sdys = kg_block_sum(kg_bn_total(sdy), smem), sdyxs = kg_block_sum(kg_bn_total(sdyx), smem);
     if (threadIdx.x == 0) {
       double* p = partials + KG_BN_BWD_PARTIALS * blk;
       p[0] = count;
       p[1] = centre;
-      p[2] = v;
-      p[3] = sdy;
-      p[4] = sdyx;
+      p[2] = vs;
+      p[3] = sdys;
+      p[4] = sdyxs;
     }
   }
 }
@@ -105,15 +102,18 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_dx(const T* __restrict_
                                                             T* __restrict__ dx, const T* __restrict__ coef,
                                                             kg_index total, kg_index c,
                                                             const KgDivider& hw_div, const KgDivider& c_div) {
-  kg_for_each_unrolled<T, Small ? KG_UNROLL : 1>(
-      total,
-      [&](kg_index i) {
+  // The loads of a round only read x and dy; the channel and its coefficients come in the store.
+  struct Pair {
+    T x, dy;
+  };
+  kg_for_each_unrolled<Pair, Small ? KG_UNROLL : 1>(
+      total, [&](kg_index i) { return Pair{x[i], dy[i]}; },
+      [&](kg_index i, const Pair& v) {
         const kg_index plane = kg_div<Small>(hw_div, i);
         const kg_index ch = plane - kg_div<Small>(c_div, plane) * c;
         const T* k = coef + KG_BN_COEFS * ch;
-        return k[0] * dy[i] + k[1] * (x[i] - k[2]) + k[3];
-      },
-      [&](kg_index i, T v) { dx[i] = v; });
+        dx[i] = k[0] * v.dy + k[1] * (v.x - k[2]) + k[3];
+      });
 }
 
 template <class T>
