@@ -19,6 +19,7 @@
 
 
 #include "kg/ops.hpp"
+#include "ops/divider.hpp"
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 #include "ops/pool_dnnl.hpp"
@@ -357,9 +358,23 @@ class PoolRuntime final : public RuntimeOp {
       v.i64(in[2] * in[3]);
       return;
     }
-    const KgPoolShape s{in[0] * in[1], in[2],         in[3],        out[2],      out[3],
-                        w_.kernel.h,   w_.kernel.w,   w_.stride.h,  w_.stride.w, w_.padding.h,
-                        w_.padding.w,  w_.dilation.h, w_.dilation.w};
+    const KgPoolShape s{in[0] * in[1],
+                        in[2],
+                        in[3],
+                        out[2],
+                        out[3],
+                        w_.kernel.h,
+                        w_.kernel.w,
+                        w_.stride.h,
+                        w_.stride.w,
+                        w_.padding.h,
+                        w_.padding.w,
+                        w_.dilation.h,
+                        w_.dilation.w,
+                        kg_divider(in[2] * in[3]),
+                        kg_divider(in[3]),
+                        kg_divider(w_.stride.h),
+                        kg_divider(w_.stride.w)};
     v.bytes(&s, sizeof s);
     if (kind_ == Kind::Avg) v.i32(count_include_pad_ ? 1 : 0);
   }

@@ -12,6 +12,7 @@
 // - upsample_nearest2d: the sum of dy over the scale_h × scale_w block the element was copied to.
 // The block size and the geometry (KgPoolShape, that of the forward) are pool_shared.cuh's, the
 // index loops pool_device.cuh's.
+#include "index.cuh"
 #include "kg_device.cuh"
 #include "pool_device.cuh"
 #include "pool_shared.cuh"
@@ -67,9 +68,54 @@ __device__ __forceinline__ void kg_max_pool2d_picks(const T* __restrict__ x, int
   });
 }
 
+// The windows [lo, hi] of one axis (stride by its divider, no dilation) whose taps cover `pos`;
+// lo > hi when none does. 32-bit: every value below 2^31.
+struct KgPoolSpan {
+  int lo, hi;
+};
+__device__ __forceinline__ KgPoolSpan kg_pool_span(int pos, int pad, int k, int n, const KgDivider& stride) {
+  const int q = pos + pad;  // the first tap of window o sits at o * stride - pad
+  const int hi = min((int)kg_div<true>(stride, q), n - 1);
+  const int first = q - (k - 1);
+  const int lo = first <= 0 ? 0 : (int)kg_div<true>(stride, first + (int)stride.d - 1);
+  return {lo, hi};
+}
+
+// The gather without dilation and with every index below 2^31: divisions by multiply-high
+// (KgPoolShape's dividers), the windows of each axis as a span. Windows are visited in the order
+// of the general path (falling window index, i.e. rising tap).
+template <class T>
+__device__ __forceinline__ void kg_max_pool2d_backward_fast(const int* __restrict__ picks, const T* __restrict__ dy,
+                                                            T* __restrict__ dx, const KgPoolShape& s) {
+  const kg_index total = s.planes * s.h * s.w;
+  const int w = (int)s.w, ho = (int)s.ho, wo = (int)s.wo;
+  for (kg_index i = kg_thread_index(); i < total; i += kg_grid_stride()) {
+    const int pl = (int)kg_div<true>(s.hw_div, i), pix = (int)(i - (kg_index)pl * s.hw_div.d);
+    const int iy = (int)kg_div<true>(s.w_div, pix), ix = pix - iy * w;
+    const KgPoolSpan ys = kg_pool_span(iy, (int)s.ph, (int)s.kh, ho, s.sh_div);
+    const KgPoolSpan xs = kg_pool_span(ix, (int)s.pw, (int)s.kw, wo, s.sw_div);
+    const int* pp = picks + (kg_index)pl * ho * wo;
+    const T* gp = dy + (kg_index)pl * ho * wo;
+    T acc = T(0);
+    for (int oy = ys.hi; oy >= ys.lo; --oy)
+      for (int ox = xs.hi; ox >= xs.lo; --ox) {
+        const int o = oy * wo + ox;
+        if (pp[o] == pix) acc += gp[o];
+      }
+    dx[i] = acc;
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void kg_max_pool2d_backward(const int* __restrict__ picks, const T* __restrict__ dy,
                                                        T* __restrict__ dx, const KgPoolShape& s) {
+  if (!dx) return;
+  const long long big = 1LL << 30;
+  if (s.dh == 1 && s.dw == 1 && s.planes * s.h * s.w < big && s.planes * s.ho * s.wo < big && s.h + s.ph < big &&
+      s.w + s.pw < big && s.sh < big && s.sw < big) {
+    kg_max_pool2d_backward_fast(picks, dy, dx, s);
+    return;
+  }
   kg_pool_grad_for_each(dx, s, [&](long long i, long long pl, long long iy, long long ix) {
     const int self = (int)(iy * s.w + ix);
     const long long plane = pl * s.ho * s.wo;
