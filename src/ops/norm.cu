@@ -51,15 +51,16 @@ __device__ __forceinline__ void kg_batch_norm2d_partials(const T* __restrict__ x
   for (kg_index blk = blockIdx.x; blk < c * chunks; blk += gridDim.x) {
     const kg_index ch = blk / chunks, k = blk - ch * chunks;
     const KgBnRange r = kg_bn_range(m, chunks, k);
-    double s[KG_UNROLL] = {};
-    kg_bn_range_each<Small>(r, ch, c, hw_div, [&](int u, kg_index e) { s[u] += (double)x[e]; });
-    const double count = (double)(r.end - r.begin), mean = kg_block_sum(kg_bn_total(s), smem) / count;
-    double v[KG_UNROLL] = {};
-    kg_bn_range_each<Small>(r, ch, c, hw_div, [&](int u, kg_index e) {
-      const double d = (double)x[e] - mean;
-      v[u] += d * d;
-    });
-    const double m2 = kg_block_sum(kg_bn_total(v), smem);
+    double s = 0;
+    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS)
+      s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
+    const double count = (double)(r.end - r.begin), mean = kg_block_sum(s, smem) / count;
+    double v = 0;
+    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS) {
+      const double d = (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)] - mean;
+      v += d * d;
+    }
+    const double m2 = kg_block_sum(v, smem);
     if (threadIdx.x == 0) {
       double* p = partials + KG_BN_FWD_PARTIALS * blk;
       p[0] = count;

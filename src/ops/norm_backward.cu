@@ -42,21 +42,23 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_partials(const T* __res
     const double count = (double)(r.end - r.begin);
     double centre;
     if (training) {
-      double s[KG_UNROLL] = {};
-      kg_bn_range_each<Small>(r, ch, c, hw_div, [&](int u, kg_index e) { s[u] += (double)x[e]; });
-      centre = kg_block_sum(kg_bn_total(s), smem) / count;
+      double s = 0;
+      for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS)
+        s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
+      centre = kg_block_sum(s, smem) / count;
     } else {
       centre = (double)rmean[ch];
     }
-    double v[KG_UNROLL] = {}, sdy[KG_UNROLL] = {}, sdyx[KG_UNROLL] = {};
-    kg_bn_range_each<Small>(r, ch, c, hw_div, [&](int u, kg_index e) {
+    double v = 0, sdy = 0, sdyx = 0;
+    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS) {
+      const kg_index e = kg_bn_offset<Small>(i, ch, c, hw_div);
       const double d = (double)x[e] - centre, g = (double)dy[e];
-      v[u] += d * d;
-      sdy[u] += g;
-      sdyx[u] += g * d;
-    });
-    const double vs = training ? kg_block_sum(kg_bn_total(v), smem) : 0.0;
-    const double sdys = kg_block_sum(kg_bn_total(sdy), smem), sdyxs = kg_block_sum(kg_bn_total(sdyx), smem);
+      v += d * d;
+      sdy += g;
+      sdyx += g * d;
+    }
+    const double vs = training ? kg_block_sum(v, smem) : 0.0;
+    const double sdys = kg_block_sum(sdy, smem), sdyxs = kg_block_sum(sdyx, smem);
     if (threadIdx.x == 0) {
       double* p = partials + KG_BN_BWD_PARTIALS * blk;
       p[0] = count;
