@@ -97,10 +97,13 @@ __device__ __forceinline__ void kg_max_pool2d_backward_fast(const int* __restric
     const int* pp = picks + (kg_index)pl * ho * wo;
     const T* gp = dy + (kg_index)pl * ho * wo;
     T acc = T(0);
+    // Both loads of a window issued before the compare, so that they overlap.
     for (int oy = ys.hi; oy >= ys.lo; --oy)
       for (int ox = xs.hi; ox >= xs.lo; --ox) {
         const int o = oy * wo + ox;
-        if (pp[o] == pix) acc += gp[o];
+        const int pick = pp[o];
+        const T g = gp[o];
+        acc += pick == pix ? g : T(0);
       }
     dx[i] = acc;
   }
