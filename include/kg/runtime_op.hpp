@@ -198,7 +198,8 @@ class RuntimeOp {
   // entry from pack_args(), block() and grid()). At least one.
   virtual std::vector<Launch> launches(const LaunchTensors& t) const;
   // True when launches() reads t.training or t.seed: it is then called again on every run
-  // (default false: the launches are described once, at load).
+  // (default false: the launches are described once, at load). On a GPU a run whose launches
+  // equal the last run's replays the captured CUDA graph.
   virtual bool depends_on_run() const;
   // Scratch bytes of the forward (planned like any buffer, passed as t.scratch; default 0).
   virtual std::size_t scratch_bytes(const LaunchTensors& t) const;
