@@ -1,10 +1,12 @@
-// Helpers the benchmark programs share: integer flags and the summary of timed runs.
+// Helpers the benchmark programs share: integer flags, the optimiser flags and the summary of
+// timed runs.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "kg/error.hpp"
+#include "kg/model.hpp"
 #include "kg/runtime_op.hpp"
 #include "kg/tensor.hpp"
 #if defined(KG_HAVE_CUDA)
@@ -48,6 +51,26 @@ inline std::vector<std::int64_t> parse_batches(const std::string& flag, const st
   while (std::getline(ss, item, ',')) out.push_back(parse_int(flag, item, 1, usage));
   if (out.empty()) usage(flag + " needs at least one batch size");
   return out;
+}
+
+// The optimiser of the training benchmarks' flags: "sgd" (lr 0.01 unless given, with the given
+// momentum) or "adamw" (lr `adamw_lr` unless given); a negative lr or weight decay means "not
+// given" (weight decay 0 for SGD, 0.01 for AdamW).
+inline kg::OptimizerOptions optimizer_options(const std::string& kind, double lr, double momentum,
+                                              double weight_decay, double adamw_lr) {
+  if (kind == "adamw") return kg::OptimizerOptions::adamw(lr >= 0 ? lr : adamw_lr, weight_decay >= 0 ? weight_decay : 0.01);
+  return kg::OptimizerOptions::sgd(lr >= 0 ? lr : 0.01, momentum, weight_decay >= 0 ? weight_decay : 0.0);
+}
+
+// One line for logs and file metadata: "SGD lr 0.01 momentum 0.9 weight decay 0", "AdamW lr ...".
+inline std::string describe(const kg::OptimizerOptions& o) {
+  char buf[160];
+  if (o.kind == kg::OptimizerOptions::Kind::AdamW)
+    std::snprintf(buf, sizeof buf, "AdamW lr %g weight decay %g betas (%g, %g) eps %g", o.lr, o.weight_decay,
+                  o.beta1, o.beta2, o.eps);
+  else
+    std::snprintf(buf, sizeof buf, "SGD lr %g momentum %g weight decay %g", o.lr, o.momentum, o.weight_decay);
+  return buf;
 }
 
 // Median, minimum and 90th percentile of run times.

@@ -127,20 +127,7 @@ Args parse(int argc, char** argv) {
 }
 
 kg::OptimizerOptions optimizer(const Args& a) {
-  if (a.optimizer == "adamw")
-    return kg::OptimizerOptions::adamw(a.lr >= 0 ? a.lr : 2e-3, a.weight_decay >= 0 ? a.weight_decay : 0.01);
-  return kg::OptimizerOptions::sgd(a.lr >= 0 ? a.lr : 0.01, a.momentum,
-                                   a.weight_decay >= 0 ? a.weight_decay : 0.0);
-}
-
-std::string describe(const kg::OptimizerOptions& o) {
-  char buf[160];
-  if (o.kind == kg::OptimizerOptions::Kind::AdamW)
-    std::snprintf(buf, sizeof buf, "AdamW lr %g weight decay %g betas (%g, %g) eps %g", o.lr, o.weight_decay,
-                  o.beta1, o.beta2, o.eps);
-  else
-    std::snprintf(buf, sizeof buf, "SGD lr %g momentum %g weight decay %g", o.lr, o.momentum, o.weight_decay);
-  return buf;
+  return kg_bench::optimizer_options(a.optimizer, a.lr, a.momentum, a.weight_decay, 2e-3);
 }
 
 // The graph kgraph train builds: inputs image and label, outputs logits and loss.
@@ -282,7 +269,7 @@ int main(int argc, char** argv) {
     const auto t_load = std::chrono::steady_clock::now();
     Trainer t = load(model, a, shape, false);
     std::printf("model=%s batch=%lld threads=%d optimizer=\"%s\" weights=%s load_ms=%.1f\n", a.model.c_str(),
-                static_cast<long long>(a.batch), a.threads, describe(optimizer(a)).c_str(),
+                static_cast<long long>(a.batch), a.threads, kg_bench::describe(optimizer(a)).c_str(),
                 a.weights.empty() ? ("init-seed-" + std::to_string(a.seed)).c_str() : a.weights.c_str(),
                 ms_since(t_load));
 
@@ -299,7 +286,7 @@ int main(int argc, char** argv) {
     if (!a.params_out.empty()) {
       std::map<std::string, kg::Tensor> out = t.model.state_dict();
       out["losses"] = kg::Tensor::from_vector<double>({static_cast<std::int64_t>(losses.size())}, losses);
-      kg::write_safetensors(a.params_out, out, {{"model", a.model}, {"optimizer", describe(optimizer(a))}});
+      kg::write_safetensors(a.params_out, out, {{"model", a.model}, {"optimizer", kg_bench::describe(optimizer(a))}});
     }
     std::fflush(stdout);
 

@@ -133,20 +133,7 @@ Args parse(int argc, char** argv) {
 }
 
 kg::OptimizerOptions optimizer(const Args& a) {
-  if (a.optimizer == "adamw")
-    return kg::OptimizerOptions::adamw(a.lr >= 0 ? a.lr : 1e-3, a.weight_decay >= 0 ? a.weight_decay : 0.01);
-  return kg::OptimizerOptions::sgd(a.lr >= 0 ? a.lr : 0.01, a.momentum,
-                                   a.weight_decay >= 0 ? a.weight_decay : 0.0);
-}
-
-std::string describe(const kg::OptimizerOptions& o) {
-  char buf[160];
-  if (o.kind == kg::OptimizerOptions::Kind::AdamW)
-    std::snprintf(buf, sizeof buf, "AdamW lr %g weight decay %g betas (%g, %g) eps %g", o.lr, o.weight_decay,
-                  o.beta1, o.beta2, o.eps);
-  else
-    std::snprintf(buf, sizeof buf, "SGD lr %g momentum %g weight decay %g", o.lr, o.momentum, o.weight_decay);
-  return buf;
+  return kg_bench::optimizer_options(a.optimizer, a.lr, a.momentum, a.weight_decay, 1e-3);
 }
 
 // The zoo model with a mean cross-entropy loss, lowered for training; its only output is "loss".
@@ -262,7 +249,7 @@ int main(int argc, char** argv) {
     else
       std::printf("device: cuda:%d %s (sm_%d)\n", a.device, kg::cuda::device_name(a.device).c_str(),
                   kg::cuda::device_arch(a.device));
-    std::printf("model: %s + cross-entropy; optimiser: %s\n", a.model.c_str(), describe(opt).c_str());
+    std::printf("model: %s + cross-entropy; optimiser: %s\n", a.model.c_str(), kg_bench::describe(opt).c_str());
     std::printf("weights: %s\n", a.weights.empty()
                                      ? ("default initialisation, seed " + std::to_string(a.seed)).c_str()
                                      : a.weights.c_str());
@@ -307,7 +294,7 @@ int main(int argc, char** argv) {
         std::map<std::string, kg::Tensor> out = m.state_dict();
         out["losses"] = kg::Tensor::from_vector<double>({static_cast<std::int64_t>(losses.size())}, losses);
         kg::write_safetensors(a.output_dir + "/params_b" + std::to_string(batch) + ".safetensors", out,
-                              {{"model", a.model}, {"optimizer", describe(opt)}});
+                              {{"model", a.model}, {"optimizer", kg_bench::describe(opt)}});
       }
       if (a.check_only) continue;
 
