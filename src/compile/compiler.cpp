@@ -19,6 +19,7 @@
 #include "compile/nvrtc_loader.hpp"
 #include "compile/ptx.hpp"
 #include "kg/error.hpp"
+#include "util/file.hpp"
 #include "util/str.hpp"
 
 namespace kg::compile {
@@ -148,36 +149,6 @@ fs::path Compiler::default_cache_dir() {
   return {};
 }
 
-namespace {
-
-// Writes through a temporary file and rename, so a concurrent reader never sees a torn file. False
-// when the file could not be written (nothing is left behind then).
-bool write_atomic(const fs::path& p, const std::string& text) {
-  // The temporary name is unique per write (process id and a counter), so two threads writing the
-  // same file never share one.
-  static std::atomic<unsigned> counter{0};
-  fs::path tmp = p;
-  tmp += util::cat(".tmp.", ::getpid(), ".", counter++);
-  // Every write, the flush, the fsync and the close are checked before the rename: a full disk
-  // must not rename a truncated file over a good one (an unwritable cache only costs time).
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) return false;
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = std::fflush(f) == 0 && ok;
-  ok = ::fsync(::fileno(f)) == 0 && ok;
-  ok = std::fclose(f) == 0 && ok;
-  std::error_code ec;
-  if (!ok) {
-    fs::remove(tmp, ec);
-    return false;
-  }
-  fs::rename(tmp, p, ec);
-  if (ec) fs::remove(tmp, ec);
-  return !ec;
-}
-
-}  // namespace
-
 Compiler& Compiler::global() {
   static Compiler c(Compiler::default_cache_dir());
   return c;
@@ -286,8 +257,8 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
     if (!dir_.empty()) {
       std::error_code ec;
       fs::create_directories(dir_, ec);
-      write_atomic(dir_ / (r.key + ".cu"), source);
-      write_atomic(ptx_path, seal_cache_file(r.ptx));
+      util::write_file_atomic(dir_ / (r.key + ".cu"), source);
+      util::write_file_atomic(ptx_path, seal_cache_file(r.ptx));
     }
 #endif
   }
@@ -354,7 +325,7 @@ std::optional<std::string> CubinCache::read(const std::string& key) const {
 }
 
 bool CubinCache::store(const std::string& key, const std::string& cubin) const {
-  return usable() && write_atomic(path(key), seal_cache_file(cubin));
+  return usable() && util::write_file_atomic(path(key), seal_cache_file(cubin));
 }
 
 void CubinCache::drop(const std::string& key) const {

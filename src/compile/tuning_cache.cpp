@@ -9,6 +9,7 @@
 
 #include "compile/compiler.hpp"
 #include "kg/error.hpp"
+#include "util/file.hpp"
 #include "util/str.hpp"
 
 namespace kg::compile {
@@ -50,21 +51,6 @@ bool append(const fs::path& p, const std::string& text) {
   return n == static_cast<ssize_t>(text.size());
 }
 
-// Replaces `p` with `text` through a temporary file and a rename.
-bool rewrite(const fs::path& p, const std::string& text) {
-  const fs::path tmp = p.string() + ".tmp" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) return false;
-  const ssize_t n = ::write(fd, text.data(), text.size());
-  ::close(fd);
-  std::error_code ec;
-  if (n != static_cast<ssize_t>(text.size())) {
-    fs::remove(tmp, ec);
-    return false;
-  }
-  fs::rename(tmp, p, ec);
-  return !ec;
-}
 
 bool disabled_by_env() {
   const char* v = std::getenv("KG_TUNING_CACHE");
@@ -141,7 +127,7 @@ void TuningCache::store(const std::string& scope, const std::string& key, const 
     // A file this scope cannot read would hide every line appended to it: write it anew.
     std::string text = util::cat(kHeader, scope, "\n");
     for (const auto& [k, v] : e) text += util::cat(k, "\t", v, "\t", digest(k, v), "\n");
-    if (rewrite(p, text)) unreadable_.erase(scope);
+    if (util::write_file_atomic(p, text, 0600)) unreadable_.erase(scope);
     return;
   }
   std::string line = util::cat(key, "\t", value, "\t", digest(key, value), "\n");

@@ -21,6 +21,7 @@
 #include "compile/embedded_sources.hpp"
 #include "compile/ptx.hpp"
 #include "kg/error.hpp"
+#include "util/file.hpp"
 #include "util/str.hpp"
 
 namespace kg::emu {
@@ -72,27 +73,6 @@ std::string temp_suffix() {
   return util::cat(".tmp.", ::getpid(), ".", counter++);
 }
 
-// Writes through a temporary file and a rename, so that a concurrent reader never sees a torn file.
-bool write_atomic(const fs::path& p, const std::string& text) {
-  fs::path tmp = p;
-  tmp += temp_suffix();
-  // Every write, the flush, the fsync and the close are checked before the rename: a full disk
-  // must not rename a truncated file over a good one.
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) return false;
-  bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  ok = std::fflush(f) == 0 && ok;
-  ok = ::fsync(::fileno(f)) == 0 && ok;
-  ok = std::fclose(f) == 0 && ok;
-  std::error_code ec;
-  if (!ok) {
-    fs::remove(tmp, ec);
-    return false;
-  }
-  fs::rename(tmp, p, ec);
-  if (ec) fs::remove(tmp, ec);
-  return !ec;
-}
 
 bool read_text(const fs::path& p, std::string& out) {
   std::ifstream f(p, std::ios::binary);
@@ -330,7 +310,7 @@ fs::path HostJit::include_dir() {
   auto put = [&](const std::string& n, const std::string& text) {
     std::string have;
     if (read_text(inc / n, have) && have == text) return;
-    if (!write_atomic(inc / n, text))
+    if (!util::write_file_atomic(inc / n, text))
       throw Error(util::cat("CUDA emulation: cannot write ", (inc / n).string()));
   };
   put("kg_emu_abi.h", abi_header());
@@ -379,7 +359,7 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
   if (!handle) {
     const std::string suffix = temp_suffix();
     const fs::path cpp = dir_ / (key + suffix + ".cpp"), so = dir_ / (key + suffix + ".so");
-    if (!write_atomic(cpp, tu))
+    if (!util::write_file_atomic(cpp, tu))
       throw Error(util::cat("[", name, "] CUDA emulation: cannot write ", cpp.string()));
     const std::string cmd = util::cat(cxx, " ", kFlags, " -I", shell_quote(inc.string()), " -o ",
                                       shell_quote(so.string()), " ", shell_quote(cpp.string()));
@@ -397,7 +377,7 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
     fs::rename(cpp, dir_ / (key + ".cpp"), ec);
     std::string object;
     const bool sealed =
-        compile::read_cache_file(so, object) && write_atomic(mod->path, compile::seal_cache_file(object));
+        compile::read_cache_file(so, object) && util::write_file_atomic(mod->path, compile::seal_cache_file(object));
     fs::remove(so, ec);
     if (!sealed) throw Error(util::cat("[", name, "] CUDA emulation: cannot write ", mod->path.string()));
     handle = ::dlopen(mod->path.c_str(), RTLD_NOW | RTLD_LOCAL);
