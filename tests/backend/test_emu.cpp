@@ -522,6 +522,48 @@ TEST(Emu, CatchesAnOutOfBoundsRead) {
        "element 64 (byte offset 256)", "thread (31, 0, 0) of block (1, 0, 0)"});
 }
 
+// Vector loads and stores through pointers that a GPU would refuse: x + 1 is 4 bytes past a
+// multiple of 16, so a float4 cannot be read from it, nor a float2 written to y + 1.
+const char* kAlignSource = R"(
+extern "C" __global__ void load_float4(const float* x, float* y, int offset) {
+  const float4 v = reinterpret_cast<const float4*>(x + offset)[threadIdx.x];
+  y[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+extern "C" __global__ void store_float2(float* y, int offset) {
+  reinterpret_cast<float2*>(y + offset)[threadIdx.x] = make_float2(1.f, 2.f);
+}
+)";
+
+TEST(Emu, CatchesAMisalignedVectorAccess) {
+  kg::Tensor x = kg::Tensor::zeros(kg::DType::F32, {40}), y = kg::Tensor::zeros(kg::DType::F32, {40});
+  for (int i = 0; i < 40; ++i) x.data<float>()[i] = static_cast<float>(i);
+  // Aligned: the sums of four.
+  kg::emu::launch("test.align", kAlignSource, "load_float4", {1, 1, 1}, {8, 1, 1}, 0, args(addr(x), addr(y), 4),
+                  checked({buffer(x, "x"), buffer(y, "y")}));
+  for (int i = 0; i < 8; ++i) ASSERT_EQ(y.item(i), 16.0 * i + 22) << i;  // x[4 + 4i] + ... + x[7 + 4i]
+  expect_error(
+      [&] {
+        kg::emu::launch("test.align", kAlignSource, "load_float4", {1, 1, 1}, {8, 1, 1}, 0,
+                        args(addr(x), addr(y), 1), checked({buffer(x, "x"), buffer(y, "y")}));
+      },
+      {"[test.align] kernel 'load_float4'", "misaligned", "float4", "element 1 (byte offset 4) of argument 0 'x' (const float*; buffer x, 160 bytes)",
+       "4 bytes past a multiple of 16", "test.align.cu:3", "thread (0, 0, 0) of block (0, 0, 0)"});
+  expect_error(
+      [&] {
+        kg::emu::launch("test.align", kAlignSource, "store_float2", {1, 1, 1}, {4, 1, 1}, 0, args(addr(y), 1),
+                        checked({buffer(y, "y")}));
+      },
+      {"kernel 'store_float2'", "misaligned", "float2", "misaligned store", "element 1 (byte offset 4) of argument 0 'y'", "4 bytes past a multiple of 8",
+       "test.align.cu:7"});
+  // Unchecked launches are checked too; the address is then all there is to name.
+  expect_error(
+      [&] {
+        kg::emu::launch("test.align", kAlignSource, "load_float4", {1, 1, 1}, {8, 1, 1}, 0,
+                        args(addr(x), addr(y), 3));
+      },
+      {"misaligned", "float4' at address 0x", "12 bytes past a multiple of 16"});
+}
+
 TEST(Emu, CatchesAMissingSyncthreadsAsARace) {
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

@@ -243,6 +243,48 @@ extern "C" __global__ void row_sum(const float* x, float* y, int n) {
   bool sync_;
 };
 
+// Sums each row with float4 loads, which is right only when a row starts at a multiple of 16
+// bytes: a row length that is not a multiple of 4 puts row 1 off that, where a GPU faults.
+class Row4SumOp final : public kg::CustomOp {
+ public:
+  std::string name() const override { return "test.row_sum4"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return kg::Shape{in.at(0)[0]}; }
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    const std::string src = R"(
+extern "C" __global__ void row_sum4(const float* x, float* y, int n) {
+  const float4* r = reinterpret_cast<const float4*>(x + (long long)blockIdx.x * n);
+  float v = 0.f;
+  for (int i = 0; i < n / 4; ++i) {
+    const float4 q = r[i];
+    v += q.x + q.y + q.z + q.w;
+  }
+  y[blockIdx.x] = v;
+}
+)";
+    struct Rt final : kg::RuntimeOp {
+      void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+        v.pointer(t.inputs[0].ptr);
+        v.pointer(t.output.ptr);
+        v.i32(static_cast<std::int32_t>(t.inputs[0].shape[1]));
+      }
+      kg::Dim3 block() const override { return {1, 1, 1}; }
+      kg::Dim3 grid(const std::vector<std::int64_t>& out) const override {
+        return {static_cast<unsigned>(out[0]), 1, 1};
+      }
+    };
+    return kg::Lowered{"test.row_sum4", src, "row_sum4", std::make_shared<Rt>()};
+  }
+  void cpu_forward(kg::CpuContext& ctx) const override {
+    const kg::Tensor& x = ctx.inputs[0];
+    const std::int64_t n = x.shape()[1];
+    for (std::int64_t r = 0; r < x.shape()[0]; ++r) {
+      double s = 0;
+      for (std::int64_t i = 0; i < n / 4 * 4; ++i) s += x.data<float>()[r * n + i];
+      ctx.output.data<float>()[r] = static_cast<float>(s);
+    }
+  }
+};
+
 kg::Tensor random(std::vector<std::int64_t> shape, std::uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
@@ -372,6 +414,25 @@ TEST(CheckedModeCpu, MissingBarrierIsARace) {
         racy.load(kg::Device::cpu(), {{4, 256}}, checked()).forward({in});
       },
       {"[test.row_sum @ sum]"});
+}
+
+TEST(CheckedModeCpu, AMisalignedVectorLoadNamesTheOpAndTheRow) {
+  auto row4_model = [](std::int64_t n) {
+    auto [x, g] = kg::SymTensor::input(kg::DType::F32, {kg::Dim::named("batch"), n}, "x");
+    return kg::Model(g, {{"y", x.record_custom(kg::CustomData::make<Row4SumOp>(), {}, std::nullopt, "sum")}});
+  };
+  // Rows of 256 floats start at multiples of 16 bytes: the kernel agrees with the CPU form.
+  const kg::Tensor in = random({3, 256}, 6);
+  const kg::Tensor want = row4_model(256).load(kg::Device::cpu(), {{3, 256}}).forward({in})[0];
+  const kg::Tensor got = row4_model(256).load(kg::Device::cpu(), {{3, 256}}, checked()).forward({in})[0];
+  EXPECT_TRUE(kg_test::all_close(got, want, 1e-5, 1e-5));
+  // Rows of 258: row 1 starts 1032 bytes in, 8 past a multiple of 16. The CPU form is silent.
+  const kg::Tensor odd = random({3, 258}, 7);
+  EXPECT_NO_THROW(row4_model(258).load(kg::Device::cpu(), {{3, 258}}).forward({odd}));
+  kg_test::expect_error(
+      [&] { row4_model(258).load(kg::Device::cpu(), {{3, 258}}, checked()).forward({odd}); },
+      {"[test.row_sum4 @ sum]", "kernel 'row_sum4'", "misaligned", "float4", "element 258 (byte offset 1032) of argument 0 'x'",
+       "8 bytes past a multiple of 16", "test.row_sum4.cu:", "block (1, 0, 0)"});
 }
 
 TEST_P(CheckedMode, NoBackwardOnThePathToTheLoss) {

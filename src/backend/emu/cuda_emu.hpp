@@ -197,6 +197,36 @@ KG_EMU_REDUCE(__reduce_xor_sync, unsigned, KG_EMU_REDUCE_XOR)
 static inline unsigned __activemask() { return kg_emu_api_->active_mask(kg_emu_self_); }
 static inline void __trap() { kg_emu_api_->trap(kg_emu_self_, "__trap()"); }
 static inline void __brkpt() { kg_emu_api_->trap(kg_emu_self_, "__brkpt()"); }
+
+// ---- alignment ----
+// The module is built with -fsanitize=alignment: before each load or store through a typed
+// pointer the compiler checks the address against the type's alignment and, when it is off, calls
+// this handler (defined here, hidden, so no sanitizer runtime is involved). A GPU faults on such
+// an access (a float4 from an address that is not a multiple of 16), where the CPU would quietly
+// read it; the runtime reports it as the kernel's error instead. The layouts are the compiler's.
+struct KgUbsanLocation {
+  const char* file;
+  unsigned line, column;
+};
+struct KgUbsanType {
+  unsigned short kind, info;
+  char name[1];
+};
+struct KgUbsanMismatch {
+  KgUbsanLocation location;
+  const KgUbsanType* type;
+  unsigned char log_alignment, check_kind;  // check_kind: 0 a load, 1 a store, others
+};
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1(KgUbsanMismatch* d, void* p) {
+  const unsigned long long alignment = 1ull << d->log_alignment;
+  if (kg_emu_self_ == nullptr || p == nullptr || ((unsigned long long)p & (alignment - 1)) == 0) return;
+  kg_emu_api_->misaligned(kg_emu_self_, p, (unsigned)alignment, d->check_kind == 0 ? 0 : d->check_kind == 1 ? 1 : -1,
+                          d->type ? d->type->name : "?", d->location.file, d->location.line);
+}
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1_abort(KgUbsanMismatch* d,
+                                                                                            void* p) {
+  __ubsan_handle_type_mismatch_v1(d, p);
+}
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }

@@ -4,7 +4,7 @@
 // (kg_emu_abi.h), so the two sides cannot drift apart.
 #pragma once
 
-#define KG_EMU_ABI_VERSION 1
+#define KG_EMU_ABI_VERSION 2
 
 // clang-format off
 #define KG_EMU_ABI(X)                                                                               \
@@ -34,6 +34,11 @@
     unsigned (*active_mask)(const struct KgEmuThreadInfo* self);                                   \
     void (*note_atomic)(const struct KgEmuThreadInfo* self, const void* address);                  \
     void (*trap)(const struct KgEmuThreadInfo* self, const char* what);                            \
+    /* A load or store through a pointer not aligned for its type; does not return. `store`: 1 a */  \
+    /* store, 0 a load, -1 another access; `type` as the compiler names it; file and line of the */  \
+    /* kernel source (the JIT's #line).                                                          */  \
+    void (*misaligned)(const struct KgEmuThreadInfo* self, const void* address, unsigned alignment, \
+                       int store, const char* type, const char* file, unsigned line);               \
   };                                                                                                \
   /* A kernel parameter's C++ type, as the module's compiler sees it. */                            \
   enum KgEmuTypeKind {                                                                              \

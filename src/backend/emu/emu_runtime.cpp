@@ -159,6 +159,7 @@ struct EThread {
   sigjmp_buf jmp;
   BlockRunner* runner = nullptr;
   AsanStack stack;  // this fiber's stack, for the sanitizer's switch annotations
+  std::string failure;  // set before a jump back to thread_main that is not a signal's
 };
 
 struct Collective {
@@ -321,12 +322,15 @@ struct BlockRunner {
 
   static void thread_main(EThread& t) {
     BlockRunner& r = *t.runner;
+    t.failure.clear();
     if (sigsetjmp(t.jmp, 0) == 0) {
       try {
         r.launch->kernel->run(&t.info, r.launch->args);
       } catch (const std::exception& e) {
         r.fail(e.what());
       }
+    } else if (!t.failure.empty()) {
+      r.fail(r.prefix() + util::cat(t.failure, " in ", r.where(t)));
     } else {
       r.fail(r.fault_text(t, tl_fault));
     }
@@ -693,8 +697,23 @@ void api_trap(const KgEmuThreadInfo* self, const char* what) {
   throw Error(t.runner->prefix() + util::cat(what, " was called in ", t.runner->where(t)));
 }
 
-const KgEmuApi kApi = {KG_EMU_ABI_VERSION, &api_barrier,     &api_warp,
-                       &api_active_mask,   &api_note_atomic, &api_trap};
+void api_misaligned(const KgEmuThreadInfo* self, const void* address, unsigned alignment, int store, const char* type,
+                    const char* file, unsigned line) {
+  EThread& t = self_of(self);
+  const auto a = reinterpret_cast<std::uintptr_t>(address);
+  const GridLaunch& launch = *t.runner->launch;
+  std::string where = launch.describe_address ? launch.describe_address(a) : "";
+  if (where.empty()) where = util::cat("address 0x", std::hex, a, std::dec);
+  t.failure = util::cat("misaligned ", store == 1 ? "store" : store == 0 ? "load" : "access", " of ", type, " at ",
+                        where, ": ", a % alignment, " bytes past a multiple of ", alignment,
+                        ", the type's alignment (a GPU faults there) at ", file, ":", line);
+  // Back to thread_main's sigsetjmp, as a fault's signal handler does: the access never happens.
+  tl_running = nullptr;
+  siglongjmp(t.jmp, 1);
+}
+
+const KgEmuApi kApi = {KG_EMU_ABI_VERSION, &api_barrier,     &api_warp, &api_active_mask,
+                       &api_note_atomic,   &api_trap,        &api_misaligned};
 
 BlockRunner& runner_of_this_thread() {
   static thread_local AltStack alt;

@@ -35,13 +35,17 @@ struct GridLaunch {
   // Words for a faulting address the caller knows (a guard page of an argument buffer), or "".
   // `access` is "read", "write" or "access" (when the hardware does not say).
   std::function<std::string(std::uintptr_t address, const std::string& access)> describe_fault;
+  // Words for where an address lies ("byte offset 4 of x (float*; buffer x, 64 bytes)"), for a
+  // misaligned access; "" when the caller does not know it.
+  std::function<std::string(std::uintptr_t address)> describe_address;
   std::function<void(const void* address)> note_atomic;
   // The pool the blocks run on: the model's (LoadOptions::threads); null: the process-wide one.
   util::ThreadPool* pool = nullptr;
 };
 
 // Runs every block of the grid. Throws kg::Error, prefixed by the label and naming the kernel
-// and the thread, for the first failure: a fault, a wrong warp mask, a deadlock, __trap().
+// and the thread, for the first failure: a fault, a misaligned access, a wrong warp mask, a
+// deadlock, __trap().
 void run_grid(const GridLaunch& launch);
 
 // The function table given to every module (kg_emu_bind).

@@ -296,6 +296,14 @@ class CheckedLaunch {
                            " of ", args_text(*g), " at ", where_text(*g, *off));
       return "";
     };
+    gl.describe_address = [this](std::uintptr_t address) -> std::string {
+      for (const auto& g : groups_) {
+        const auto lo = reinterpret_cast<std::uintptr_t>(g->region->data());
+        if (address >= lo && address < lo + g->region->size())
+          return util::cat(where_text(*g, static_cast<long long>(address - lo)), " of ", args_text(*g));
+      }
+      return "";
+    };
     gl.note_atomic = [this](const void* address) {
       const auto a = reinterpret_cast<std::uintptr_t>(address);
       for (auto& g : groups_) {

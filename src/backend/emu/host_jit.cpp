@@ -38,10 +38,14 @@ const char kEmulationHeader[] =
 #pragma GCC diagnostic pop
 
 // Bump when the generated code or the flags change meaning, so old cached objects are not used.
-constexpr const char* kJitVersion = "kg-emu-jit 1";
+constexpr const char* kJitVersion = "kg-emu-jit 2";
+// -fsanitize=alignment: every typed load and store checks its address against the type's
+// alignment (kg_cuda_emu.h defines the handler a miss calls). The object is compiled, then linked
+// by a second command without the flag, so that no sanitizer runtime comes into the module.
 constexpr const char* kFlags =
-    "-O2 -std=c++17 -shared -fPIC -fvisibility=hidden -fno-strict-aliasing -fno-math-errno "
-    "-fstack-clash-protection -w";
+    "-O2 -std=c++17 -fPIC -fvisibility=hidden -fno-strict-aliasing -fno-math-errno "
+    "-fstack-clash-protection -fsanitize=alignment -w";
+constexpr const char* kLinkFlags = "-shared";
 
 const std::string& abi_header() {
   static const std::string text = util::cat("#pragma once\n#define KG_EMU_ABI_VERSION ", KG_EMU_ABI_VERSION,
@@ -72,7 +76,6 @@ std::string temp_suffix() {
   static std::atomic<unsigned> counter{0};
   return util::cat(".tmp.", ::getpid(), ".", counter++);
 }
-
 
 bool read_text(const fs::path& p, std::string& out) {
   std::ifstream f(p, std::ios::binary);
@@ -336,7 +339,7 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
   }
   const fs::path inc = include_dir();
   const std::string key = compile::content_hash(util::cat(kJitVersion, "\n", cxx, " ", compiler_id_, "\n",
-                                                          kFlags, "\n", inc.filename().string(), "\n", tu));
+                                                          kFlags, " ", kLinkFlags, "\n", inc.filename().string(), "\n", tu));
   if (auto it = modules_.find(key); it != modules_.end()) {
     ++stats_.memory_hits;
     return it->second;
@@ -358,15 +361,20 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
   }
   if (!handle) {
     const std::string suffix = temp_suffix();
-    const fs::path cpp = dir_ / (key + suffix + ".cpp"), so = dir_ / (key + suffix + ".so");
+    const fs::path cpp = dir_ / (key + suffix + ".cpp"), obj = dir_ / (key + suffix + ".o"),
+                   so = dir_ / (key + suffix + ".so");
     if (!util::write_file_atomic(cpp, tu))
       throw Error(util::cat("[", name, "] CUDA emulation: cannot write ", cpp.string()));
-    const std::string cmd = util::cat(cxx, " ", kFlags, " -I", shell_quote(inc.string()), " -o ",
-                                      shell_quote(so.string()), " ", shell_quote(cpp.string()));
+    // One shell command (run_command adds 2>&1 to it): compile, then link.
+    const std::string cmd =
+        util::cat("{ ", cxx, " ", kFlags, " -I", shell_quote(inc.string()), " -c -o ", shell_quote(obj.string()), " ",
+                  shell_quote(cpp.string()), " && ", cxx, " ", kLinkFlags, " -o ", shell_quote(so.string()), " ",
+                  shell_quote(obj.string()), "; }");
     const auto t0 = std::chrono::steady_clock::now();
     std::string log;
     const int rc = run_command(cmd, log);
     mod->compile_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    fs::remove(obj, ec);
     if (rc != 0) {
       fs::remove(cpp, ec);
       fs::remove(so, ec);
