@@ -4,7 +4,6 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
@@ -16,6 +15,7 @@
 #include "util/str.hpp"
 
 using kg_test::fresh_seed;
+using kg_test::read_file;
 namespace fs = std::filesystem;
 
 namespace {
@@ -190,13 +190,6 @@ DotGraph check_dot(const std::string& dot) {
 }
 
 bool dot_available() { return std::system("command -v dot >/dev/null 2>&1") == 0; }
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
-}
 
 class TempDir {
  public:

@@ -192,6 +192,19 @@ class KernelOnlyScaleOp final : public kg::CustomOp {
 };
 
 // A row sum through shared memory; `sync` false leaves out the barrier between the tree's steps.
+// (x, y, row length): a block of `threads` per row of x [rows, n].
+struct RowRuntime final : kg::RuntimeOp {
+  explicit RowRuntime(unsigned threads) : threads(threads) {}
+  void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
+    v.i32(static_cast<std::int32_t>(t.inputs[0].shape[1]));
+  }
+  kg::Dim3 block() const override { return {threads, 1, 1}; }
+  kg::Dim3 grid(const std::vector<std::int64_t>& out) const override { return {static_cast<unsigned>(out[0]), 1, 1}; }
+  unsigned threads;
+};
+
 class RowSumOp final : public kg::CustomOp {
  public:
   explicit RowSumOp(bool sync) : sync_(sync) {}
@@ -216,18 +229,7 @@ extern "C" __global__ void row_sum(const float* x, float* y, int n) {
 }
 )";
     src.replace(src.find("SYNC"), 4, sync_ ? "__syncthreads();" : "");
-    struct Rt final : kg::RuntimeOp {
-      void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
-        v.pointer(t.inputs[0].ptr);
-        v.pointer(t.output.ptr);
-        v.i32(static_cast<std::int32_t>(t.inputs[0].shape[1]));
-      }
-      kg::Dim3 block() const override { return {64, 1, 1}; }
-      kg::Dim3 grid(const std::vector<std::int64_t>& out) const override {
-        return {static_cast<unsigned>(out[0]), 1, 1};
-      }
-    };
-    return kg::Lowered{"test.row_sum", src, "row_sum", std::make_shared<Rt>()};
+    return kg::Lowered{"test.row_sum", src, "row_sum", std::make_shared<RowRuntime>(64)};
   }
   void cpu_forward(kg::CpuContext& ctx) const override {
     const kg::Tensor& x = ctx.inputs[0];
@@ -261,18 +263,7 @@ extern "C" __global__ void row_sum4(const float* x, float* y, int n) {
   y[blockIdx.x] = v;
 }
 )";
-    struct Rt final : kg::RuntimeOp {
-      void pack_args(const kg::LaunchTensors& t, kg::ArgVisitor& v) const override {
-        v.pointer(t.inputs[0].ptr);
-        v.pointer(t.output.ptr);
-        v.i32(static_cast<std::int32_t>(t.inputs[0].shape[1]));
-      }
-      kg::Dim3 block() const override { return {1, 1, 1}; }
-      kg::Dim3 grid(const std::vector<std::int64_t>& out) const override {
-        return {static_cast<unsigned>(out[0]), 1, 1};
-      }
-    };
-    return kg::Lowered{"test.row_sum4", src, "row_sum4", std::make_shared<Rt>()};
+    return kg::Lowered{"test.row_sum4", src, "row_sum4", std::make_shared<RowRuntime>(1)};
   }
   void cpu_forward(kg::CpuContext& ctx) const override {
     const kg::Tensor& x = ctx.inputs[0];

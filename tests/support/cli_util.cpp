@@ -4,8 +4,8 @@
 #include <sys/wait.h>
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
+
+#include "support/test_util.hpp"
 
 namespace kg_test {
 
@@ -32,10 +32,7 @@ CliResult run_kgraph(const std::vector<std::string>& args, const std::string& en
   std::size_t n = 0;
   while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
   const int status = ::pclose(p);
-  std::ifstream f(err_path, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  r.err = os.str();
+  r.err = read_file(err_path);
   if (WIFEXITED(status)) {
     r.code = WEXITSTATUS(status);
   } else {

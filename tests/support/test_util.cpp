@@ -1,6 +1,7 @@
 #include "support/test_util.hpp"
 
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <sstream>
 
@@ -18,6 +19,13 @@ kg::Tensor random_tensor(std::mt19937_64& rng, kg::DType dtype, std::vector<std:
   double* d = t.data<double>();
   for (std::int64_t i = 0; i < t.numel(); ++i) d[i] = u(rng);
   return dtype == kg::DType::F64 ? t : t.to(dtype);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream os;
+  os << f.rdbuf();
+  return os.str();
 }
 
 bool all_written(const kg::Tensor& t) {

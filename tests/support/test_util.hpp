@@ -46,6 +46,9 @@ kg::Tensor nan_tensor(kg::DType dtype, std::vector<std::int64_t> shape);
 ::testing::AssertionResult matches(const kg::Tensor& got, const std::vector<double>& want, double rtol,
                                    double atol);
 
+// The whole content of a file ("" when it cannot be read).
+std::string read_file(const std::string& path);
+
 // True when no element is NaN.
 bool all_written(const kg::Tensor& t);
 

@@ -17,17 +17,11 @@
 
 using kg_test::CliResult;
 using kg_test::expect_one_line_error;
+using kg_test::read_file;
 using kg_test::fresh_seed;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
-}
 
 class Cli : public ::testing::Test {
  protected:

@@ -20,16 +20,10 @@
 
 using kg_test::CliResult;
 using kg_test::expect_one_line_error;
+using kg_test::read_file;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream os;
-  os << f.rdbuf();
-  return os.str();
-}
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> out;
@@ -185,19 +179,19 @@ TEST_F(CliTrain, TinyRunWritesLogsPlotAndCheckpoints) {
     EXPECT_TRUE(tensors.count("classifier.4.bias"));
     EXPECT_TRUE(tensors.count("optimizer/step"));
   }
-  const auto log = lines_of(read_text(fs::path(out) / "log.csv"));
+  const auto log = lines_of(read_file(fs::path(out) / "log.csv"));
   ASSERT_EQ(log.size(), 1u + 8u);
   EXPECT_EQ(log[0], "epoch,step,loss,test_accuracy");
   EXPECT_EQ(log[1].rfind("1,1,", 0), 0u) << log[1];
   EXPECT_EQ(log[1].back(), ',') << "no accuracy before the epoch ends: " << log[1];
   EXPECT_EQ(log[8].rfind("2,8,", 0), 0u) << log[8];
   EXPECT_NE(log[8].back(), ',') << "the epoch's last step carries the test accuracy: " << log[8];
-  const auto ep = lines_of(read_text(fs::path(out) / "epochs.csv"));
+  const auto ep = lines_of(read_file(fs::path(out) / "epochs.csv"));
   ASSERT_EQ(ep.size(), 3u);
   EXPECT_EQ(ep[0], "epoch,step,train_loss,test_loss,test_accuracy,seconds");
   if (have_gnuplot()) {
     ASSERT_TRUE(fs::exists(fs::path(out) / "plot.png"));
-    const std::string png = read_text(fs::path(out) / "plot.png");
+    const std::string png = read_file(fs::path(out) / "plot.png");
     EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
     EXPECT_NE(r.out.find("plot: " + out + "/plot.png"), std::string::npos);
   } else {
@@ -241,9 +235,9 @@ TEST_F(CliTrain, ResumeContinuesAtTheNextEpochAsAnUninterruptedRun) {
   EXPECT_EQ(lines_of(rest.out).back(), lines_of(full.out).back());
   EXPECT_TRUE(fs::exists(fs::path(part) / "checkpoint-epoch3.safetensors"));
   // The logs of the resumed folder are those of the uninterrupted run.
-  EXPECT_EQ(read_text(fs::path(part) / "log.csv"), read_text(fs::path(whole) / "log.csv"));
-  EXPECT_EQ(without_seconds(read_text(fs::path(part) / "epochs.csv")),
-            without_seconds(read_text(fs::path(whole) / "epochs.csv")));
+  EXPECT_EQ(read_file(fs::path(part) / "log.csv"), read_file(fs::path(whole) / "log.csv"));
+  EXPECT_EQ(without_seconds(read_file(fs::path(part) / "epochs.csv")),
+            without_seconds(read_file(fs::path(whole) / "epochs.csv")));
   // So are the parameters.
   const auto a = kg::read_safetensors(part + "/checkpoint-epoch3.safetensors");
   const auto b = kg::read_safetensors(whole + "/checkpoint-epoch3.safetensors");
@@ -296,7 +290,7 @@ TEST_F(CliTrain, ErrorPaths) {
   const std::string bad = path("bad");
   write_dataset(bad, 40, 20);
   const std::string gz = bad + "/train-images-idx3-ubyte.gz";
-  const std::string whole = read_text(gz);
+  const std::string whole = read_file(gz);
   { std::ofstream(gz, std::ios::binary | std::ios::trunc) << whole.substr(0, whole.size() / 2); }
   expect_one_line_error(kg_test::run_kgraph({"train", "--data", bad}, "", path("stderr.txt")), 1,
                         {gz, "truncated gzip stream"});

@@ -7,24 +7,16 @@
 
 #include <atomic>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "support/test_util.hpp"
 #include "util/file.hpp"
 
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::ostringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
 
 // A fresh, empty folder for one test.
 fs::path fresh_dir(const std::string& name) {
@@ -46,15 +38,15 @@ TEST(WriteFileAtomic, WritesAndReplacesWithTheGivenMode) {
   const fs::path d = fresh_dir("kg_atomic_write");
   const fs::path p = d / "f.txt";
   ASSERT_TRUE(kg::util::write_file_atomic(p, "first", 0600));
-  EXPECT_EQ(read_all(p), "first");
+  EXPECT_EQ(kg_test::read_file(p), "first");
   struct stat st{};
   ASSERT_EQ(::stat(p.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   const std::string big(3 << 20, 'x');  // more than one write() may take
   ASSERT_TRUE(kg::util::write_file_atomic(p, big));
-  EXPECT_EQ(read_all(p), big);
+  EXPECT_EQ(kg_test::read_file(p), big);
   ASSERT_TRUE(kg::util::write_file_atomic(p, ""));
-  EXPECT_EQ(read_all(p), "");
+  EXPECT_EQ(kg_test::read_file(p), "");
   EXPECT_EQ(entries(d), 1u) << "no temporary file is left";
   fs::remove_all(d);
 }
@@ -73,7 +65,7 @@ TEST(WriteFileAtomic, AFailedWriteKeepsTheOldFileAndLeavesNothing) {
     ASSERT_TRUE(kg::util::write_file_atomic(p, "old"));
     fs::permissions(p.parent_path(), fs::perms::owner_read | fs::perms::owner_exec);
     EXPECT_FALSE(kg::util::write_file_atomic(p, "new"));
-    EXPECT_EQ(read_all(p), "old");
+    EXPECT_EQ(kg_test::read_file(p), "old");
     fs::permissions(p.parent_path(), fs::perms::owner_all);
   }
   fs::remove_all(d);
@@ -89,7 +81,7 @@ TEST(WriteFileAtomic, ReadersRacingWritersSeeOnlyWholeTexts) {
   std::atomic<int> bad{0}, reads{0};
   std::thread reader([&] {
     while (!stop) {
-      const std::string s = read_all(p);
+      const std::string s = kg_test::read_file(p);
       ++reads;
       const int w = s.empty() ? -1 : s[0] - 'a';
       if (w < 0 || w >= 4 || s != text_of(w)) ++bad;
