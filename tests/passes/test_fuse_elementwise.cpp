@@ -9,9 +9,11 @@
 #include "kg/testing.hpp"
 #include "ops/fused_elementwise.hpp"
 #include "ops/fused_gemm.hpp"
+#include "support/fusion_util.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
+using kg_test::member_names;
 
 namespace {
 
@@ -23,28 +25,17 @@ struct Built {
 
 // Nodes of op `op`, or with "" every node that runs (views, such as a group's outputs, run nothing).
 int count_ops(const kg::Model& m, const std::string& op) {
+  if (op.empty()) return kg_test::count_ops(m, false);
   int n = 0;
   for (int id : m.live_nodes()) {
     const kg::Node& node = m.graph().node(id);
-    n += node.kind == kg::Node::Kind::Op && (op.empty() ? !node.op->op().is_view() : node.op_name() == op);
+    n += node.kind == kg::Node::Kind::Op && node.op_name() == op;
   }
   return n;
 }
 
 std::vector<const kg::ops::FusedElementwiseOp*> fused_ops(const kg::Model& m) {
-  std::vector<const kg::ops::FusedElementwiseOp*> v;
-  for (int id : m.live_nodes()) {
-    const kg::Node& node = m.graph().node(id);
-    if (node.kind != kg::Node::Kind::Op) continue;
-    if (const auto* f = node.op->as<kg::ops::FusedElementwiseOp>()) v.push_back(f);
-  }
-  return v;
-}
-
-std::vector<std::string> member_names(const kg::ops::FusedElementwiseOp& f) {
-  std::vector<std::string> v;
-  for (const auto& m : f.members()) v.push_back(m.node);
-  return v;
+  return kg_test::ops_of<kg::ops::FusedElementwiseOp>(m);
 }
 
 // Random values for every f32 parameter by name: running variances in [0.5, 1.5], the others in
@@ -60,9 +51,7 @@ std::map<std::string, kg::Tensor> random_params(const kg::Model& m, std::mt19937
 }
 
 std::vector<kg::Tensor> random_inputs(std::mt19937_64& rng, const Built& b, kg::DType dt) {
-  std::vector<kg::Tensor> v;
-  for (const auto& s : b.input_shapes) v.push_back(kg_test::random_tensor(rng, dt, s, -2.0, 2.0));
-  return v;
+  return kg_test::random_inputs(rng, b.input_shapes, dt);
 }
 
 // Runs `b` fused and unfused with the same inputs; the fused model on the CPU (its chunked
@@ -70,20 +59,7 @@ std::vector<kg::Tensor> random_inputs(std::mt19937_64& rng, const Built& b, kg::
 kg::Model compare_inference(const Built& b, const std::vector<kg::Tensor>& inputs, double tol) {
   kg::Model fused(b.graph, b.outputs);
   kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Inference, {.fusion = false});
-  kg::LoadOptions poisoned;
-  poisoned.poison_buffers = true;
-  kg::LoadOptions checked;
-  checked.checked = true;
-  auto want = plain.load(kg::Device::cpu(), b.input_shapes, poisoned).forward(inputs);
-  auto got_cpu = fused.load(kg::Device::cpu(), b.input_shapes, poisoned).forward(inputs);
-  auto got_emu = fused.load(kg::Device::cpu(), b.input_shapes, checked).forward(inputs);
-  EXPECT_EQ(got_cpu.size(), want.size());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    SCOPED_TRACE("output " + std::to_string(i));
-    EXPECT_TRUE(kg_test::all_written(got_cpu[i]));
-    EXPECT_TRUE(kg_test::all_close(got_cpu[i], want[i], tol, tol));
-    EXPECT_TRUE(kg_test::all_close(got_emu[i], want[i], tol, tol));
-  }
+  kg_test::expect_fused_matches_plain(fused, plain, b.input_shapes, inputs, tol);
   return fused;
 }
 

@@ -11,32 +11,17 @@
 #include "kg/testing.hpp"
 #include "ops/fused_gemm.hpp"
 #include "ops/pointwise.hpp"
+#include "support/fusion_util.hpp"
 #include "support/test_util.hpp"
 
+using kg_test::count_ops;
 using kg_test::fresh_seed;
+using kg_test::member_names;
 
 namespace {
 
 std::vector<const kg::ops::FusedGemmOp*> folded_ops(const kg::Model& m) {
-  std::vector<const kg::ops::FusedGemmOp*> v;
-  for (int id : m.live_nodes()) {
-    const kg::Node& node = m.graph().node(id);
-    if (node.kind != kg::Node::Kind::Op) continue;
-    if (const auto* f = node.op->as<kg::ops::FusedGemmOp>()) v.push_back(f);
-  }
-  return v;
-}
-
-int count_ops(const kg::Model& m) {
-  int n = 0;
-  for (int id : m.live_nodes()) n += m.graph().node(id).kind == kg::Node::Kind::Op;
-  return n;
-}
-
-std::vector<std::string> member_names(const kg::ops::FusedGemmOp& f) {
-  std::vector<std::string> v;
-  for (const auto& m : f.members()) v.push_back(m.node);
-  return v;
+  return kg_test::ops_of<kg::ops::FusedGemmOp>(m);
 }
 
 std::map<std::string, kg::Tensor> random_params(const kg::Model& m, std::mt19937_64& rng) {

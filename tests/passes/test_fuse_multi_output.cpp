@@ -9,6 +9,7 @@
 #include "kg/models.hpp"
 #include "kg/testing.hpp"
 #include "ops/fused_elementwise.hpp"
+#include "support/fusion_util.hpp"
 #include "support/test_util.hpp"
 
 using kg_test::fresh_seed;
@@ -22,31 +23,17 @@ struct Built {
 };
 
 std::vector<const kg::ops::FusedElementwiseOp*> fused_ops(const kg::Model& m) {
-  std::vector<const kg::ops::FusedElementwiseOp*> v;
-  for (int id : m.live_nodes()) {
-    const kg::Node& node = m.graph().node(id);
-    if (node.kind != kg::Node::Kind::Op) continue;
-    if (const auto* f = node.op->as<kg::ops::FusedElementwiseOp>()) v.push_back(f);
-  }
-  return v;
+  return kg_test::ops_of<kg::ops::FusedElementwiseOp>(m);
 }
 
 // Nodes that run (views run nothing).
-int kernels(const kg::Model& m) {
-  int n = 0;
-  for (int id : m.live_nodes()) {
-    const kg::Node& node = m.graph().node(id);
-    n += node.kind == kg::Node::Kind::Op && !node.op->op().is_view();
-  }
-  return n;
-}
+int kernels(const kg::Model& m) { return kg_test::count_ops(m, false); }
 
+// The group's members, or (`outputs`) only those it writes.
 std::vector<std::string> names(const kg::ops::FusedElementwiseOp& f, bool outputs) {
+  if (!outputs) return kg_test::member_names(f);
   std::vector<std::string> v;
-  if (outputs)
-    for (int o : f.outputs()) v.push_back(f.members()[static_cast<std::size_t>(o)].node);
-  else
-    for (const auto& m : f.members()) v.push_back(m.node);
+  for (int o : f.outputs()) v.push_back(f.members()[static_cast<std::size_t>(o)].node);
   return v;
 }
 
@@ -57,9 +44,7 @@ std::size_t most_outputs(const kg::Model& m) {
 }
 
 std::vector<kg::Tensor> random_inputs(std::mt19937_64& rng, const Built& b, kg::DType dt) {
-  std::vector<kg::Tensor> v;
-  for (const auto& s : b.input_shapes) v.push_back(kg_test::random_tensor(rng, dt, s, -2.0, 2.0));
-  return v;
+  return kg_test::random_inputs(rng, b.input_shapes, dt);
 }
 
 // The fused model on the CPU forms (poisoned buffers) and checked under the emulator (the
@@ -67,21 +52,7 @@ std::vector<kg::Tensor> random_inputs(std::mt19937_64& rng, const Built& b, kg::
 kg::Model compare_inference(const Built& b, const std::vector<kg::Tensor>& inputs, double tol) {
   kg::Model fused(b.graph, b.outputs);
   kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Inference, {.fusion = false});
-  kg::LoadOptions poisoned;
-  poisoned.poison_buffers = true;
-  kg::LoadOptions checked;
-  checked.checked = true;
-  auto want = plain.load(kg::Device::cpu(), b.input_shapes, poisoned).forward(inputs);
-  auto got_cpu = fused.load(kg::Device::cpu(), b.input_shapes, poisoned).forward(inputs);
-  auto got_emu = fused.load(kg::Device::cpu(), b.input_shapes, checked).forward(inputs);
-  EXPECT_EQ(got_cpu.size(), want.size());
-  EXPECT_EQ(got_emu.size(), want.size());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    SCOPED_TRACE("output " + b.outputs[i].first);
-    EXPECT_TRUE(kg_test::all_written(got_cpu[i]));
-    EXPECT_TRUE(kg_test::all_close(got_cpu[i], want[i], tol, tol));
-    EXPECT_TRUE(kg_test::all_close(got_emu[i], want[i], tol, tol));
-  }
+  kg_test::expect_fused_matches_plain(fused, plain, b.input_shapes, inputs, tol);
   return fused;
 }
 

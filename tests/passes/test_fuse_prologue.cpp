@@ -12,9 +12,12 @@
 #include "ops/pointwise.hpp"
 #include "ops/reduce_ops.hpp"
 #include "support/onnx_builder.hpp"
+#include "support/fusion_util.hpp"
 #include "support/test_util.hpp"
 
+using kg_test::count_ops;
 using kg_test::fresh_seed;
+using kg_test::member_names;
 
 namespace {
 
@@ -37,24 +40,10 @@ std::vector<const kg::ops::FusedReductionOp*> folded_ops(const kg::Model& m) {
   return folded_ops(m.graph(), m.live_nodes());
 }
 
-int count_ops(const kg::Model& m) {
-  int n = 0;
-  for (int id : m.live_nodes()) n += m.graph().node(id).kind == kg::Node::Kind::Op;
-  return n;
-}
-
-std::vector<std::string> member_names(const kg::ops::FusedReductionOp& f) {
-  std::vector<std::string> v;
-  for (const auto& m : f.members()) v.push_back(m.node);
-  return v;
-}
-
 // Inputs in [lo, hi].
 std::vector<kg::Tensor> random_inputs(std::mt19937_64& rng, const Built& b, kg::DType dt, double lo = -2.0,
                                       double hi = 2.0) {
-  std::vector<kg::Tensor> v;
-  for (const auto& s : b.input_shapes) v.push_back(kg_test::random_tensor(rng, dt, s, lo, hi));
-  return v;
+  return kg_test::random_inputs(rng, b.input_shapes, dt, lo, hi);
 }
 
 // Random values for every float parameter.
@@ -72,30 +61,7 @@ kg::Model compare_inference(const Built& b, const std::vector<kg::Tensor>& input
                             double tol) {
   kg::Model fused(b.graph, b.outputs);
   kg::Model plain(b.graph, b.outputs, kg::LoweringMode::Inference, {.fusion = false});
-  const auto params = random_params(plain, rng);
-  kg::LoadOptions poisoned;
-  poisoned.poison_buffers = true;
-  kg::LoadOptions checked;
-  checked.checked = true;
-  auto lp = plain.load(kg::Device::cpu(), b.input_shapes, poisoned);
-  auto lc = fused.load(kg::Device::cpu(), b.input_shapes, poisoned);
-  auto le = fused.load(kg::Device::cpu(), b.input_shapes, checked);
-  if (!params.empty()) {
-    lp.load_state_dict(params);
-    lc.load_state_dict(params);
-    le.load_state_dict(params);
-  }
-  auto want = lp.forward(inputs);
-  auto got_cpu = lc.forward(inputs);
-  auto got_emu = le.forward(inputs);
-  EXPECT_EQ(got_cpu.size(), want.size());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    SCOPED_TRACE("output " + std::to_string(i));
-    EXPECT_TRUE(kg_test::all_written(got_cpu[i]));
-    EXPECT_TRUE(kg_test::all_written(got_emu[i]));
-    EXPECT_TRUE(kg_test::all_close(got_cpu[i], want[i], tol, tol));
-    EXPECT_TRUE(kg_test::all_close(got_emu[i], want[i], tol, tol));
-  }
+  kg_test::expect_fused_matches_plain(fused, plain, b.input_shapes, inputs, tol, random_params(plain, rng));
   return fused;
 }
 
