@@ -700,13 +700,16 @@ void api_trap(const KgEmuThreadInfo* self, const char* what) {
 void api_misaligned(const KgEmuThreadInfo* self, const void* address, unsigned alignment, int store, const char* type,
                     const char* file, unsigned line) {
   EThread& t = self_of(self);
-  const auto a = reinterpret_cast<std::uintptr_t>(address);
-  const GridLaunch& launch = *t.runner->launch;
-  std::string where = launch.describe_address ? launch.describe_address(a) : "";
-  if (where.empty()) where = util::cat("address 0x", std::hex, a, std::dec);
-  t.failure = util::cat("misaligned ", store == 1 ? "store" : store == 0 ? "load" : "access", " of ", type, " at ",
-                        where, ": ", a % alignment, " bytes past a multiple of ", alignment,
-                        ", the type's alignment (a GPU faults there) at ", file, ":", line);
+  {
+    // In a scope of its own: the jump below skips destructors, so no string may be alive then.
+    const auto a = reinterpret_cast<std::uintptr_t>(address);
+    const GridLaunch& launch = *t.runner->launch;
+    std::string where = launch.describe_address ? launch.describe_address(a) : "";
+    if (where.empty()) where = util::cat("address 0x", std::hex, a, std::dec);
+    t.failure = util::cat("misaligned ", store == 1 ? "store" : store == 0 ? "load" : "access", " of ", type, " at ",
+                          where, ": ", a % alignment, " bytes past a multiple of ", alignment,
+                          ", the type's alignment (a GPU faults there) at ", file, ":", line);
+  }
   // Back to thread_main's sigsetjmp, as a fault's signal handler does: the access never happens.
   tl_running = nullptr;
   siglongjmp(t.jmp, 1);
