@@ -253,10 +253,22 @@ class CheckedLaunch {
   }
 
  private:
+  // The byte offset of an address from the start of a group's guarded copy.
+  static long long offset_in(const Group& g, std::uintptr_t address) {
+    return static_cast<long long>(address - reinterpret_cast<std::uintptr_t>(g.region->data()));
+  }
   long long arg_offset(const Group& g, std::size_t a) const {
     DevicePtr p;
     std::memcpy(&p, bytes_[a].data(), sizeof p);
-    return static_cast<long long>(p - reinterpret_cast<std::uintptr_t>(g.region->data()));
+    return offset_in(g, p);
+  }
+  // The group whose guarded copy holds `address`, or null.
+  Group* group_holding(std::uintptr_t address) const {
+    for (const auto& g : groups_) {
+      const auto lo = reinterpret_cast<std::uintptr_t>(g->region->data());
+      if (address >= lo && address < lo + g->region->size()) return g.get();
+    }
+    return nullptr;
   }
 
   std::string args_text(const Group& g) const {
@@ -297,19 +309,13 @@ class CheckedLaunch {
       return "";
     };
     gl.describe_address = [this](std::uintptr_t address) -> std::string {
-      for (const auto& g : groups_) {
-        const auto lo = reinterpret_cast<std::uintptr_t>(g->region->data());
-        if (address >= lo && address < lo + g->region->size())
-          return util::cat(where_text(*g, static_cast<long long>(address - lo)), " of ", args_text(*g));
-      }
-      return "";
+      const Group* g = group_holding(address);
+      if (!g) return "";
+      return util::cat(where_text(*g, offset_in(*g, address)), " of ", args_text(*g));
     };
     gl.note_atomic = [this](const void* address) {
-      const auto a = reinterpret_cast<std::uintptr_t>(address);
-      for (auto& g : groups_) {
-        const auto lo = reinterpret_cast<std::uintptr_t>(g->region->data());
-        if (a >= lo && a < lo + g->region->size()) g->atomic.store(true, std::memory_order_relaxed);
-      }
+      if (Group* g = group_holding(reinterpret_cast<std::uintptr_t>(address)))
+        g->atomic.store(true, std::memory_order_relaxed);
     };
     run_grid(gl);
     for (const auto& g : groups_)
