@@ -146,8 +146,10 @@ struct GemmCall {
   bool relu = false;
 };
 
-// A 2-d convolution in NCHW that a vendor library can run: y = conv(x, w) (+ bias, one value per
-// output channel), cross-correlation as in PyTorch, w [out_channels, in_channels / groups, kh, kw].
+// A 2-d convolution that a vendor library can run: y = conv(x, w) (+ bias, one value per output
+// channel), cross-correlation as in PyTorch. In NCHW, x [N, C, H, W], y [N, O, OH, OW] and
+// w [out_channels, in_channels / groups, kh, kw]; `channels_last`: x [N, H, W, C], y [N, OH, OW, O]
+// and w [out_channels, kh, kw, in_channels / groups] (the sizes below are the same in both).
 // The backward passes use the same description: BackwardData writes x = dL/dx from y = dL/dy and w;
 // BackwardFilter writes w = dL/dw from x and y = dL/dy (the bias is not used by either).
 struct Conv2dCall {
@@ -160,6 +162,7 @@ struct Conv2dCall {
   std::int64_t out_channels = 0, kernel_h = 0, kernel_w = 0, out_height = 0, out_width = 0;
   std::int64_t pad_h = 0, pad_w = 0, stride_h = 1, stride_w = 1, dilation_h = 1, dilation_w = 1;
   std::int64_t groups = 1;
+  bool channels_last = false;
 };
 
 // A forward described for a vendor library (cuBLASLt for a GEMM, cuDNN for a convolution), so the
@@ -168,9 +171,12 @@ struct Conv2dCall {
 // machine without the library run them, so both must compute the same output. `epilogue` lists
 // launches of the op's own module that run after the library call, in place on the output, for
 // what the library does not fuse (a folded BatchNorm, a residual add, an activation).
+// `prologue` lists launches of the module that run before the call, e.g. to lay the weights out
+// in the op's scratch the way the library wants them.
 struct LibraryCall {
   std::variant<GemmCall, Conv2dCall> call;
   std::vector<Launch> epilogue;
+  std::vector<Launch> prologue = {};
 };
 
 // The backward described for vendor libraries: `calls` (each overwriting one gradient; their

@@ -199,7 +199,10 @@ void pack_step(StepLaunches& sl, bool training, std::uint64_t seed) {
   if (sl.depends_on_run) return;
   try {
     sl.library = sl.runtime_op->library_call(sl.tensors);
+    sl.prologue.clear();
     sl.epilogue.clear();
+    if (sl.library && !sl.library->prologue.empty())
+      sl.prologue = check_launches(sl.module, sl.library->prologue, sl.label, "library-call prologue");
     if (sl.library && !sl.library->epilogue.empty())
       sl.epilogue = check_launches(sl.module, sl.library->epilogue, sl.label, "library-call epilogue");
   } catch (const Error& err) {

@@ -64,9 +64,10 @@ struct StepLaunches {
   bool depends_on_run = false;
   LaunchTensors tensors;  // addresses and shapes; training and seed set per run
   // The forward as a vendor-library call (RuntimeOp::library_call), for ops whose launches do not
-  // depend on the run; its epilogue launches checked against the module like the others.
+  // depend on the run; its prologue and epilogue launches checked against the module like the
+  // others.
   std::optional<LibraryCall> library;
-  std::vector<CheckedLaunch> epilogue;
+  std::vector<CheckedLaunch> prologue, epilogue;
 };
 
 struct LaunchPlan {

@@ -242,7 +242,7 @@ std::string tuning_key(const Conv2dCall& c, bool tf32) {
                    c.batch, ",", c.in_channels, ",", c.height, ",", c.width, " w", c.out_channels, ",", c.kernel_h,
                    ",", c.kernel_w, " y", c.out_height, ",", c.out_width, " pad", c.pad_h, ",", c.pad_w, " stride",
                    c.stride_h, ",", c.stride_w, " dil", c.dilation_h, ",", c.dilation_w, " groups", c.groups,
-                   c.bias ? " bias" : "");
+                   c.bias ? " bias" : "", c.channels_last ? " nhwc" : "");
 }
 
 namespace {
@@ -302,10 +302,13 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
   check(f_.cudnnCreateTensorDescriptor(&p->y_desc_), label, "cudnnCreateTensorDescriptor");
   check(f_.cudnnCreateFilterDescriptor(&p->w_desc_), label, "cudnnCreateFilterDescriptor");
   check(f_.cudnnCreateConvolutionDescriptor(&p->conv_desc_), label, "cudnnCreateConvolutionDescriptor");
-  check(f_.cudnnSetTensor4dDescriptor(p->x_desc_, CUDNN_TENSOR_NCHW, data, i32(c.batch), i32(c.in_channels),
+  // Channels-last: x, y and the filter all NHWC (the filter [O, kh, kw, C/g]); the sizes are
+  // given in NCHW order either way.
+  const cudnnTensorFormat_t format = c.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  check(f_.cudnnSetTensor4dDescriptor(p->x_desc_, format, data, i32(c.batch), i32(c.in_channels),
                                       i32(c.height), i32(c.width)),
         label, "cudnnSetTensor4dDescriptor");
-  check(f_.cudnnSetFilter4dDescriptor(p->w_desc_, data, CUDNN_TENSOR_NCHW, i32(c.out_channels),
+  check(f_.cudnnSetFilter4dDescriptor(p->w_desc_, data, format, i32(c.out_channels),
                                       i32(c.in_channels / c.groups), i32(c.kernel_h), i32(c.kernel_w)),
         label, "cudnnSetFilter4dDescriptor");
   check(f_.cudnnSetConvolution2dDescriptor(p->conv_desc_, i32(c.pad_h), i32(c.pad_w), i32(c.stride_h),
@@ -324,11 +327,11 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
                           c.out_height, ", ", c.out_width, "] but the convolution of [", c.batch, ", ",
                           c.in_channels, ", ", c.height, ", ", c.width, "] gives [", on, ", ", oc, ", ", oh,
                           ", ", ow, "]"));
-  check(f_.cudnnSetTensor4dDescriptor(p->y_desc_, CUDNN_TENSOR_NCHW, data, on, oc, oh, ow), label,
+  check(f_.cudnnSetTensor4dDescriptor(p->y_desc_, format, data, on, oc, oh, ow), label,
         "cudnnSetTensor4dDescriptor");
   if (c.bias) {
     check(f_.cudnnCreateTensorDescriptor(&p->bias_desc_), label, "cudnnCreateTensorDescriptor");
-    check(f_.cudnnSetTensor4dDescriptor(p->bias_desc_, CUDNN_TENSOR_NCHW, data, 1, oc, 1, 1), label,
+    check(f_.cudnnSetTensor4dDescriptor(p->bias_desc_, format, data, 1, oc, 1, 1), label,
           "cudnnSetTensor4dDescriptor");
   }
 
@@ -403,7 +406,7 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
   if (ws > o.max_workspace_bytes) return nullptr;
   p->workspace_ = ws;
   p->description_ = util::cat("cudnn ", dtype_name(c.dtype), c.dtype == DType::F32 && o.tf32 ? "/tf32" : "",
-                              " ", algo_name(algo), cached ? " (tuned, cached)" : tuned ? " (tuned)" : "", ", ", ws,
+                              c.channels_last ? " nhwc" : "", " ", algo_name(algo), cached ? " (tuned, cached)" : tuned ? " (tuned)" : "", ", ", ws,
                               " B workspace");
   return p;
 }

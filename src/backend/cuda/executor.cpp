@@ -31,6 +31,7 @@ namespace kg::cuda {
 #ifndef KG_HAVE_CUDA
 
 bool available() { return false; }
+bool convolution_library_available() { return false; }
 
 std::unique_ptr<backend::Executor> make_executor(int, const Graph&, const lower::LoweredGraph&, plan::Plan&,
                                                  const LoadOptions&) {
@@ -40,6 +41,7 @@ std::unique_ptr<backend::Executor> make_executor(int, const Graph&, const lower:
 #else
 
 bool available() { return Driver::get() != nullptr; }
+bool convolution_library_available() { return Dnn::get() != nullptr; }
 
 namespace {
 
@@ -123,10 +125,11 @@ class GpuExecutor final : public backend::Executor {
     std::vector<CUfunction> fns;  // per launch
     std::vector<DeviceBuffer> params;
     std::vector<std::vector<void*> > kparams;  // per launch, into lp_.steps[i].launches[l].args
-    // The vendor-library tactic, when chosen: the planned call, then the epilogue launches.
+    // The vendor-library tactic, when chosen: the prologue launches, the planned call, then the
+    // epilogue launches.
     std::unique_ptr<VendorPlan> vendor;
-    std::vector<CUfunction> epilogue_fns;
-    std::vector<std::vector<void*> > epilogue_kparams;
+    std::vector<CUfunction> prologue_fns, epilogue_fns;
+    std::vector<std::vector<void*> > prologue_kparams, epilogue_kparams;
   };
   // How library calls are planned (tf32, tuning, the workspace limit), or nothing when they are off.
   std::optional<VendorOptions> vendor_options() const;
@@ -274,6 +277,10 @@ void GpuExecutor::plan_vendor_calls() {
     if (!p) continue;
     Step& st = steps_[i];
     st.vendor = std::move(p);
+    for (const auto& L : sl.prologue) {
+      st.prologue_fns.push_back(ctx_.function(sl.module.ptx, L.ptx_entry, sl.label));
+      st.prologue_kparams.push_back(L.launch.args.kernel_params());
+    }
     for (const auto& L : sl.epilogue) {
       st.epilogue_fns.push_back(ctx_.function(sl.module.ptx, L.ptx_entry, sl.label));
       st.epilogue_kparams.push_back(L.launch.args.kernel_params());
@@ -291,7 +298,7 @@ void GpuExecutor::plan_vendor_calls() {
     const std::string key =
         util::cat(sl.module.name, " ", compile::content_hash(sl.module.ptx).substr(0, 16), " ",
                   std::visit([&](const auto& call) { return tuning_key(call, vo.tf32); }, sl.library->call),
-                  " epilogue", sl.epilogue.size());
+                  " epilogue", sl.epilogue.size(), sl.prologue.empty() ? "" : util::cat(" prologue", sl.prologue.size()));
     const std::optional<std::string> kept = vo.cache->find(scope, key);
     if (kept == "own") {
       st.vendor.reset();
@@ -341,6 +348,12 @@ void GpuExecutor::bind_launches(std::size_t i) {
 void GpuExecutor::launch_step(std::size_t i) {
   auto& sl = lp_.steps[i];
   if (const Step& st = steps_[i]; st.vendor) {
+    for (std::size_t l = 0; l < sl.prologue.size(); ++l) {
+      const Launch& L = sl.prologue[l].launch;
+      ctx_.launch(st.prologue_fns[l], L.grid, L.block, L.shared_bytes,
+                  const_cast<void**>(st.prologue_kparams[l].data()),
+                  util::cat(sl.label, " kernel '", sl.module.name, "' entry '", sl.prologue[l].entry, "'"));
+    }
     st.vendor->run(ctx_.stream(), workspace_.ptr(), sl.label);
     for (std::size_t l = 0; l < sl.epilogue.size(); ++l) {
       const Launch& L = sl.epilogue[l].launch;

@@ -17,6 +17,8 @@ namespace kg::cuda {
 
 // True when a GPU is usable by this build on this machine.
 bool available();
+// True when cuDNN opens here (convolutions can take its tensor-core algorithms).
+bool convolution_library_available();
 
 // Compiles every executable for the device's architecture, checks the launches, plans and
 // allocates device memory and uploads parameters; fills plan.memory. With LoadOptions::checked

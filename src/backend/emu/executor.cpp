@@ -489,6 +489,9 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
         o.buffers.push_back({arena.address() + sl.scratch_offset, sl.scratch_bytes, "scratch"});
     }
     if (library_calls && sl.library) {
+      for (const auto& L : sl.prologue)
+        run_kernel(mod->find(L.entry, sl.label), L.launch.grid, L.launch.block, L.launch.shared_bytes,
+                   L.launch.args, o, sl.label);
       run_library_reference(*sl.library, sl.label);
       if (library_steps) ++*library_steps;
       for (const auto& L : sl.epilogue)

@@ -75,14 +75,20 @@ void conv(const Conv2dCall& c) {
   T *x = at<T>(c.x), *w = at<T>(c.w), *y = at<T>(c.y);
   const T* bias = at<T>(c.bias);
   const std::int64_t cg = c.in_channels / c.groups;
+  // Element offsets in NCHW (x, y) and [O, C/g, kh, kw] (w), or channels-last: [N, H, W, C] and
+  // [O, kh, kw, C/g].
+  const bool last = c.channels_last;
   auto xi = [&](std::int64_t n, std::int64_t ch, std::int64_t ih, std::int64_t iw) {
-    return ((n * c.in_channels + ch) * c.height + ih) * c.width + iw;
+    return last ? ((n * c.height + ih) * c.width + iw) * c.in_channels + ch
+                : ((n * c.in_channels + ch) * c.height + ih) * c.width + iw;
   };
   auto wi = [&](std::int64_t o, std::int64_t ci, std::int64_t kh, std::int64_t kw) {
-    return ((o * cg + ci) * c.kernel_h + kh) * c.kernel_w + kw;
+    return last ? ((o * c.kernel_h + kh) * c.kernel_w + kw) * cg + ci
+                : ((o * cg + ci) * c.kernel_h + kh) * c.kernel_w + kw;
   };
   auto yi = [&](std::int64_t n, std::int64_t o, std::int64_t oh, std::int64_t ow) {
-    return ((n * c.out_channels + o) * c.out_height + oh) * c.out_width + ow;
+    return last ? ((n * c.out_height + oh) * c.out_width + ow) * c.out_channels + o
+                : ((n * c.out_channels + o) * c.out_height + oh) * c.out_width + ow;
   };
   using Pass = Conv2dCall::Pass;
   const std::int64_t outputs = c.pass == Pass::Forward ? c.batch * c.out_channels * c.out_height * c.out_width
@@ -110,7 +116,8 @@ void conv(const Conv2dCall& c) {
   const std::int64_t hwo = c.out_height * c.out_width;
   for (std::int64_t i = 0; i < outputs; ++i) {
     double v = sum[static_cast<std::size_t>(i)];
-    if (c.pass == Pass::Forward && bias) v += static_cast<double>(bias[(i / hwo) % c.out_channels]);
+    if (c.pass == Pass::Forward && bias)
+      v += static_cast<double>(bias[last ? i % c.out_channels : (i / hwo) % c.out_channels]);
     out[i] = static_cast<T>(v);
   }
 }
