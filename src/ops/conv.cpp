@@ -1752,15 +1752,7 @@ ConvGpuConfig gpu_config(const Conv2dOp& op, DType dtype) {
 }
 
 // ... and of a fused one, with its epilogue.
-ConvGpuConfig gpu_config(const FusedConv2dOp& op, DType dtype) {
-  ConvGpuConfig c = gpu_config(op.conv(), dtype);
-  c.batch_norm = op.spec().batch_norm;
-  c.bn_eps = op.spec().bn_eps;
-  c.residual = op.spec().residual;
-  c.activation = op.spec().activation;
-  c.activation_form = op.spec().activation_form;
-  return c;
-}
+ConvGpuConfig gpu_config(const FusedConv2dOp& op, DType dtype) { return conv_gpu_config(op.conv(), op.spec(), dtype); }
 
 // The one dtype of a convolution's inputs: f32, f64, or f16 / bf16 (for inference).
 DType input_dtype(const std::vector<DType>& in) {
@@ -1784,6 +1776,16 @@ bool params_fit(DType declared, DType t) {
 }
 
 }  // namespace
+
+ConvGpuConfig conv_gpu_config(const Conv2dOp& conv, const ConvEpilogueSpec& spec, DType dtype) {
+  ConvGpuConfig c = gpu_config(conv, dtype);
+  c.batch_norm = spec.batch_norm;
+  c.bn_eps = spec.bn_eps;
+  c.residual = spec.residual;
+  c.activation = spec.activation;
+  c.activation_form = spec.activation_form;
+  return c;
+}
 
 // ---- nn.conv2d ----
 

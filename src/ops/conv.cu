@@ -92,6 +92,18 @@ __device__ __forceinline__ void kg_conv_store(const KgConvEpilogue<T>& ep, const
   kg_st(y, at, act(v));
 }
 
+// Where the channels-last prologue puts the shift after `filter` weights of `esize` bytes: the
+// first element at a multiple of KG_CONV_SCRATCH_ALIGN bytes (as ops/conv_gpu.cpp places it).
+__device__ __forceinline__ long long kg_conv_shift_offset(long long filter, long long esize) {
+  return (filter * esize + KG_CONV_SCRATCH_ALIGN - 1) / KG_CONV_SCRATCH_ALIGN * KG_CONV_SCRATCH_ALIGN / esize;
+}
+
+// V consecutive elements, loaded and stored as one 16-byte access.
+template <class T, int V>
+struct alignas(16) KgConvPack {
+  T e[V];
+};
+
 // a / b and a % b for 0 <= a, b < 2^31.
 __device__ __forceinline__ unsigned kg_conv_divmod(unsigned a, unsigned b, unsigned& rem) {
   const unsigned q = a / b;
@@ -167,6 +179,82 @@ __device__ __forceinline__ void kg_conv2d_direct(const T* __restrict__ x, const 
     kg_conv2d_direct_run<T, 2>(x, w, y, s, ep, act);
   else
     kg_conv2d_direct_run<T, 1>(x, w, y, s, ep, act);
+}
+
+// ---- channels-last ----
+// One thread per output element of [N, OH, OW, O], the channel fastest, so consecutive threads
+// share their input reads; each loops over the window's taps and the group's input channels,
+// which lie next to each other in memory. The reference and the fallback of the channels-last
+// convolution, whose fast path is a vendor library (ops/conv_gpu.cpp).
+
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_nhwc(const T* __restrict__ x, const T* __restrict__ w,
+                                               T* __restrict__ y, const KgConvShape& s,
+                                               const KgConvEpilogue<T>& ep, const Act& act) {
+  typedef kg_compute_t<T> C;
+  const unsigned o_count = (unsigned)s.o, og = (unsigned)(s.o / s.groups), cg = (unsigned)(s.c / s.groups);
+  const unsigned wo = (unsigned)s.wo, ho = (unsigned)s.ho;
+  const unsigned total = (unsigned)(s.n * s.ho * s.wo * s.o);  // < 2^31: the host splits launches
+  const int kh = (int)s.kh, kw = (int)s.kw, h = (int)s.h, wd = (int)s.w;
+  for (unsigned t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += gridDim.x * blockDim.x) {
+    unsigned o, ox, oy;
+    const unsigned img = kg_conv_divmod(kg_conv_divmod(kg_conv_divmod(t, o_count, o), wo, ox), ho, oy);
+    const unsigned first = o / og * cg;  // the group's first input channel
+    const int iy0 = (int)(oy * s.sh - s.ph), ix0 = (int)(ox * s.sw - s.pw);
+    const T* wt = w + (long long)o * cg * kh * kw;  // [c][ky][kx]
+    C acc = C(0);
+    for (int ky = 0; ky < kh; ++ky) {
+      const int iy = iy0 + ky * (int)s.dh;
+      if ((unsigned)iy >= (unsigned)h) continue;
+      for (int kx = 0; kx < kw; ++kx) {
+        const int ix = ix0 + kx * (int)s.dw;
+        if ((unsigned)ix >= (unsigned)wd) continue;
+        const T* px = x + (((long long)img * h + iy) * wd + ix) * s.c + first;
+        const T* wk = wt + ky * kw + kx;
+        for (unsigned c = 0; c < cg; ++c) acc += kg_ld(px, c) * kg_conv_ldg(wk + (long long)c * kh * kw);
+      }
+    }
+    C scale, shift;
+    kg_conv_affine(ep, o, scale, shift);
+    kg_conv_store(ep, act, y, (long long)t, acc, scale, shift);
+  }
+}
+
+// The prologue of the channels-last library call (ops/conv_gpu.cpp): the weights
+// [O, C/g, kh, kw] laid out [O, kh, kw, cp] into `out` with each output channel's scale folded in
+// (a BatchNorm's; 1 without) and channels c >= C/g of a padded input 0 (cp = s.cpad with one
+// group, else C/g); then, from the first multiple of 128 elements after them, each channel's
+// shift (bias and BatchNorm).
+template <class T>
+__device__ __forceinline__ void kg_conv2d_filter_nhwc(const T* __restrict__ w, T* __restrict__ out,
+                                                      const KgConvShape& s, const KgConvEpilogue<T>& ep) {
+  typedef kg_compute_t<T> C;
+  const long long cg = s.c / s.groups, cp = s.groups == 1 ? s.cpad : cg, taps = s.kh * s.kw;
+  const long long filter = s.o * taps * cp, shift_at = kg_conv_shift_offset(filter, sizeof(T));
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < filter + s.o;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long o = i < filter ? i / (cp * taps) : i - filter;
+    C scale, shift;
+    kg_conv_affine(ep, o, scale, shift);
+    if (i >= filter) {
+      kg_st(out, shift_at + o, shift);
+      continue;
+    }
+    const long long c = i % cp, tap = (i / cp) % taps;
+    kg_st(out, i, c < cg ? kg_ld(w, (o * cg + c) * taps + tap) * scale : C(0));
+  }
+}
+
+// The input [N, H, W, C] with its channels padded with zeros to s.cpad, into `out`.
+template <class T>
+__device__ __forceinline__ void kg_conv2d_pad_channels(const T* __restrict__ x, T* __restrict__ out,
+                                                       const KgConvShape& s) {
+  const long long total = s.n * s.h * s.w * s.cpad;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long c = i % s.cpad;
+    out[i] = c < s.c ? x[i / s.cpad * s.c + c] : kg_from_compute<T>(kg_compute_t<T>(0));
+  }
 }
 
 // ---- tiled (stride 1, no dilation) ----
@@ -443,15 +531,39 @@ __device__ __forceinline__ KgConvEpilogue<T> kg_conv_epilogue(const T* bias, con
 
 // The epilogue alone, in place over an output a vendor library computed without it (the
 // convolution's LibraryCall, ops/conv_gpu.cpp): y = act(y * scale + shift + residual), every
-// output element, with a grid-stride loop over the whole batch of s.n images.
+// output element, with a grid-stride loop over the whole batch of s.n images (NCHW, or
+// channels-last when s.nhwc).
 template <class T, class Act>
 __device__ __forceinline__ void kg_conv2d_epilogue(T* __restrict__ y, const KgConvShape& s,
                                                    const KgConvEpilogue<T>& ep, const Act& act) {
   const long long hwo = s.ho * s.wo, total = s.n * s.o * hwo;
+  constexpr int V = 16 / (int)sizeof(T);
+  if (s.nhwc && !ep.bn_weight && s.o % V == 0) {
+    // Channels-last with the scale folded into the weights (the library path): packs of V
+    // channels of one pixel, read and written 16 bytes at a time.
+    typedef kg_compute_t<T> C;
+    typedef KgConvPack<T, V> P;
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < total / V;
+         p += (long long)gridDim.x * blockDim.x) {
+      const long long at = p * V, o0 = at % s.o;
+      P v = *reinterpret_cast<const P*>(y + at);
+      P r;
+      if (ep.residual) r = *reinterpret_cast<const P*>(ep.residual + at);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        C a = kg_ld(v.e, j);
+        if (ep.bias) a += kg_ld(ep.bias, o0 + j);
+        if (ep.residual) a += kg_ld(r.e, j);
+        v.e[j] = kg_from_compute<T>(act(a));
+      }
+      *reinterpret_cast<P*>(y + at) = v;
+    }
+    return;
+  }
   for (long long at = blockIdx.x * (long long)blockDim.x + threadIdx.x; at < total;
        at += (long long)gridDim.x * blockDim.x) {
     kg_compute_t<T> scale, shift;
-    kg_conv_affine(ep, (at / hwo) % s.o, scale, shift);
+    kg_conv_affine(ep, s.nhwc ? at % s.o : (at / hwo) % s.o, scale, shift);
     kg_conv_store(ep, act, y, at, kg_ld(y, at), scale, shift);
   }
 }

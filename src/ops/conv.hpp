@@ -11,6 +11,7 @@
 
 #include "kg/custom_op.hpp"
 #include "kg/ops.hpp"
+#include "ops/conv_gpu.hpp"
 #include "ops/elementwise.hpp"
 
 namespace kg::ops {
@@ -129,5 +130,9 @@ class FusedConv2dOp final : public CustomOp {
   ConvEpilogueSpec spec_;
   std::vector<ParamSpec> params_;
 };
+
+// The GPU lowering's view (conv_gpu.hpp) of `conv` followed by the epilogue `spec` (empty for a
+// plain convolution), computing in `dtype`.
+ConvGpuConfig conv_gpu_config(const Conv2dOp& conv, const ConvEpilogueSpec& spec, DType dtype);
 
 }  // namespace kg::ops

@@ -81,15 +81,28 @@ Shape ChannelsLastConvOp::infer_output_shape(const std::vector<Shape>& in) const
 }
 
 DType ChannelsLastConvOp::infer_output_dtype(const std::vector<DType>& in) const {
-  if (in.empty() || in[0] != DType::F32)
-    throw Error(util::cat("runs f32 only, got ",
-                          in.empty() ? std::string("no input") : std::string(dtype_name(in[0]))));
-  return conv_.infer_output_dtype({in[0]});
+  if (in.empty()) throw Error("takes an input, got none");
+  for (DType t : in) {
+    if (t != DType::F32 && !is_half_float(t))
+      throw Error(util::cat("runs on f32, f16 or bf16 inputs, got ", dtype_name(t)));
+    if (t != in[0])
+      throw Error(util::cat("runs on inputs of one dtype, got ", dtype_name(in[0]), " and ", dtype_name(t)));
+  }
+  return in[0];
+}
+
+std::optional<Lowered> ChannelsLastConvOp::lower(const LowerContext& ctx) const {
+  ConvGpuConfig cfg = conv_gpu_config(conv_, spec_, ctx.output_dtype);
+  cfg.channels_last = true;
+  return lower_conv(cfg, name());
 }
 
 void ChannelsLastConvOp::cpu_forward(CpuContext& ctx) const {
   if (ctx.training)
     throw Error("runs for inference only; the channels-last pass does not rewrite training graphs");
+  if (ctx.inputs[0].dtype() != DType::F32)
+    throw Error(util::cat("runs f32 only on the CPU (oneDNN), got ", dtype_name(ctx.inputs[0].dtype()),
+                          "; the channels-last pass rewrites 16-bit convolutions for the GPU alone"));
   const Tensor& x = ctx.inputs[0];
   const auto in = x.shape();
   const auto out = ctx.output.shape();

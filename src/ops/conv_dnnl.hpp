@@ -1,8 +1,9 @@
 // nn.conv2d_nhwc: a convolution (with a fused convolution's epilogue) on channels-last tensors,
-// run by oneDNN on the CPU. Only the channels-last pass (passes/channels_last.cpp) builds it, at
-// load, from an nn.conv2d or nn.fused_conv2d node of an f32 inference graph bound for the CPU:
-// the node keeps its name and its parameters (weights stay [out, in/groups, kh, kw]); only the
-// activations are laid out [N, H, W, C]. It has no GPU lowering and no backward.
+// run by oneDNN on the CPU (f32) and, on a GPU, by cuDNN with tensor cores (f16, bf16, f32 with
+// TF32) or by its own kernel (ops/conv_gpu.hpp). Only the channels-last pass
+// (passes/channels_last.cpp) builds it, at load, from an nn.conv2d or nn.fused_conv2d node of an
+// inference graph: the node keeps its name and its parameters (weights stay
+// [out, in/groups, kh, kw]); only the activations are laid out [N, H, W, C]. No backward.
 #pragma once
 
 #include <memory>
@@ -32,11 +33,17 @@ class ChannelsLastConvOp final : public CustomOp {
   Shape infer_output_shape(const std::vector<Shape>& in) const override;
   DType infer_output_dtype(const std::vector<DType>& in) const override;
   std::vector<ParamSpec> parameters(const std::vector<Shape>&) const override { return params_; }
+  // On the CPU: f32 only (oneDNN).
   void cpu_forward(CpuContext& ctx) const override;
+  // The GPU kernel and library call of the convolution in channels-last (ops/conv_gpu.hpp).
+  std::optional<Lowered> lower(const LowerContext& ctx) const override;
+  bool computes_in(DType dtype) const override { return is_half_float(dtype); }
 
   // True when oneDNN can run this convolution in this build: f32, on a machine where its engine
   // starts.
   static bool supports(const Conv2dOp& conv);
+  // The epilogue it applies.
+  const ConvEpilogueSpec& spec() const { return spec_; }
 
  private:
   Conv2dOp conv_;

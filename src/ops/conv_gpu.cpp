@@ -128,30 +128,61 @@ class ConvRuntime final : public RuntimeOp {
   // one launch of the module's epilogue entry over the library's output.
   // 16-bit convolutions too: the library computes in f32 and rounds its output, which the epilogue
   // then reads in place and computes on in float.
+  // Channels-last: a prologue launch first writes into the scratch the weights laid out
+  // [O, kh, kw, C/groups] with a BatchNorm's scale folded in and the per-channel shift (bias,
+  // BatchNorm) after them; with an input channel count cuDNN's tensor cores do not take (not a
+  // multiple of 8, one group), the weights' and, by a second launch, the input's channels are
+  // padded with zeros to a multiple of 8. The epilogue then adds the shift and the residual and
+  // applies the activation.
   std::optional<LibraryCall> library_call(const LaunchTensors& t) const override {
     if (!is_floating(cfg_.dtype)) return std::nullopt;
-    const auto& in = t.inputs.at(0).shape;
-    const auto& out = t.output.shape;
+    const auto in = nchw(t.inputs.at(0).shape);
+    const auto out = nchw(t.output.shape);
     const auto& op = cfg_.options;
-    LibraryCall call{conv_call(t.inputs[0].ptr, t.params.at(0).ptr, t.output.ptr, in, out), {}};
-    if (op.bias || cfg_.batch_norm || cfg_.residual || cfg_.activation || cfg_.activation_form) {
+    const bool last = cfg_.channels_last;
+    if (last && !t.scratch) return std::nullopt;
+    const bool epilogue = op.bias || cfg_.batch_norm || cfg_.residual || cfg_.activation || cfg_.activation_form;
+    const std::size_t bn = op.bias ? 2 : 1;
+    // Arguments of an entry: its pointers, then the geometry and the scalars.
+    auto launch = [&](const std::string& entry, std::int64_t items, DevicePtr x, DevicePtr w, DevicePtr bias,
+                      bool with_bn, DevicePtr residual, DevicePtr y) {
       Launch L;
-      L.entry = epilogue_entry_;
+      L.entry = entry;
       L.block = {kConvThreads, 1, 1};
-      L.grid = grid_1d(numel_of(out), kConvThreads);
-      const std::size_t bn = op.bias ? 2 : 1;
-      L.args.pointer(0);  // x and w: not read
-      L.args.pointer(0);
-      L.args.pointer(op.bias ? t.params[1].ptr : 0);
-      for (std::size_t i = 0; i < 4; ++i) L.args.pointer(cfg_.batch_norm ? t.params[bn + i].ptr : 0);
-      L.args.pointer(cfg_.residual ? t.inputs.at(1).ptr : 0);
-      L.args.pointer(t.output.ptr);
+      L.grid = grid_1d(items, kConvThreads);
+      L.args.pointer(x);
+      L.args.pointer(w);
+      L.args.pointer(bias);
+      for (std::size_t i = 0; i < 4; ++i) L.args.pointer(with_bn ? t.params[bn + i].ptr : 0);
+      L.args.pointer(residual);
+      L.args.pointer(y);
       const KgConvShape s = geometry(out[0], in, out);
       L.args.bytes(&s, sizeof s);
       L.args.f64(cfg_.bn_eps);
       L.args.f64(cfg_.activation ? cfg_.activation->param : 0.0);
-      call.epilogue.push_back(std::move(L));
+      return L;
+    };
+    const DevicePtr bias = op.bias ? t.params[1].ptr : 0;
+    const DevicePtr residual = cfg_.residual ? t.inputs.at(1).ptr : 0;
+    if (!last) {
+      LibraryCall call{conv_call(t.inputs[0].ptr, t.params.at(0).ptr, t.output.ptr, in, out), {}};
+      if (epilogue)
+        call.epilogue.push_back(
+            launch(epilogue_entry_, numel_of(out), 0, 0, bias, cfg_.batch_norm, residual, t.output.ptr));
+      return call;
     }
+    const LastScratch ls = last_scratch(t);
+    std::vector<std::int64_t> padded = in;
+    padded[1] = ls.channels;
+    LibraryCall call{conv_call(ls.input ? t.scratch + ls.input : t.inputs[0].ptr, t.scratch, t.output.ptr, padded, out),
+                     {}};
+    call.prologue.push_back(launch(filter_entry_, ls.filter_elems + out[1], 0, t.params.at(0).ptr, bias,
+                                   cfg_.batch_norm, 0, t.scratch));
+    if (ls.input)
+      call.prologue.push_back(launch(pad_entry_, numel_of(padded), t.inputs[0].ptr, 0, 0, false, 0, t.scratch + ls.input));
+    if (epilogue)
+      call.epilogue.push_back(
+          launch(epilogue_entry_, numel_of(out), 0, 0, t.scratch + ls.shift, false, residual, t.output.ptr));
     return call;
   }
   // dx by cuDNN's backward data, dw by its backward filter, db by the backward module's kernel.
@@ -178,6 +209,13 @@ class ConvRuntime final : public RuntimeOp {
 
   // The module's entry that applies the epilogue alone (see library_call()).
   void set_epilogue_entry(std::string entry) { epilogue_entry_ = std::move(entry); }
+  // Channels-last: the entry that lays the weights out for the library (see library_call()).
+  void set_filter_entry(std::string entry) { filter_entry_ = std::move(entry); }
+  // Channels-last: the library's weights, shift and padded input (see library_call()).
+  std::size_t scratch_bytes(const LaunchTensors& t) const override {
+    return cfg_.channels_last ? last_scratch(t).bytes : 0;
+  }
+  void set_pad_entry(std::string entry) { pad_entry_ = std::move(entry); }
 
   // ---- backward (conv_backward.cu): dx, dw, the sum of dw's ranges, then db with a bias ----
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
@@ -225,14 +263,50 @@ class ConvRuntime final : public RuntimeOp {
     c.dilation_h = op.dilation.h;
     c.dilation_w = op.dilation.w;
     c.groups = op.groups;
+    c.channels_last = cfg_.channels_last;
     return c;
+  }
+  // Where the channels-last library path keeps its data in the scratch (byte offsets, each a
+  // multiple of KG_CONV_SCRATCH_ALIGN): the weights [O, kh, kw, channels] at 0, the shift [O] after them, and the
+  // input padded to `channels` (0 when it is not padded).
+  struct LastScratch {
+    std::int64_t channels = 0;  // input channels the library sees
+    std::int64_t filter_elems = 0;
+    std::size_t shift = 0, input = 0, bytes = 0;
+  };
+  LastScratch last_scratch(const LaunchTensors& t) const {
+    const auto in = nchw(t.inputs.at(0).shape);
+    const auto esize = dtype_size(cfg_.dtype);
+    constexpr std::size_t kAlign = KG_CONV_SCRATCH_ALIGN;
+    auto align = [](std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; };
+    LastScratch ls;
+    ls.channels = padded_channels(in[1]);
+    const std::int64_t cg = cfg_.options.groups == 1 ? ls.channels : in[1] / cfg_.options.groups;
+    ls.filter_elems = cfg_.out_channels * cfg_.kernel.h * cfg_.kernel.w * cg;
+    ls.shift = align(static_cast<std::size_t>(ls.filter_elems) * esize);
+    ls.bytes = ls.shift + align(static_cast<std::size_t>(cfg_.out_channels) * esize);
+    if (ls.channels != in[1]) {
+      ls.input = ls.bytes;
+      ls.bytes += align(static_cast<std::size_t>(in[0] * ls.channels * in[2] * in[3]) * esize);
+    }
+    return ls;
+  }
+  // The input channels cuDNN sees in channels-last: a multiple of 8 (what its tensor cores take),
+  // zero-padded, for one group; the input's own count otherwise.
+  std::int64_t padded_channels(std::int64_t c) const {
+    return cfg_.options.groups == 1 && c % 8 != 0 ? (c + 7) / 8 * 8 : c;
+  }
+  // A shape in NCHW order: channels-last [N, H, W, C] permuted, NCHW as it is.
+  std::vector<std::int64_t> nchw(const std::vector<std::int64_t>& s) const {
+    if (!cfg_.channels_last) return s;
+    return {s.at(0), s.at(3), s.at(1), s.at(2)};
   }
 
   // Arguments of forward launch `launch`: its images' base pointers, then the geometry.
   void pack(int launch, const LaunchTensors& t, ArgVisitor& v) const {
     const auto& shape = t.output.shape;
     const auto [first, count] = images_of(launch, shape);
-    const auto& in = t.inputs[0].shape;
+    const auto in = nchw(t.inputs[0].shape);
     const auto esize = static_cast<DevicePtr>(dtype_size(cfg_.dtype));
     const auto in_image = static_cast<DevicePtr>(in[1] * in[2] * in[3]) * esize;
     const auto out_image = static_cast<DevicePtr>(shape[1] * shape[2] * shape[3]) * esize;
@@ -244,7 +318,7 @@ class ConvRuntime final : public RuntimeOp {
     for (std::size_t i = 0; i < 4; ++i) v.pointer(cfg_.batch_norm ? t.params[bn + i].ptr : 0);
     v.pointer(cfg_.residual ? t.inputs[1].ptr + at * out_image : 0);
     v.pointer(t.output.ptr + at * out_image);
-    const KgConvShape s = geometry(count, in, shape);
+    const KgConvShape s = geometry(count, in, nchw(shape));
     v.bytes(&s, sizeof s);
     v.f64(cfg_.bn_eps);
     v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
@@ -268,15 +342,19 @@ class ConvRuntime final : public RuntimeOp {
                                    items_per_image(shape), " tiles")),
                 1, 1};
       case ConvGpuAlgo::Direct:
+      case ConvGpuAlgo::Nhwc:
         break;
     }
     return grid_1d(n * items_per_image(shape), kConvThreads);
   }
 
-  // What one image takes: pixels × channel blocks (direct), pixels (gemm) or blocks (tiled).
+  // What one image takes: pixels × channel blocks (direct), pixels (gemm), blocks (tiled) or
+  // output elements (channels-last).
   std::int64_t items_per_image(const std::vector<std::int64_t>& shape) const {
     const std::int64_t pixels = shape[2] * shape[3], groups = cfg_.options.groups;
     switch (algo_) {
+      case ConvGpuAlgo::Nhwc:
+        return shape[1] * shape[2] * shape[3];
       case ConvGpuAlgo::Gemm:
         return pixels;
       case ConvGpuAlgo::Tiled:
@@ -320,6 +398,8 @@ class ConvRuntime final : public RuntimeOp {
     s.dw = op.dilation.w;
     s.groups = op.groups;
     s.ocb = channels_per_thread(cfg_.out_channels / op.groups);
+    s.nhwc = cfg_.channels_last ? 1 : 0;
+    s.cpad = cfg_.channels_last ? padded_channels(s.c) : s.c;
     if (algo_ == ConvGpuAlgo::Tiled) {
       const TilePlan t = tile_plan(cfg_, out);
       s.tile_h = t.tile_h;
@@ -425,11 +505,14 @@ class ConvRuntime final : public RuntimeOp {
   std::string label_;  // "[nn.conv2d]", for errors
   bool backward_;      // a plain convolution: its backward kernels apply
   std::string epilogue_entry_;
+  std::string filter_entry_;
+  std::string pad_entry_;
 };
 
 }  // namespace
 
 ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg) {
+  if (cfg.channels_last) return ConvGpuAlgo::Nhwc;
   const auto& op = cfg.options;
   const std::int64_t og = cfg.out_channels / op.groups;
   const std::int64_t kdim = cfg.in_channels / op.groups * cfg.kernel.h * cfg.kernel.w;
@@ -446,12 +529,14 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   // The backward kernels compute a plain f32 or f64 convolution's gradients: no fused epilogue,
   // no 16-bit dtype (inference only).
   const bool activated = cfg.activation || cfg.activation_form;
-  const bool backward = !cfg.batch_norm && !cfg.residual && !activated && !is_half_float(cfg.dtype);
+  const bool backward =
+      !cfg.batch_norm && !cfg.residual && !activated && !is_half_float(cfg.dtype) && !cfg.channels_last;
   auto rt = std::make_shared<ConvRuntime>(cfg, algo, "[" + op_name + "]", backward);
   const char* algo_name = algo == ConvGpuAlgo::Gemm    ? "gemm"
                           : algo == ConvGpuAlgo::Tiled ? "tiled"
+                          : algo == ConvGpuAlgo::Nhwc  ? "nhwc"
                                                        : "direct";
-  if (!activated && algo != ConvGpuAlgo::Tiled) {
+  if (!activated && algo != ConvGpuAlgo::Tiled && algo != ConvGpuAlgo::Nhwc) {
     rt->set_epilogue_entry(entry_for("kg_conv2d_epilogue", cfg.dtype));
     return Lowered{op_name, kernel_file("conv.cu"), entry_for(util::cat("kg_conv2d_", algo_name), cfg.dtype),
                    rt};
@@ -511,6 +596,19 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
                 ">(y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),\n",
                 "      ", functor, ");\n}\n");
   rt->set_epilogue_entry(epilogue);
+  if (cfg.channels_last) {
+    // The weights and the shift laid out for the library, and the input's channels padded (the
+    // call's prologue).
+    const std::string filter = entry_for(stem + "_filter", cfg.dtype);
+    source += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", filter, "(",
+                        entry_params(t), ") {\n  kg_conv2d_filter_nhwc<", t,
+                        ">(w, y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps));\n}\n");
+    rt->set_filter_entry(filter);
+    const std::string pad = entry_for(stem + "_pad", cfg.dtype);
+    source += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", pad, "(",
+                        entry_params(t), ") {\n  kg_conv2d_pad_channels<", t, ">(x, y, s);\n}\n");
+    rt->set_pad_entry(pad);
+  }
   return Lowered{op_name, std::move(source), entry, rt};
 }
 

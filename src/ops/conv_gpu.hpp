@@ -27,12 +27,16 @@ struct ConvGpuConfig {
   std::optional<UnarySpec> activation;  // applied last
   // Or a single-input elementwise form (its device function), applied last.
   std::optional<ElementwiseForm> activation_form;
+  // Channels-last activations: x [N, H, W, C], the residual and y [N, OH, OW, O] (the weights
+  // stay [O, C/groups, kh, kw]). Inference only; the library call gets the weights laid out
+  // [O, kh, kw, C/groups] in the op's scratch by a prologue launch.
+  bool channels_last = false;
 };
 
 // The GPU algorithms (see conv.cu): an implicit GEMM for many output channels per group and
 // deep reductions; otherwise a shared-memory tiled loop for stride 1, no dilation and kernels
-// up to 7x7, and a direct loop for the rest.
-enum class ConvGpuAlgo { Direct, Gemm, Tiled };
+// up to 7x7, and a direct loop for the rest. Channels-last has one loop of its own (Nhwc).
+enum class ConvGpuAlgo { Direct, Gemm, Tiled, Nhwc };
 ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg);
 
 // The kernel and RuntimeOp of the convolution `cfg` describes; `op_name` names it in errors

@@ -16,6 +16,10 @@
 // bytes; the weights after it are read as vectors.
 #define KG_CONV_SMEM_ALIGN 16
 
+// The channels-last library path's scratch (ops/conv_gpu.cpp): each part starts at a multiple
+// of this many bytes.
+#define KG_CONV_SCRATCH_ALIGN 256
+
 // The concrete geometry of a forward launch.
 struct KgConvShape {
   long long n, c, h, w;      // input (n: the launch's images)
@@ -28,6 +32,11 @@ struct KgConvShape {
   // tiled: output tile rows and columns, input channels staged at a time, output channels per
   // block (a multiple of OCB), tiles across and down, channel chunks per group
   long long tile_h, tile_w, cc, och, tiles_w, tiles_h, chunks;
+  // 1: channels-last tensors (x [N, H, W, C], y and the residual [N, OH, OW, O]); the weights
+  // stay [O, C/groups, kh, kw]
+  long long nhwc;
+  // channels-last library path: the input channels cuDNN sees (c, or c padded with zeros)
+  long long cpad;
 };
 
 // ---- backward (conv_backward.cu) ----

@@ -5,7 +5,9 @@
 
 #include "kg/error.hpp"
 #include "ops/dnnl.hpp"
+#include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
+#include "ops/pool_shared.cuh"
 #include "util/str.hpp"
 
 namespace kg::ops {
@@ -13,6 +15,40 @@ namespace kg::ops {
 namespace {
 
 std::string size2_text(Size2 s) { return s.h == s.w ? util::cat(s.h) : util::cat(s.h, "x", s.w); }
+
+// One launch of pool_nhwc.cu's entry for the op's kind: a thread per output element.
+class ChannelsLastPoolRuntime final : public RuntimeOp {
+ public:
+  ChannelsLastPoolRuntime(PoolConfig c, DType dtype) : c_(c), dtype_(dtype) {}
+  void pack_args(const LaunchTensors& t, ArgVisitor& v) const override {
+    const auto& in = t.inputs.at(0).shape;
+    const auto& out = t.output.shape;
+    v.pointer(t.inputs[0].ptr);
+    v.pointer(t.output.ptr);
+    if (c_.kind == PoolConfig::Kind::Global) {
+      v.i64(in[0]);
+      v.i64(in[1] * in[2]);
+      v.i64(in[3]);
+      return;
+    }
+    const KgPoolNhwcShape s{in[0],       in[1],       in[2],       in[3],        out[1],       out[2],
+                            c_.kernel.h, c_.kernel.w, c_.stride.h, c_.stride.w,  c_.padding.h, c_.padding.w,
+                            c_.dilation.h, c_.dilation.w};
+    v.bytes(&s, sizeof s);
+    if (c_.kind == PoolConfig::Kind::Avg) v.i32(c_.count_include_pad ? 1 : 0);
+  }
+  Dim3 block() const override { return {KG_POOL_THREADS, 1, 1}; }
+  // The max pool's threads take 16 bytes of channels each where the channel count allows.
+  Dim3 grid(const std::vector<std::int64_t>& shape) const override {
+    const std::int64_t pack = 16 / static_cast<std::int64_t>(dtype_size(dtype_));
+    const bool packed = c_.kind == PoolConfig::Kind::Max && shape.at(3) % pack == 0;
+    return grid_1d(numel_of(shape) / (packed ? pack : 1), KG_POOL_THREADS);
+  }
+
+ private:
+  PoolConfig c_;
+  DType dtype_;
+};
 
 class ChannelsLastPoolOp final : public CustomOp {
  public:
@@ -55,11 +91,23 @@ class ChannelsLastPoolOp final : public CustomOp {
         x[3]};
   }
   DType infer_output_dtype(const std::vector<DType>& in) const override {
-    if (in.size() != 1 || in[0] != DType::F32) throw Error("runs on one f32 input only");
-    return DType::F32;
+    if (in.size() != 1 || !(in[0] == DType::F32 || is_half_float(in[0])))
+      throw Error("runs on one f32, f16 or bf16 input only");
+    return in[0];
+  }
+  // pool_nhwc.cu's kernel for the node's dtype.
+  std::optional<Lowered> lower(const LowerContext& ctx) const override {
+    const char* stem = c_.kind == PoolConfig::Kind::Max   ? "kg_max_pool2d_nhwc"
+                       : c_.kind == PoolConfig::Kind::Avg ? "kg_avg_pool2d_nhwc"
+                                                          : "kg_global_avg_pool_nhwc";
+    return Lowered{name(), kernel_file("pool_nhwc.cu"), entry_for(stem, ctx.output_dtype),
+                   std::make_shared<ChannelsLastPoolRuntime>(c_, ctx.output_dtype)};
   }
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
+    if (x.dtype() != DType::F32)
+      throw Error(util::cat("runs f32 only on the CPU, got ", dtype_name(x.dtype()),
+                            "; the channels-last pass rewrites 16-bit pooling for the GPU alone"));
     const auto in = x.shape();
     const auto out = ctx.output.shape();
     const float* src = x.data<float>();
@@ -107,9 +155,9 @@ class ChannelsLastPoolOp final : public CustomOp {
 
 }  // namespace
 
-bool channels_last_pool_supported(const PoolConfig& c) {
+bool channels_last_pool_supported(const PoolConfig& c, bool gpu) {
   if (c.kind == PoolConfig::Kind::Global) return true;
-  if (!dnnl::available()) return false;
+  if (!gpu && !dnnl::available()) return false;
   // PyTorch's average in ceil mode leaves the windows' part past the padded input out of the
   // count, which oneDNN's include-padding average would count: those stay NCHW.
   return !(c.kind == PoolConfig::Kind::Avg && c.ceil_mode);

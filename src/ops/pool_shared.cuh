@@ -14,3 +14,9 @@ struct KgPoolShape {
   long long kh, kw, sh, sw, ph, pw, dh, dw;
   KgDivider hw_div, w_div, sh_div, sw_div;
 };
+
+// Channels-last pooling (pool_nhwc.cu): [N, H, W, C] → [N, H', W', C].
+struct KgPoolNhwcShape {
+  long long n, h, w, c, ho, wo;
+  long long kh, kw, sh, sw, ph, pw, dh, dw;
+};

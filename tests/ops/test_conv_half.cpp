@@ -128,6 +128,8 @@ std::string algo_stem(const Geom& g, DType dtype) {
       return "gemm";
     case kg::ops::ConvGpuAlgo::Direct:
       return "direct";
+    case kg::ops::ConvGpuAlgo::Nhwc:
+      return "nhwc";
     case kg::ops::ConvGpuAlgo::Tiled:
       break;
   }
