@@ -4,13 +4,13 @@
 //
 //   gpu_models --model resnet18|mlp|lenet5 [--batches 1,32,256] [--dtype f32|bf16] [--tf32]
 //              [--data-dir DIR] [--warmup 20] [--runs 200] [--seed S] [--device N] [--cpu]
-//              [--no-graph] [--no-vendor] [--tune] [--list-params]
+//              [--no-graph] [--no-vendor] [--no-channels-last] [--tune] [--list-params]
 //
 // Models: "resnet18" is the zoo's (kg::models::build, torchvision's parameter names, input
 // [N, 3, 224, 224]); "mlp" is 784-4096-4096-10 (fc1, relu, fc2, relu, fc3; PyTorch's nn.Linear
 // names fc1.weight, fc1.bias, ...), input [N, 784]; "lenet5" is the zoo's too (for
 // --list-params; scripts/bench-gpu-train times it). Each is loaded with
-// LoadOptions{.cuda_graph, .vendor_libraries, .tf32, .tune}.
+// LoadOptions{.cuda_graph, .vendor_libraries, .channels_last, .tf32, .tune}.
 //
 // A timed run is one LoadedModel::forward_device on an input uploaded once before the runs;
 // its time is LoadedModel::last_device_ms() (CUDA events around the forward's launches). Per
@@ -52,6 +52,7 @@ struct Args {
   std::vector<std::int64_t> batches;
   std::string dtype = "f32";
   bool tf32 = false, cpu = false, graph = true, vendor = true, tune = false, list_params = false;
+  bool channels_last = true;
   std::string data_dir;
   int warmup = 20, runs = 200, device = 0;
   std::uint64_t seed = 0;
@@ -62,7 +63,7 @@ struct Args {
       << "gpu_models: " << why << "\n"
       << "usage: gpu_models --model resnet18|mlp|lenet5 [--batches 1,32,256] [--dtype f32|bf16] [--tf32]\n"
       << "                  [--data-dir DIR] [--warmup W] [--runs R] [--seed S] [--device N] [--cpu]\n"
-      << "                  [--no-graph] [--no-vendor] [--tune] [--list-params]\n";
+      << "                  [--no-graph] [--no-vendor] [--no-channels-last] [--tune] [--list-params]\n";
   std::exit(2);
 }
 
@@ -80,6 +81,8 @@ Args parse(int argc, char** argv) {
       a.graph = false;
     } else if (flag == "--no-vendor") {
       a.vendor = false;
+    } else if (flag == "--no-channels-last") {
+      a.channels_last = false;
     } else if (flag == "--tune") {
       a.tune = true;
     } else if (flag == "--list-params") {
@@ -190,8 +193,9 @@ int main(int argc, char** argv) {
     else
       std::printf("device: cuda:%d %s (sm_%d)\n", a.device, kg::cuda::device_name(a.device).c_str(),
                   kg::cuda::device_arch(a.device));
-    std::printf("model: %s, precision %s; cuda_graph %s, vendor libraries %s, tune %s\n", a.model.c_str(),
-                precision.c_str(), a.graph ? "on" : "off", a.vendor ? "on" : "off", a.tune ? "on" : "off");
+    std::printf("model: %s, precision %s; cuda_graph %s, vendor libraries %s, channels-last %s, tune %s\n",
+                a.model.c_str(), precision.c_str(), a.graph ? "on" : "off", a.vendor ? "on" : "off",
+                a.channels_last ? "on" : "off", a.tune ? "on" : "off");
     std::printf(
         "timing: last_device_ms() of forward_device (input already on the device); %d warm-up runs, "
         "median of %d\n",
@@ -205,6 +209,7 @@ int main(int argc, char** argv) {
       opt.seed = a.seed;
       opt.cuda_graph = a.graph;
       opt.vendor_libraries = a.vendor;
+      opt.channels_last = a.channels_last;
       opt.tf32 = a.tf32;
       opt.tune = a.tune;
       if (a.dtype == "bf16") opt.precision = kg::DType::BF16;

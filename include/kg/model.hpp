@@ -74,6 +74,12 @@ struct LoadOptions {
   // On cuda: f32 matrix products and convolutions may round their inputs to TF32 on tensor cores
   // (PyTorch's allow_tf32). Off: full f32.
   bool tf32 = false;
+  // In inference, with vendor_libraries: keep activations channels-last ([N, H, W, C]) from one
+  // convolution to the next where the library is faster on them, converting at the edges only
+  // (node and parameter names do not change). On the CPU the f32 convolutions (oneDNN); on cuda
+  // the f16 and bf16 ones, and f32 ones with tf32 (cuDNN on tensor cores). Off: every
+  // convolution runs on the layout the model was recorded in.
+  bool channels_last = true;
   // Time each vendor algorithm on the model's own shapes and keep the fastest (otherwise the
   // library's first choice): on cuda at load (cuBLASLt, cuDNN); on the CPU at the first forward
   // (oneDNN's convolution implementations, so that run takes a few times longer). On the CPU

@@ -1,10 +1,12 @@
-// Channels-last layout for the CPU (docs/cpu.md). oneDNN's convolutions reach the cores' FMA
-// peak on [N, H, W, C] activations and not on [N, C, H, W], and converting around every
-// convolution would cost more than it saves; so at load, for the CPU, the graph is rewritten to
+// Channels-last layout (docs/cpu.md, docs/gpu.md). oneDNN's convolutions reach the CPU cores' FMA
+// peak on [N, H, W, C] activations and not on [N, C, H, W], and cuDNN's tensor-core convolutions
+// on a GPU want NHWC too (on NCHW they transpose inside, or take slower algorithms); converting
+// around every convolution would cost more than it saves. So at load the graph is rewritten to
 // keep activations channels-last from one convolution to the next:
 //
-// - every f32 nn.conv2d / nn.fused_conv2d becomes nn.conv2d_nhwc (same name, same parameters),
-//   except those with few output channels whose input is NCHW, where our NCHW kernel (Rows) is
+// - every nn.conv2d / nn.fused_conv2d of the target's dtypes (CPU: f32; GPU: f16 and bf16, and
+//   f32 where TF32 is allowed) becomes nn.conv2d_nhwc (same name, same parameters), except, on
+//   the CPU, those with few output channels whose input is NCHW, where our NCHW kernel (Rows) is
 //   faster;
 // - a pooling node whose input is channels-last becomes its _nhwc form;
 // - an elementwise node (an op with an ElementwiseForm, or a fused group) whose inputs are all
@@ -31,7 +33,12 @@ namespace {
 
 Shape to_nhwc(const Shape& s) { return Shape(std::vector<Dim>{s[0], s[2], s[3], s[1]}); }
 
-bool is_4d_f32(const Node& n) { return n.dtype == DType::F32 && n.shape.rank() == 4; }
+// A 4-d node of a dtype the target runs channels-last.
+bool is_4d_for(const Node& n, const ChannelsLastTarget& target) {
+  if (n.shape.rank() != 4) return false;
+  if (!target.gpu) return n.dtype == DType::F32;
+  return is_half_float(n.dtype) || (n.dtype == DType::F32 && target.tf32);
+}
 
 // True when our own NCHW kernel beats oneDNN's channels-last one for this convolution whose
 // input is NCHW, so that it stays out of the region: the Rows algorithm (few output channels,
@@ -53,22 +60,27 @@ bool own_kernel_better(const Graph& g, const Node& n, const ops::Conv2dOp& c, co
 // The channels-last op replacing `n` when it starts or continues a region (nullopt: it stays).
 // `in_region[i]` says whether input i is channels-last.
 std::optional<CustomData> channels_last_op(const Graph& g, const Node& n, const std::vector<char>& in_region,
-                                           bool tune) {
-  if (n.kind != Node::Kind::Op || !is_4d_f32(n)) return std::nullopt;
+                                           bool tune, const ChannelsLastTarget& target) {
+  if (n.kind != Node::Kind::Op || !is_4d_for(n, target)) return std::nullopt;
+  // On the CPU: where oneDNN runs and beats our own kernel. On a GPU every convolution: cuDNN
+  // takes any group count, and the op's own kernel serves without it.
+  auto convert = [&](const ops::Conv2dOp& c) {
+    if (target.gpu) return true;
+    return ops::ChannelsLastConvOp::supports(c) && !own_kernel_better(g, n, c, in_region);
+  };
   if (const auto* c = n.op->as<ops::Conv2dOp>()) {
-    if (!ops::ChannelsLastConvOp::supports(*c) || own_kernel_better(g, n, *c, in_region)) return std::nullopt;
+    if (!convert(*c)) return std::nullopt;
     return CustomData::make<ops::ChannelsLastConvOp>(*c, ops::ConvEpilogueSpec{}, n.params, tune);
   }
   if (const auto* f = n.op->as<ops::FusedConv2dOp>()) {
-    if (!ops::ChannelsLastConvOp::supports(f->conv()) || own_kernel_better(g, n, f->conv(), in_region))
-      return std::nullopt;
+    if (!convert(f->conv())) return std::nullopt;
     return CustomData::make<ops::ChannelsLastConvOp>(f->conv(), f->spec(), n.params, tune);
   }
   // The rest only continues a region: every input must be in it already.
   for (int in : n.inputs)
     if (!in_region[static_cast<std::size_t>(in)]) return std::nullopt;
   if (auto pc = ops::pool_config(n.op->op())) {
-    if (!ops::channels_last_pool_supported(*pc) || n.inputs.size() != 1) return std::nullopt;
+    if (!ops::channels_last_pool_supported(*pc, target.gpu) || n.inputs.size() != 1) return std::nullopt;
     return ops::channels_last_pool(*pc);
   }
   // Elementwise without broadcasting: the same op on permuted shapes.
@@ -82,7 +94,8 @@ std::optional<CustomData> channels_last_op(const Graph& g, const Node& n, const 
 
 }  // namespace
 
-GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs, bool tune) {
+GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs, bool tune,
+                              const ChannelsLastTarget& target) {
   const Graph& g = *graph;
   const std::vector<int> live = live_nodes(g, outputs);
   std::vector<char> region(g.nodes().size(), 0);
@@ -90,7 +103,7 @@ GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::ve
   for (int id : live) {
     const Node& n = g.node(id);
     if (n.kind != Node::Kind::Op) continue;
-    if (auto op = channels_last_op(g, n, region, tune)) {
+    if (auto op = channels_last_op(g, n, region, tune, target)) {
       region[static_cast<std::size_t>(id)] = 1;
       replaced.emplace(id, std::move(*op));
     }

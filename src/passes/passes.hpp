@@ -57,12 +57,18 @@ GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs,
                          const ModelOptions& options = {});
 
 // The passes themselves (each in its own file).
-// At load, for the CPU, in inference: f32 convolutions and the pooling and elementwise nodes
-// between them run on channels-last activations (oneDNN), with nn.permute nodes at the edges.
-// Returns `graph` itself when nothing is rewritten (no convolution, or no oneDNN). With `tune`,
-// each convolution times oneDNN's implementations at its first run and keeps the fastest.
+// Where a channels-last graph runs: the CPU (oneDNN: f32 convolutions), or a GPU (cuDNN on tensor
+// cores: f16 and bf16 convolutions, and f32 ones where `tf32` allows TF32).
+struct ChannelsLastTarget {
+  bool gpu = false;
+  bool tf32 = false;
+};
+// At load, in inference: the target's convolutions and the pooling and elementwise nodes between
+// them run on channels-last activations, with nn.permute nodes at the edges. Returns `graph`
+// itself when nothing is rewritten (no such convolution, or, on the CPU, no oneDNN). With `tune`,
+// on the CPU each convolution times oneDNN's implementations at its first run and keeps the fastest.
 GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs,
-                              bool tune = false);
+                              bool tune = false, const ChannelsLastTarget& target = {});
 // Inference only: conv2d → batch_norm2d → (relu) and conv2d → relu become one fused conv.
 GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& outputs);
 // Nodes whose op splits (CustomOp::split) are replaced by what the split records. Runs first,

@@ -151,15 +151,20 @@ LoadedModel Model::load(Device device, const std::vector<std::vector<std::int64_
       bound = plan::bind_shapes(*graph, live, input_shapes);
     }
   }
-  if (!cuda && mode_ == LoweringMode::Inference && !options.checked && options.vendor_libraries &&
-      !backend::vendor_libraries_disabled_by_env()) {
-    passes::GraphAndOutputs cl = passes::channels_last(graph, outs, options.tune);
+  // On cuda only where cuDNN runs the convolutions: the channels-last op's own kernel is a
+  // reference, not a fast path.
+  if (mode_ == LoweringMode::Inference && !options.checked && options.vendor_libraries && options.channels_last &&
+      !backend::vendor_libraries_disabled_by_env() && (!cuda || cuda::convolution_library_available())) {
+    passes::ChannelsLastTarget target;
+    target.gpu = cuda;
+    target.tf32 = options.tf32;
+    passes::GraphAndOutputs cl = passes::channels_last(graph, outs, options.tune, target);
     if (cl.graph != graph) {
       graph = cl.graph;
       outs = cl.outputs;
       live = passes::live_nodes(*graph, outs);
       bound = plan::bind_shapes(*graph, live, input_shapes);
-    } else if (!ops::dnnl::available()) {
+    } else if (!cuda && !ops::dnnl::available()) {
       note_cpu_library_missing(*graph);
     }
   }

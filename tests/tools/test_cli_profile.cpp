@@ -12,6 +12,7 @@
 
 #include "kg/io.hpp"
 #include "kg/model.hpp"
+#include "ops/dnnl.hpp"
 #include "support/cli_util.hpp"
 #include "util/thread_pool.hpp"
 
@@ -153,6 +154,18 @@ TEST_F(CliProfile, ProfileWithoutFusionCountsTheSameWork) {
   EXPECT_NE(r.out.find(expected), std::string::npos) << expected << "\n" << r.out;
   // The ReLU after the first convolution is a node of its own now.
   EXPECT_FALSE(profile_row(r.out, "features.1").empty()) << r.out;
+}
+
+// ResNet-18 on the CPU runs its convolutions channels-last (oneDNN) unless told not to.
+TEST_F(CliProfile, NoChannelsLastKeepsTheRecordedLayout) {
+  if (!kg::ops::dnnl::available()) GTEST_SKIP() << kg::ops::dnnl::unavailable_reason();
+  const CliResult nhwc = run({"run", "resnet18", "--batch", "1", "--runs", "1", "--profile"});
+  ASSERT_EQ(nhwc.code, 0) << nhwc.err;
+  EXPECT_NE(nhwc.out.find("nn.conv2d_nhwc"), std::string::npos) << nhwc.out;
+  const CliResult nchw = run({"run", "resnet18", "--batch", "1", "--runs", "1", "--profile", "--no-channels-last"});
+  ASSERT_EQ(nchw.code, 0) << nchw.err;
+  EXPECT_EQ(nchw.out.find("nhwc"), std::string::npos) << nchw.out;
+  EXPECT_NE(nchw.out.find("nn.fused_conv2d"), std::string::npos) << nchw.out;
 }
 
 TEST_F(CliProfile, ProfileCountsAnOnnxMatmul) {

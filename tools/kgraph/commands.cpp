@@ -332,6 +332,7 @@ void run(const RunArgs& args, std::ostream& out) {
   options.checked = args.checked;
   options.tf32 = args.tf32;
   options.vendor_libraries = !args.no_vendor;
+  options.channels_last = !args.no_channels_last;
   options.tune = args.tune;
   options.cuda_graph = !args.no_cuda_graph;
   options.threads = args.threads;

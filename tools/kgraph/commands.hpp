@@ -34,6 +34,7 @@ struct RunArgs {
   bool checked = false;        // LoadOptions::checked
   bool tf32 = false;           // LoadOptions::tf32
   bool no_vendor = false;      // LoadOptions::vendor_libraries off
+  bool no_channels_last = false;  // LoadOptions::channels_last off
   bool tune = false;           // LoadOptions::tune
   bool no_cuda_graph = false;  // LoadOptions::cuda_graph off
   int threads = 0;             // LoadOptions::threads (0: KG_NUM_THREADS, else one per core)

@@ -156,6 +156,10 @@ int main(int argc, char** argv) {
       "--no-vendor", ra.no_vendor,
       "run every op on kernelgraph's own kernels: not cuBLASLt or cuDNN (cuda), not oneDNN (cpu); "
       "also KG_NO_VENDOR=1");
+  run->add_flag("--no-channels-last", ra.no_channels_last,
+                "keep every convolution in the recorded NCHW layout (by default inference keeps activations "
+                "channels-last between convolutions where the library is faster on them: cpu f32, cuda "
+                "f16/bf16 and --tf32)");
   run->add_flag(
       "--tune", ra.tune,
       "time the libraries' algorithms per node and keep the fastest: cuda at load (and the op's own "

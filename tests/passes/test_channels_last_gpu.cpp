@@ -1,0 +1,339 @@
+// The channels-last pass for a GPU: which nodes it rewrites (16-bit convolutions, f32 ones only
+// with TF32, the pooling between them, permutes at the edges, names and parameters kept), the
+// rewritten graph's kernels under the emulator (the convolution's own channels-last kernel, and
+// its library call by the library's definition with the weights laid out by the call's
+// prologue) against the NCHW model on the CPU, the errors of the channels-last ops on the CPU,
+// and, on a machine with a GPU, whole models with cuDNN in channels-last against the CPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <string>
+
+#include "backend/cuda/executor.hpp"
+#include "backend/emu/executor.hpp"
+#include "kg/kg.hpp"
+#include "kg/models.hpp"
+#include "ops/conv_dnnl.hpp"
+#include "passes/passes.hpp"
+#include "support/test_util.hpp"
+
+using kg_test::fresh_seed;
+
+namespace {
+
+// A small residual CNN with every node kind ResNet-18 has: conv → BatchNorm → ReLU, a max pool,
+// a basic block with an identity and one with a strided projection, a global average pool, a
+// flatten and a linear layer.
+kg::SymTensor small_resnet(const kg::SymTensor& x) {
+  using kg::nn::batch_norm2d;
+  using kg::nn::conv2d;
+  auto cbr = [](const kg::SymTensor& in, std::int64_t out, kg::Size2 k, kg::nn::Conv2dOptions o,
+                const std::string& name, bool relu = true) {
+    kg::SymTensor y = batch_norm2d(conv2d(in, out, k, o, name + ".conv"), name + ".bn");
+    return relu ? kg::relu(y, name + ".relu") : y;
+  };
+  kg::SymTensor y = cbr(x, 8, 3, {.stride = 1, .padding = 1, .bias = false}, "stem");
+  y = kg::max_pool2d(y, 3, 2, 1, 1, false, "pool");
+  kg::SymTensor a = cbr(y, 8, 3, {.padding = 1, .bias = false}, "b1.a");
+  a = cbr(a, 8, 3, {.padding = 1, .bias = false}, "b1.b", false);
+  y = kg::relu(kg::add(a, y, "b1.add"), "b1.out");
+  kg::SymTensor b = cbr(y, 16, 3, {.stride = 2, .padding = 1, .bias = false}, "b2.a");
+  b = cbr(b, 16, 3, {.padding = 1}, "b2.b", false);
+  kg::SymTensor down = cbr(y, 16, 1, {.stride = 2, .bias = false}, "b2.down", false);
+  y = kg::relu(kg::add(b, down, "b2.add"), "b2.out");
+  y = kg::flatten(kg::global_avg_pool(y, "gap"), 1, -1, "flat");
+  return kg::nn::linear(y, 5, "fc");
+}
+
+kg::Model make_model(const std::function<kg::SymTensor(const kg::SymTensor&)>& build, std::int64_t c,
+                     std::int64_t h, std::int64_t w) {
+  auto [x, graph] = kg::SymTensor::input(kg::DType::F32, kg::Shape{kg::Dim::named("batch"), c, h, w}, "x");
+  (void)graph;
+  kg::SymTensor y = build(x);
+  return kg::Model(y.graph_ptr(), {y}, kg::LoweringMode::Inference);
+}
+
+// Random parameters that keep activations of a deep network in range (f16's included): weights
+// uniform within ±1/sqrt(fan-in) as PyTorch initialises them, BatchNorm statistics and affine
+// parameters around their identity.
+std::map<std::string, kg::Tensor> random_params(const kg::Model& m, std::mt19937_64& rng) {
+  std::map<std::string, kg::Tensor> p;
+  for (const auto& info : m.parameters()) {
+    if (info.dtype != kg::DType::F32) continue;
+    const bool var = info.name.ends_with("running_var");
+    double lo = var ? 0.5 : -0.5, hi = var ? 1.5 : 0.5;
+    if (info.shape.size() >= 2) {
+      std::int64_t fan_in = 1;
+      for (std::size_t k = 1; k < info.shape.size(); ++k) fan_in *= info.shape[k];
+      hi = 1.0 / std::sqrt(static_cast<double>(fan_in));
+      lo = -hi;
+    } else if (info.name.ends_with("bn.weight") || info.name.ends_with("bn1.weight") ||
+               info.name.ends_with("bn2.weight") || info.name.ends_with("downsample.1.weight")) {
+      lo = 0.5, hi = 1.5;
+    }
+    p[info.name] = kg_test::random_tensor(rng, info.dtype, info.shape, lo, hi);
+  }
+  return p;
+}
+
+// The model's optimised graph, optionally in a reduced precision, rewritten by the pass for `target`;
+// as a model of its own.
+kg::Model rewritten(const kg::Model& m, kg::passes::ChannelsLastTarget target, kg::DType precision = kg::DType::F32) {
+  auto g = std::make_shared<kg::Graph>(m.graph());
+  std::vector<int> outs;
+  for (const auto& o : m.outputs()) outs.push_back(o.second);
+  kg::passes::GraphAndOutputs r{g, outs};
+  if (precision != kg::DType::F32) r = kg::passes::reduce_precision(r.graph, r.outputs, precision);
+  r = kg::passes::channels_last(r.graph, r.outputs, false, target);
+  std::vector<kg::SymTensor> ys;
+  for (int o : r.outputs) ys.emplace_back(r.graph, o);
+  return kg::Model(r.graph, ys, kg::LoweringMode::Inference);
+}
+
+// Op name → count, over the live nodes.
+std::map<std::string, int> op_counts(const kg::Model& m) {
+  std::map<std::string, int> c;
+  for (int id : m.live_nodes()) {
+    const kg::Node& n = m.graph().node(id);
+    if (n.kind == kg::Node::Kind::Op) ++c[n.op->op().name()];
+  }
+  return c;
+}
+
+std::vector<std::string> param_names(const kg::Model& m) {
+  std::vector<std::string> v;
+  for (const auto& p : m.parameters()) v.push_back(p.name);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+double max_abs(const kg::Tensor& t) {
+  const kg::Tensor d = t.to(kg::DType::F64);
+  double m = 0;
+  for (std::int64_t i = 0; i < d.numel(); ++i) m = std::max(m, std::abs(d.data<double>()[i]));
+  return m;
+}
+
+std::map<std::string, kg::Tensor> converted(const std::map<std::string, kg::Tensor>& p, kg::DType t) {
+  std::map<std::string, kg::Tensor> out;
+  for (const auto& [k, v] : p) out[k] = v.to(t);
+  return out;
+}
+
+}  // namespace
+
+TEST(ChannelsLastGpu, RewritesHalfConvolutionsAndTheirPoolingKeepingNamesAndParameters) {
+  const kg::Model m = make_model(small_resnet, 3, 16, 16);
+  const kg::Model r = rewritten(m, {.gpu = true}, kg::DType::BF16);
+  const auto ops = op_counts(r);
+  EXPECT_EQ(ops.count("nn.fused_conv2d"), 0u);
+  EXPECT_EQ(ops.at("nn.conv2d_nhwc"), 6);  // every convolution, each with its BatchNorm folded in
+  EXPECT_EQ(ops.at("nn.max_pool2d_nhwc"), 1);
+  EXPECT_EQ(ops.at("nn.global_avg_pool_nhwc"), 1);
+  // One conversion in (after the input's cast to bf16) and one out (before the flatten).
+  EXPECT_EQ(ops.at("nn.permute"), 2);
+  EXPECT_EQ(param_names(r), param_names(m));
+  for (int id : r.live_nodes()) {
+    const kg::Node& n = r.graph().node(id);
+    if (n.kind == kg::Node::Kind::Op && n.op->op().name() == "nn.conv2d_nhwc") {
+      EXPECT_EQ(n.dtype, kg::DType::BF16) << n.name;
+      EXPECT_GE(m.graph().find(n.name), 0) << n.name << " is not a node of the model";
+    }
+  }
+}
+
+TEST(ChannelsLastGpu, StrictF32StaysNchwAndTf32Converts) {
+  const kg::Model m = make_model(small_resnet, 3, 16, 16);
+  EXPECT_EQ(op_counts(rewritten(m, {.gpu = true})).count("nn.conv2d_nhwc"), 0u);
+  EXPECT_EQ(op_counts(rewritten(m, {.gpu = true, .tf32 = true})).at("nn.conv2d_nhwc"), 6);
+}
+
+// Every kernel of the rewritten f32 graph (the channels-last convolution, pooling and permute
+// kernels) under the checked emulator, then the library path (prologue, the call by its
+// definition, epilogue), against the recorded NCHW model on the CPU.
+TEST(ChannelsLastGpu, EmulatedKernelsAndLibraryPathMatchTheNchwModel) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const kg::Model m = make_model(small_resnet, 3, 11, 13);
+  const kg::Model r = rewritten(m, {.gpu = true, .tf32 = true});
+  ASSERT_EQ(op_counts(r).at("nn.conv2d_nhwc"), 6);
+  const auto params = random_params(m, rng);
+  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 3, 11, 13});
+  kg::LoadOptions plain;
+  plain.vendor_libraries = false;
+  kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
+  cpu.load_state_dict(params, false);
+  const kg::Tensor want = cpu.forward({x}).at(0);
+  const double tol = 1e-5 * std::max(1.0, max_abs(want));
+
+  const kg::Tensor own = kg::emu::run_model(r, {x}, params, /*checked=*/true).at(0);
+  EXPECT_TRUE(kg_test::all_written(own));
+  EXPECT_TRUE(kg_test::all_close(own, want, 1e-4, tol));
+
+  int library_steps = 0;
+  const kg::Tensor lib = kg::emu::run_model(r, {x}, params, true, /*library_calls=*/true, &library_steps).at(0);
+  EXPECT_EQ(library_steps, 6 + 1);  // the convolutions and the linear layer
+  EXPECT_TRUE(kg_test::all_written(lib));
+  EXPECT_TRUE(kg_test::all_close(lib, want, 1e-4, tol));
+}
+
+// The same in bf16, on a ResNet-18 at 32 × 32: the library path under the emulator against the
+// f32 model on the CPU, within bf16's rounding through 18 layers.
+TEST(ChannelsLastGpu, Bf16ResNet18LibraryPathMatchesTheF32Cpu) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const kg::Model m = make_model([](const kg::SymTensor& x) { return kg::models::resnet18(x, 10); }, 3, 32, 32);
+  const kg::Model r = rewritten(m, {.gpu = true}, kg::DType::BF16);
+  ASSERT_EQ(op_counts(r).at("nn.conv2d_nhwc"), 20);
+  EXPECT_EQ(op_counts(r).at("nn.max_pool2d_nhwc"), 1);
+  const auto params = random_params(m, rng);
+  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 3, 32, 32});
+  kg::LoadOptions plain;
+  plain.vendor_libraries = false;
+  kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
+  cpu.load_state_dict(params, false);
+  const kg::Tensor want = cpu.forward({x}).at(0);
+  int library_steps = 0;
+  const kg::Tensor got =
+      kg::emu::run_model(r, {x}, converted(params, kg::DType::BF16), false, true, &library_steps).at(0);
+  EXPECT_EQ(library_steps, 21);
+  EXPECT_TRUE(kg_test::all_written(got));
+  // bf16 keeps 8 bits: a few percent of the output's scale after 18 layers of random weights.
+  EXPECT_TRUE(kg_test::all_close(got, want, 0.0, 0.08 * max_abs(want)));
+}
+
+// The channels-last max pool's kernel, in 16-byte packs of channels (8 channels of f32: two
+// packs) and one channel at a time (6), with NaN inputs: a NaN in a window wins, as in NCHW.
+TEST(ChannelsLastGpu, EmulatedMaxPoolMatchesNchwWithNaNs) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (std::int64_t channels : {8, 6}) {
+    SCOPED_TRACE(channels);
+    const kg::Model m = make_model(
+        [&](const kg::SymTensor& x) {
+          kg::SymTensor y = kg::nn::conv2d(x, channels, 1, {}, "conv");
+          return kg::max_pool2d(y, 3, 2, 1, 1, false, "pool");
+        },
+        2, 9, 10);
+    const kg::Model r = rewritten(m, {.gpu = true, .tf32 = true});
+    ASSERT_EQ(op_counts(r).at("nn.max_pool2d_nhwc"), 1);
+    const auto params = random_params(m, rng);
+    kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 2, 9, 10});
+    for (std::int64_t i : {3, 47, 200, 301}) x.data<float>()[i] = NAN;
+    kg::LoadOptions plain;
+    plain.vendor_libraries = false;
+    kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
+    cpu.load_state_dict(params, false);
+    const kg::Tensor want = cpu.forward({x}).at(0);
+    const kg::Tensor got = kg::emu::run_model(r, {x}, params, /*checked=*/true).at(0);
+    ASSERT_EQ(got.shape(), want.shape());
+    int nans = 0;
+    for (std::int64_t i = 0; i < want.numel(); ++i) {
+      const float w = want.data<float>()[i], g = got.data<float>()[i];
+      if (std::isnan(w)) {
+        ++nans;
+        EXPECT_TRUE(std::isnan(g)) << "element " << i;
+      } else {
+        EXPECT_NEAR(g, w, 1e-5 * (1 + std::abs(w))) << "element " << i;
+      }
+    }
+    EXPECT_GT(nans, 0);
+  }
+}
+
+TEST(ChannelsLastGpu, HalfChannelsLastOpsOnTheCpuAreAnErrorNamingTheNode) {
+  const kg::Model m = make_model(small_resnet, 3, 8, 8);
+  const kg::Model r = rewritten(m, {.gpu = true}, kg::DType::BF16);
+  kg::LoadOptions o;
+  o.vendor_libraries = false;
+  kg::LoadedModel lm = r.load(kg::Device::cpu(), {{1, 3, 8, 8}}, o);
+  kg_test::expect_error([&] { lm.forward({kg::Tensor::zeros(kg::DType::F32, {1, 3, 8, 8})}); },
+                        {"nn.conv2d_nhwc", "stem.conv", "runs f32 only on the CPU", "bf16"});
+}
+
+TEST(ChannelsLastGpu, MixedDtypesAreRefused) {
+  const kg::ops::Conv2dOp c(4, 4, 3, {.padding = 1}, kg::DType::F32);
+  const kg::ops::ChannelsLastConvOp op(c, kg::ops::ConvEpilogueSpec{.residual = true}, {});
+  EXPECT_EQ(op.infer_output_dtype({kg::DType::BF16, kg::DType::BF16}), kg::DType::BF16);
+  kg_test::expect_error([&] { op.infer_output_dtype({kg::DType::BF16, kg::DType::F32}); },
+                        {"one dtype", "f32", "bf16"});
+  kg_test::expect_error([&] { op.infer_output_dtype({kg::DType::I32, kg::DType::I32}); }, {"i32"});
+}
+
+// ---- on a GPU ----
+
+namespace {
+
+bool cudnn_here() { return kg::Device::cuda_available() && kg::cuda::convolution_library_available(); }
+
+// The node ops and kernels of one profiled forward.
+std::vector<kg::NodeTime> profiled(const kg::Model& m, const kg::Tensor& x, const std::map<std::string, kg::Tensor>& p,
+                                   kg::LoadOptions o) {
+  o.profile = true;
+  kg::LoadedModel lm = m.load(kg::Device::cuda(), {x.shape()}, o);
+  lm.load_state_dict(p, false);
+  lm.forward({x});
+  return lm.profile();
+}
+
+}  // namespace
+
+TEST(ChannelsLastGpu, CudnnChannelsLastMatchesTheCpuInBf16F16AndTf32) {
+  if (!cudnn_here()) GTEST_SKIP() << "needs a GPU with cuDNN";
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  for (bool resnet : {false, true}) {
+    SCOPED_TRACE(resnet ? "resnet18" : "small resnet");
+    const kg::Model m = resnet ? make_model([](const kg::SymTensor& x) { return kg::models::resnet18(x, 10); }, 3, 64, 64)
+                               : make_model(small_resnet, 3, 19, 17);
+    const auto params = random_params(m, rng);
+    const std::vector<std::int64_t> shape = resnet ? std::vector<std::int64_t>{4, 3, 64, 64}
+                                                   : std::vector<std::int64_t>{3, 3, 19, 17};
+    const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, shape);
+    kg::LoadOptions plain;
+    plain.vendor_libraries = false;
+    kg::LoadedModel cpu = m.load(kg::Device::cpu(), {shape}, plain);
+    cpu.load_state_dict(params, false);
+    const kg::Tensor want = cpu.forward({x}).at(0);
+    const double scale = std::max(1.0, max_abs(want));
+    struct Mode {
+      const char* name;
+      kg::DType precision;
+      bool tf32;
+      double tol;  // of the output's scale
+    };
+    for (const Mode& mode : {Mode{"bf16", kg::DType::BF16, false, 0.08}, Mode{"f16", kg::DType::F16, false, 0.02},
+                             Mode{"tf32", kg::DType::F32, true, 0.01}}) {
+      SCOPED_TRACE(mode.name);
+      kg::LoadOptions o;
+      o.precision = mode.precision;
+      o.tf32 = mode.tf32;
+      o.poison_buffers = true;
+      kg::LoadedModel gpu = m.load(kg::Device::cuda(), {shape}, o);
+      gpu.load_state_dict(params, false);
+      const kg::Tensor got = gpu.forward({x}).at(0);
+      EXPECT_TRUE(kg_test::all_written(got));
+      EXPECT_TRUE(kg_test::all_close(got, want, 0.0, mode.tol * scale));
+      // It ran channels-last, on cuDNN.
+      int nhwc = 0, on_cudnn = 0;
+      for (const auto& t : profiled(m, x, params, o)) {
+        if (t.op != "nn.conv2d_nhwc") continue;
+        ++nhwc;
+        if (t.kernel.find("cudnn") != std::string::npos && t.kernel.find("nhwc") != std::string::npos) ++on_cudnn;
+      }
+      EXPECT_EQ(nhwc, resnet ? 20 : 6);
+      EXPECT_EQ(on_cudnn, nhwc);
+      // Turned off, the same model runs NCHW and agrees.
+      kg::LoadOptions off = o;
+      off.channels_last = false;
+      for (const auto& t : profiled(m, x, params, off)) EXPECT_NE(t.op, "nn.conv2d_nhwc");
+    }
+  }
+}
