@@ -230,44 +230,18 @@ __device__ __forceinline__ void kg_conv2d_filter_nhwc(const T* __restrict__ w, T
                                                       const KgConvShape& s, const KgConvEpilogue<T>& ep) {
   typedef kg_compute_t<T> C;
   const long long cg = s.c / s.groups, cp = s.groups == 1 ? s.cpad : cg, taps = s.kh * s.kw;
-  const long long filter = s.gemm_k ? s.o * s.gemm_k : s.o * taps * cp;
-  const long long shift_at = kg_conv_shift_offset(filter, sizeof(T));
+  const long long filter = s.o * taps * cp, shift_at = kg_conv_shift_offset(filter, sizeof(T));
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < filter + s.o;
        i += (long long)gridDim.x * blockDim.x) {
-    const long long o = i >= filter ? i - filter : i / (s.gemm_k ? s.gemm_k : cp * taps);
+    const long long o = i < filter ? i / (cp * taps) : i - filter;
     C scale, shift;
     kg_conv_affine(ep, o, scale, shift);
     if (i >= filter) {
       kg_st(out, shift_at + o, shift);
       continue;
     }
-    if (s.gemm_k) {  // the GEMM form: [O, gemm_k], k = tap * C + c, zeros past kh·kw·C
-      const long long k = i % s.gemm_k, c = k % cg, tap = k / cg;
-      kg_st(out, i, tap < taps ? kg_ld(w, (o * cg + c) * taps + tap) * scale : C(0));
-      continue;
-    }
     const long long c = i % cp, tap = (i / cp) % taps;
     kg_st(out, i, c < cg ? kg_ld(w, (o * cg + c) * taps + tap) * scale : C(0));
-  }
-}
-
-// The GEMM form's rows: for each output pixel p = (n, oy, ox) of [N, OH, OW], the window's
-// inputs in the weights' order, k = (ky·kw + kx)·C + c, zero where the window leaves the input
-// and past kh·kw·C (the row is s.gemm_k long).
-template <class T>
-__device__ __forceinline__ void kg_conv2d_im2col_nhwc(const T* __restrict__ x, T* __restrict__ out,
-                                                      const KgConvShape& s) {
-  const long long total = s.n * s.ho * s.wo * s.gemm_k, taps = s.kh * s.kw;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
-    const long long k = i % s.gemm_k, p = i / s.gemm_k, tap = k / s.c, c = k % s.c;
-    T v = kg_from_compute<T>(kg_compute_t<T>(0));
-    if (tap < taps) {
-      const long long ox = p % s.wo, oy = (p / s.wo) % s.ho, n = p / (s.wo * s.ho);
-      const long long iy = oy * s.sh - s.ph + tap / s.kw * s.dh, ix = ox * s.sw - s.pw + tap % s.kw * s.dw;
-      if (iy >= 0 && iy < s.h && ix >= 0 && ix < s.w) v = x[((n * s.h + iy) * s.w + ix) * s.c + c];
-    }
-    out[i] = v;
   }
 }
 
