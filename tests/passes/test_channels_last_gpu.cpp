@@ -181,6 +181,63 @@ TEST(ChannelsLastGpu, EmulatedKernelsAndLibraryPathMatchTheNchwModel) {
   EXPECT_TRUE(kg_test::all_close(lib, want, 1e-4, tol));
 }
 
+// One convolution (with its BatchNorm and ReLU fused) on each form of the channels-last library
+// call, under the emulator against the f32 CPU, in f32 and bf16: input channels padded for cuDNN
+// (ResNet's 7×7 stem over 3 channels; 5 channels into 6), plain cuDNN, groups; and the op's own
+// kernel, checked.
+TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Conf {
+    const char* what;
+    std::int64_t c, o;
+    kg::Size2 k;
+    kg::nn::Conv2dOptions opt;
+    bool bn, relu;
+  };
+  const std::vector<Conf> confs = {
+      {"stem: 3 channels padded to 8", 3, 16, 7, {.stride = 2, .padding = 3, .bias = false}, true, true},
+      {"3 channels padded, no activation", 3, 8, 3, {.padding = 1}, true, false},
+      {"5 channels padded, 6 out", 5, 6, 3, {.padding = 1}, false, true},
+      {"cudnn", 16, 24, 3, {.stride = 2, .padding = 1, .bias = false}, true, true},
+      {"groups", 8, 16, 3, {.padding = 1, .groups = 2}, false, true},
+  };
+  for (const Conf& f : confs) {
+    SCOPED_TRACE(f.what);
+    const kg::Model m = make_model(
+        [&](const kg::SymTensor& x) {
+          kg::SymTensor y = kg::nn::conv2d(x, f.o, f.k, f.opt, "conv");
+          if (f.bn) y = kg::nn::batch_norm2d(y, "bn");
+          return f.relu ? kg::relu(y, "relu") : y;
+        },
+        f.c, 13, 12);
+    const auto params = random_params(m, rng);
+    const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, f.c, 13, 12});
+    kg::LoadOptions plain;
+    plain.vendor_libraries = false;
+    kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
+    cpu.load_state_dict(params, false);
+    const kg::Tensor want = cpu.forward({x}).at(0);
+    const double scale = std::max(1e-3, max_abs(want));
+    for (kg::DType t : {kg::DType::F32, kg::DType::BF16}) {
+      SCOPED_TRACE(kg::dtype_name(t));
+      const kg::Model r = rewritten(m, {.gpu = true, .tf32 = true}, t);
+      ASSERT_EQ(op_counts(r).at("nn.conv2d_nhwc"), 1);
+      const auto p = t == kg::DType::F32 ? params : converted(params, t);
+      // f32: sums in another order; bf16: inputs, weights and output rounded to 8 bits.
+      const double tol = (t == kg::DType::F32 ? 1e-5 : 2e-2) * scale;
+      int library_steps = 0;
+      const kg::Tensor lib = kg::emu::run_model(r, {x}, p, true, true, &library_steps).at(0);
+      EXPECT_EQ(library_steps, 1);
+      EXPECT_TRUE(kg_test::all_written(lib));
+      EXPECT_TRUE(kg_test::all_close(lib, want, 0.0, tol));
+      const kg::Tensor own = kg::emu::run_model(r, {x}, p, true).at(0);
+      EXPECT_TRUE(kg_test::all_close(own, want, 0.0, tol));
+    }
+  }
+}
+
 // The same in bf16, on a ResNet-18 at 32 × 32: the library path under the emulator against the
 // f32 model on the CPU, within bf16's rounding through 18 layers.
 TEST(ChannelsLastGpu, Bf16ResNet18LibraryPathMatchesTheF32Cpu) {
