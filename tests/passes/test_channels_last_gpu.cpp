@@ -117,6 +117,15 @@ double max_abs(const kg::Tensor& t) {
   return m;
 }
 
+// The recorded (NCHW) model's output on the CPU with its own kernels: the reference.
+kg::Tensor nchw_cpu_output(const kg::Model& m, const kg::Tensor& x, const std::map<std::string, kg::Tensor>& params) {
+  kg::LoadOptions plain;
+  plain.vendor_libraries = false;
+  kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
+  cpu.load_state_dict(params, false);
+  return cpu.forward({x}).at(0);
+}
+
 std::map<std::string, kg::Tensor> converted(const std::map<std::string, kg::Tensor>& p, kg::DType t) {
   std::map<std::string, kg::Tensor> out;
   for (const auto& [k, v] : p) out[k] = v.to(t);
@@ -163,11 +172,7 @@ TEST(ChannelsLastGpu, EmulatedKernelsAndLibraryPathMatchTheNchwModel) {
   ASSERT_EQ(op_counts(r).at("nn.conv2d_nhwc"), 6);
   const auto params = random_params(m, rng);
   const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 3, 11, 13});
-  kg::LoadOptions plain;
-  plain.vendor_libraries = false;
-  kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
-  cpu.load_state_dict(params, false);
-  const kg::Tensor want = cpu.forward({x}).at(0);
+  const kg::Tensor want = nchw_cpu_output(m, x, params);
   const double tol = 1e-5 * std::max(1.0, max_abs(want));
 
   const kg::Tensor own = kg::emu::run_model(r, {x}, params, /*checked=*/true).at(0);
@@ -214,11 +219,7 @@ TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
         f.c, 13, 12);
     const auto params = random_params(m, rng);
     const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, f.c, 13, 12});
-    kg::LoadOptions plain;
-    plain.vendor_libraries = false;
-    kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
-    cpu.load_state_dict(params, false);
-    const kg::Tensor want = cpu.forward({x}).at(0);
+    const kg::Tensor want = nchw_cpu_output(m, x, params);
     const double scale = std::max(1e-3, max_abs(want));
     for (kg::DType t : {kg::DType::F32, kg::DType::BF16}) {
       SCOPED_TRACE(kg::dtype_name(t));
@@ -250,11 +251,7 @@ TEST(ChannelsLastGpu, Bf16ResNet18LibraryPathMatchesTheF32Cpu) {
   EXPECT_EQ(op_counts(r).at("nn.max_pool2d_nhwc"), 1);
   const auto params = random_params(m, rng);
   const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 3, 32, 32});
-  kg::LoadOptions plain;
-  plain.vendor_libraries = false;
-  kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
-  cpu.load_state_dict(params, false);
-  const kg::Tensor want = cpu.forward({x}).at(0);
+  const kg::Tensor want = nchw_cpu_output(m, x, params);
   int library_steps = 0;
   const kg::Tensor got =
       kg::emu::run_model(r, {x}, converted(params, kg::DType::BF16), false, true, &library_steps).at(0);
@@ -283,11 +280,7 @@ TEST(ChannelsLastGpu, EmulatedMaxPoolMatchesNchwWithNaNs) {
     const auto params = random_params(m, rng);
     kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 2, 9, 10});
     for (std::int64_t i : {3, 47, 200, 301}) x.data<float>()[i] = NAN;
-    kg::LoadOptions plain;
-    plain.vendor_libraries = false;
-    kg::LoadedModel cpu = m.load(kg::Device::cpu(), {x.shape()}, plain);
-    cpu.load_state_dict(params, false);
-    const kg::Tensor want = cpu.forward({x}).at(0);
+    const kg::Tensor want = nchw_cpu_output(m, x, params);
     const kg::Tensor got = kg::emu::run_model(r, {x}, params, /*checked=*/true).at(0);
     ASSERT_EQ(got.shape(), want.shape());
     int nans = 0;
@@ -354,11 +347,7 @@ TEST(ChannelsLastGpu, CudnnChannelsLastMatchesTheCpuInBf16F16AndTf32) {
     const std::vector<std::int64_t> shape = resnet ? std::vector<std::int64_t>{4, 3, 64, 64}
                                                    : std::vector<std::int64_t>{3, 3, 19, 17};
     const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, shape);
-    kg::LoadOptions plain;
-    plain.vendor_libraries = false;
-    kg::LoadedModel cpu = m.load(kg::Device::cpu(), {shape}, plain);
-    cpu.load_state_dict(params, false);
-    const kg::Tensor want = cpu.forward({x}).at(0);
+    const kg::Tensor want = nchw_cpu_output(m, x, params);
     const double scale = std::max(1.0, max_abs(want));
     struct Mode {
       const char* name;
