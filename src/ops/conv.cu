@@ -230,19 +230,82 @@ __device__ __forceinline__ void kg_conv2d_filter_nhwc(const T* __restrict__ w, T
                                                       const KgConvShape& s, const KgConvEpilogue<T>& ep) {
   typedef kg_compute_t<T> C;
   const long long cg = s.c / s.groups, cp = s.groups == 1 ? s.cpad : cg, taps = s.kh * s.kw;
-  const long long filter = s.o * taps * cp, shift_at = kg_conv_shift_offset(filter, sizeof(T));
+  const long long filter = s.gemm_k ? s.o * s.gemm_k : s.o * taps * cp;
+  const long long shift_at = kg_conv_shift_offset(filter, sizeof(T));
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < filter + s.o;
        i += (long long)gridDim.x * blockDim.x) {
-    const long long o = i < filter ? i / (cp * taps) : i - filter;
+    const long long o = i >= filter ? i - filter : i / (s.gemm_k ? s.gemm_k : cp * taps);
     C scale, shift;
     kg_conv_affine(ep, o, scale, shift);
     if (i >= filter) {
       kg_st(out, shift_at + o, shift);
       continue;
     }
+    if (s.gemm_k) {  // the GEMM form: [O, gemm_k], k = tap * C + c, zeros past kh·kw·C
+      const long long k = i % s.gemm_k, c = k % cg, tap = k / cg;
+      kg_st(out, i, tap < taps ? kg_ld(w, (o * cg + c) * taps + tap) * scale : C(0));
+      continue;
+    }
     const long long c = i % cp, tap = (i / cp) % taps;
     kg_st(out, i, c < cg ? kg_ld(w, (o * cg + c) * taps + tap) * scale : C(0));
   }
+}
+
+// The GEMM form's rows: for each output pixel p = (n, oy, ox) of [N, OH, OW], the window's
+// inputs in the weights' order, k = (ky·kw + kx)·C + c, zero where the window leaves the input
+// and past kh·kw·C (the row is s.gemm_k long, a multiple of 8). One thread writes V = 16 /
+// sizeof(T) consecutive elements of a row as one 16-byte store. When V divides C (a 1×1
+// convolution's subsampled pixels, say) the V elements lie in one tap and are read as one 16-byte
+// load; otherwise (few channels: ResNet's stem) element by element, walking (ky, kx, c) from the
+// first. Index math in I (int where every index fits, else long long).
+template <class T, class I>
+__device__ __forceinline__ void kg_conv2d_im2col_nhwc_run(const T* __restrict__ x, T* __restrict__ out,
+                                                          const KgConvShape& s) {
+  constexpr int V = 16 / (int)sizeof(T);
+  typedef KgConvPack<T, V> P;
+  const I chunks = (I)(s.gemm_k / V), c = (I)s.c, kh = (I)s.kh, kw = (I)s.kw;
+  const I ho = (I)s.ho, wo = (I)s.wo, h = (I)s.h, w = (I)s.w;
+  const I total = (I)s.n * ho * wo * chunks;
+  const bool packed = c % V == 0;
+  const T zero = kg_from_compute<T>(kg_compute_t<T>(0));
+  for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < total; i += (I)(gridDim.x * blockDim.x)) {
+    const I p = i / chunks, k = (i - p * chunks) * V;
+    const I q = p / wo, ox = p - q * wo, n = q / ho, oy = q - n * ho;
+    const I tap = k / c;
+    I cc = k - tap * c, ky = tap / kw, kx = tap - ky * kw;
+    const I y0 = oy * (I)s.sh - (I)s.ph, x0 = ox * (I)s.sw - (I)s.pw;
+    P v;
+    if (packed) {
+      const I iy = y0 + ky * (I)s.dh, ix = x0 + kx * (I)s.dw;
+      if (ky < kh && iy >= 0 && iy < h && ix >= 0 && ix < w) {
+        v = *reinterpret_cast<const P*>(x + ((n * h + iy) * w + ix) * c + cc);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v.e[j] = zero;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const I iy = y0 + ky * (I)s.dh, ix = x0 + kx * (I)s.dw;
+        v.e[j] = ky < kh && iy >= 0 && iy < h && ix >= 0 && ix < w ? x[((n * h + iy) * w + ix) * c + cc] : zero;
+        if (++cc == c) {
+          cc = 0;
+          if (++kx == kw) kx = 0, ++ky;
+        }
+      }
+    }
+    *reinterpret_cast<P*>(out + (long long)i * V) = v;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void kg_conv2d_im2col_nhwc(const T* __restrict__ x, T* __restrict__ out,
+                                                      const KgConvShape& s) {
+  const long long limit = 2147483647LL - 65535LL * 32 * KG_CONV_THREADS;  // room for the stride
+  if (s.n * s.ho * s.wo * s.gemm_k <= limit && s.n * s.h * s.w * s.c <= limit)
+    kg_conv2d_im2col_nhwc_run<T, int>(x, out, s);
+  else
+    kg_conv2d_im2col_nhwc_run<T, long long>(x, out, s);
 }
 
 // The input [N, H, W, C] with its channels padded with zeros to s.cpad, into `out`.

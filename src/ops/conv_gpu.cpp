@@ -172,6 +172,38 @@ class ConvRuntime final : public RuntimeOp {
       return call;
     }
     const LastScratch ls = last_scratch(t);
+    if (ls.gemm_k) {
+      // im2col rows times the weights' rows; the shift (and a ReLU) as cuBLASLt's epilogue where
+      // nothing else follows.
+      const bool in_gemm = !cfg_.residual && !cfg_.activation_form &&
+                           (!cfg_.activation || cfg_.activation->fn == UnaryFn::Relu);
+      const bool rows_are_input = gemm_reads_input(in);
+      GemmCall g;
+      g.dtype = cfg_.dtype;
+      g.a = rows_are_input ? t.inputs[0].ptr : t.scratch + ls.input;
+      g.b = t.scratch;
+      g.c = t.output.ptr;
+      g.bias = in_gemm ? t.scratch + ls.shift : 0;
+      g.relu = in_gemm && cfg_.activation;
+      g.trans_b = true;
+      g.m = out[0] * out[2] * out[3];
+      g.n = out[1];
+      g.k = ls.gemm_k;
+      g.lda = ls.gemm_k;
+      g.ldb = ls.gemm_k;
+      g.ldc = out[1];
+      LibraryCall call{g, {}};
+      call.prologue.push_back(launch(filter_entry_, ls.filter_elems + out[1], 0, t.params.at(0).ptr, bias,
+                                     cfg_.batch_norm, 0, t.scratch));
+      // One thread per 16 bytes of the rows.
+      const std::int64_t per_thread = 16 / static_cast<std::int64_t>(dtype_size(cfg_.dtype));
+      if (!rows_are_input)
+        call.prologue.push_back(launch(im2col_entry_, g.m * g.k / per_thread, t.inputs[0].ptr, 0, 0, false, 0, g.a));
+      if (epilogue && !in_gemm)
+        call.epilogue.push_back(
+            launch(epilogue_entry_, numel_of(out), 0, 0, t.scratch + ls.shift, false, residual, t.output.ptr));
+      return call;
+    }
     std::vector<std::int64_t> padded = in;
     padded[1] = ls.channels;
     LibraryCall call{conv_call(ls.input ? t.scratch + ls.input : t.inputs[0].ptr, t.scratch, t.output.ptr, padded, out),
@@ -216,6 +248,7 @@ class ConvRuntime final : public RuntimeOp {
     return cfg_.channels_last ? last_scratch(t).bytes : 0;
   }
   void set_pad_entry(std::string entry) { pad_entry_ = std::move(entry); }
+  void set_im2col_entry(std::string entry) { im2col_entry_ = std::move(entry); }
 
   // ---- backward (conv_backward.cu): dx, dw, the sum of dw's ranges, then db with a bias ----
   std::vector<Launch> backward_launches(const LaunchTensors& t) const override {
@@ -269,27 +302,68 @@ class ConvRuntime final : public RuntimeOp {
   // Where the channels-last library path keeps its data in the scratch (byte offsets, each a
   // multiple of KG_CONV_SCRATCH_ALIGN): the weights [O, kh, kw, channels] at 0, the shift [O] after them, and the
   // input padded to `channels` (0 when it is not padded).
+  // With the GEMM form (gemm_k > 0) the weights are [O, gemm_k] instead and `input` holds the
+  // im2col rows [N·OH·OW, gemm_k].
   struct LastScratch {
     std::int64_t channels = 0;  // input channels the library sees
     std::int64_t filter_elems = 0;
+    std::int64_t gemm_k = 0;
     std::size_t shift = 0, input = 0, bytes = 0;
   };
   LastScratch last_scratch(const LaunchTensors& t) const {
     const auto in = nchw(t.inputs.at(0).shape);
+    const auto out = nchw(t.output.shape);
     const auto esize = dtype_size(cfg_.dtype);
     constexpr std::size_t kAlign = KG_CONV_SCRATCH_ALIGN;
     auto align = [](std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; };
     LastScratch ls;
     ls.channels = padded_channels(in[1]);
+    ls.gemm_k = gemm_k(in, out);
     const std::int64_t cg = cfg_.options.groups == 1 ? ls.channels : in[1] / cfg_.options.groups;
-    ls.filter_elems = cfg_.out_channels * cfg_.kernel.h * cfg_.kernel.w * cg;
+    ls.filter_elems = ls.gemm_k ? cfg_.out_channels * ls.gemm_k : cfg_.out_channels * cfg_.kernel.h * cfg_.kernel.w * cg;
     ls.shift = align(static_cast<std::size_t>(ls.filter_elems) * esize);
     ls.bytes = ls.shift + align(static_cast<std::size_t>(cfg_.out_channels) * esize);
-    if (ls.channels != in[1]) {
+    if (ls.gemm_k && !gemm_reads_input(in)) {
+      ls.input = ls.bytes;
+      ls.bytes += align(static_cast<std::size_t>(out[0] * out[2] * out[3] * ls.gemm_k) * esize);
+    } else if (!ls.gemm_k && ls.channels != in[1]) {
       ls.input = ls.bytes;
       ls.bytes += align(static_cast<std::size_t>(in[0] * ls.channels * in[2] * in[3]) * esize);
     }
     return ls;
+  }
+  // The GEMM form of a channels-last convolution: out [N·OH·OW, O] = rows [N·OH·OW, K] · Wᵀ on
+  // cuBLASLt, the rows being the input's windows laid out by the im2col prologue (or the input
+  // itself for a 1×1, stride-1, unpadded convolution). Two cases:
+  //  - few input channels (C not a multiple of 8: ResNet's 7×7 stem over 3 channels), K = kh·kw·C
+  //    rounded up to 8. cuDNN reached about 20 TFLOP/s there with the channels padded to 8, where
+  //    the GEMM's rows are 8/3 times shorter than the padded convolution's;
+  //  - 1×1 unpadded convolutions with C a multiple of 8 (ResNet's strided downsampling shortcuts),
+  //    K = C: the rows are the subsampled pixels. cuDNN's heuristic choice for the first of them
+  //    ran at 9 TFLOP/s.
+  // For one group, O a multiple of 8 (the library's row alignment) and an im2col matrix of at most
+  // 2 GiB; 0 (cuDNN) otherwise.
+  std::int64_t gemm_k(const std::vector<std::int64_t>& in, const std::vector<std::int64_t>& out) const {
+    const auto& op = cfg_.options;
+    if (!cfg_.channels_last || op.groups != 1 || cfg_.out_channels % 8 != 0) return 0;
+    const bool one_by_one = cfg_.kernel.h == 1 && cfg_.kernel.w == 1 && op.padding.h == 0 && op.padding.w == 0;
+    std::int64_t k = 0;
+    if (in.at(1) % 8 != 0)
+      k = (cfg_.kernel.h * cfg_.kernel.w * in[1] + 7) / 8 * 8;
+    else if (one_by_one)
+      k = in[1];
+    else
+      return 0;
+    if (gemm_reads_input(in)) return k;
+    const double bytes = double(out.at(0)) * double(out[2]) * double(out[3]) * double(k) * double(dtype_size(cfg_.dtype));
+    return bytes <= double(std::int64_t{2} << 30) ? k : 0;
+  }
+  // The GEMM form's rows are the input as it is: a 1×1, stride-1, unpadded convolution whose
+  // channels are a multiple of 8.
+  bool gemm_reads_input(const std::vector<std::int64_t>& in) const {
+    const auto& op = cfg_.options;
+    return cfg_.kernel.h == 1 && cfg_.kernel.w == 1 && op.padding.h == 0 && op.padding.w == 0 && op.stride.h == 1 &&
+           op.stride.w == 1 && in.at(1) % 8 == 0;
   }
   // The input channels cuDNN sees in channels-last: a multiple of 8 (what its tensor cores take),
   // zero-padded, for one group; the input's own count otherwise.
@@ -400,6 +474,7 @@ class ConvRuntime final : public RuntimeOp {
     s.ocb = channels_per_thread(cfg_.out_channels / op.groups);
     s.nhwc = cfg_.channels_last ? 1 : 0;
     s.cpad = cfg_.channels_last ? padded_channels(s.c) : s.c;
+    s.gemm_k = gemm_k(in, out);
     if (algo_ == ConvGpuAlgo::Tiled) {
       const TilePlan t = tile_plan(cfg_, out);
       s.tile_h = t.tile_h;
@@ -507,6 +582,7 @@ class ConvRuntime final : public RuntimeOp {
   std::string epilogue_entry_;
   std::string filter_entry_;
   std::string pad_entry_;
+  std::string im2col_entry_;
 };
 
 }  // namespace
@@ -608,6 +684,10 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
     source += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", pad, "(",
                         entry_params(t), ") {\n  kg_conv2d_pad_channels<", t, ">(x, y, s);\n}\n");
     rt->set_pad_entry(pad);
+    const std::string im2col = entry_for(stem + "_im2col", cfg.dtype);
+    source += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", im2col, "(",
+                        entry_params(t), ") {\n  kg_conv2d_im2col_nhwc<", t, ">(x, y, s);\n}\n");
+    rt->set_im2col_entry(im2col);
   }
   return Lowered{op_name, std::move(source), entry, rt};
 }

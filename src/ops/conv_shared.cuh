@@ -37,6 +37,8 @@ struct KgConvShape {
   long long nhwc;
   // channels-last library path: the input channels cuDNN sees (c, or c padded with zeros)
   long long cpad;
+  // channels-last GEMM form: the im2col rows' length (kh·kw·c rounded up to 8), or 0
+  long long gemm_k;
 };
 
 // ---- backward (conv_backward.cu) ----

@@ -186,10 +186,12 @@ TEST(ChannelsLastGpu, EmulatedKernelsAndLibraryPathMatchTheNchwModel) {
   EXPECT_TRUE(kg_test::all_close(lib, want, 1e-4, tol));
 }
 
-// One convolution (with its BatchNorm and ReLU fused) on each form of the channels-last library
-// call, under the emulator against the f32 CPU, in f32 and bf16: input channels padded for cuDNN
-// (ResNet's 7×7 stem over 3 channels; 5 channels into 6), plain cuDNN, groups; and the op's own
-// kernel, checked.
+// One convolution (with its BatchNorm and ReLU fused) on each library form of the channels-last
+// convolution, under the emulator against the f32 CPU, in f32 and bf16: the GEMM form (few input
+// channels: ResNet's stem; 1×1 convolutions, strided or reading the input as it is), with its
+// shift and ReLU in the GEMM's epilogue or in the op's; input
+// channels padded for cuDNN (output channels not a multiple of 8); plain cuDNN; groups. And the
+// op's own kernel, checked.
 TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -202,9 +204,11 @@ TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
     bool bn, relu;
   };
   const std::vector<Conf> confs = {
-      {"stem: 3 channels padded to 8", 3, 16, 7, {.stride = 2, .padding = 3, .bias = false}, true, true},
-      {"3 channels padded, no activation", 3, 8, 3, {.padding = 1}, true, false},
-      {"5 channels padded, 6 out", 5, 6, 3, {.padding = 1}, false, true},
+      {"gemm form, shift and relu in the gemm", 3, 16, 7, {.stride = 2, .padding = 3, .bias = false}, true, true},
+      {"gemm form, shift in the gemm", 3, 8, 3, {.padding = 1}, true, false},
+      {"gemm form, 1x1 stride 2: subsampled rows", 16, 24, 1, {.stride = 2, .bias = false}, true, false},
+      {"gemm form, 1x1: the input as the rows", 16, 8, 1, {}, true, true},
+      {"channels padded for cudnn", 5, 6, 3, {.padding = 1}, false, true},
       {"cudnn", 16, 24, 3, {.stride = 2, .padding = 1, .bias = false}, true, true},
       {"groups", 8, 16, 3, {.padding = 1, .groups = 2}, false, true},
   };
@@ -367,15 +371,18 @@ TEST(ChannelsLastGpu, CudnnChannelsLastMatchesTheCpuInBf16F16AndTf32) {
       const kg::Tensor got = gpu.forward({x}).at(0);
       EXPECT_TRUE(kg_test::all_written(got));
       EXPECT_TRUE(kg_test::all_close(got, want, 0.0, mode.tol * scale));
-      // It ran channels-last, on cuDNN.
-      int nhwc = 0, on_cudnn = 0;
+      // It ran channels-last: the stem and the 1×1 downsampling convolutions as GEMMs on cuBLASLt,
+      // the rest on cuDNN.
+      int nhwc = 0, on_cudnn = 0, on_cublas = 0;
       for (const auto& t : profiled(m, x, params, o)) {
         if (t.op != "nn.conv2d_nhwc") continue;
         ++nhwc;
         if (t.kernel.find("cudnn") != std::string::npos && t.kernel.find("nhwc") != std::string::npos) ++on_cudnn;
+        if (t.kernel.find("cublasLt") != std::string::npos) ++on_cublas;
       }
       EXPECT_EQ(nhwc, resnet ? 20 : 6);
-      EXPECT_EQ(on_cudnn, nhwc);
+      EXPECT_EQ(on_cublas, resnet ? 4 : 2);
+      EXPECT_EQ(on_cudnn + on_cublas, nhwc);
       // Turned off, the same model runs NCHW and agrees.
       kg::LoadOptions off = o;
       off.channels_last = false;
