@@ -42,6 +42,7 @@
 // with an activation functor.
 #include "conv_shared.cuh"  // KG_CONV_* and KgConvShape, shared with ops/conv_gpu.cpp
 #include "kg_device.cuh"
+#include "mma.cuh"
 
 template <class T>
 struct KgConvEpilogue {
@@ -306,6 +307,172 @@ __device__ __forceinline__ void kg_conv2d_im2col_nhwc(const T* __restrict__ x, T
     kg_conv2d_im2col_nhwc_run<T, int>(x, out, s);
   else
     kg_conv2d_im2col_nhwc_run<T, long long>(x, out, s);
+}
+
+// ---- channels-last on tensor cores (f16, bf16; one group) ----
+// An implicit GEMM: y[p, o] = act(sum_k rows[p, k] · w'[o, k] + shift[o] + residual[p, o]) over
+// the output pixels p = (n, oy, ox) of [N, OH, OW] and k = (ky·kw + kx)·C + c < K = s.gemm_k,
+// where w' is the weights as the channels-last prologue lays them out ([O, K], a BatchNorm's
+// scale folded in, zeros past kh·kw·C), `shift` (ep.bias) the per-channel shift it writes after
+// them, and the rows are gathered from the input [N, H, W, C] as they are needed, zero outside the
+// image. A block of 256 threads computes a tile of KG_IG_BM (128) pixels × KG_IG_BN (64) channels:
+// 8 warps as 4 × 2, each 32 × 32 with mma.m16n8k16 (mma.cuh), over k in slices of KG_IG_BK staged in
+// shared memory, two buffers deep: the next slice is read into registers while the tensor cores
+// work on this one. Each thread reads 16 bytes of two rows and of one weight row per slice: one
+// 16-byte load where C is a multiple of 8 (the 8 elements lie in one tap), element by element
+// otherwise (ResNet's 3-channel stem). K is a multiple of 8, so no 8-element chunk crosses it.
+// Grid: x over pixel tiles, y over channel tiles. The tile sizes are conv_shared.cuh's.
+// Shared-memory row length in elements: 32 + 8, so that the 32 fragment reads of a warp (8 rows
+// × 4 words) fall in 32 different banks.
+#define KG_IG_LD 40
+
+template <class T>
+struct __align__(4) KgConvPair {
+  T e[2];
+};
+
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_nhwc_mma(const T* __restrict__ x, const T* __restrict__ w,
+                                                   T* __restrict__ y, const KgConvShape& s,
+                                                   const KgConvEpilogue<T>& ep, const Act& act) {
+  typedef KgConvPack<T, 8> P;
+  __shared__ __align__(16) T as[2][KG_IG_BM][KG_IG_LD];
+  __shared__ __align__(16) T bs[2][KG_IG_BN][KG_IG_LD];
+  const int tid = (int)threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp % 4, wn = warp / 4, g = lane / 4, t = lane % 4;
+  const long long m_total = s.n * s.ho * s.wo;
+  const long long m0 = (long long)blockIdx.x * KG_IG_BM;
+  const int n0 = (int)blockIdx.y * KG_IG_BN;
+  const int K = (int)s.gemm_k, C = (int)s.c, kh = (int)s.kh, kw = (int)s.kw, H = (int)s.h, W = (int)s.w;
+  const int O = (int)s.o;
+  const bool packed = C % 8 == 0;
+  // This thread's share of each slice: chunk kc (8 elements) of the A rows ar and ar + 64 and of
+  // the weight row ar.
+  const int kc = tid % 4, ar = tid / 4;
+  long long a_image[2];
+  int a_y0[2], a_x0[2];
+  bool a_valid[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const long long p = m0 + ar + j * 64;
+    a_valid[j] = p < m_total;
+    const long long q = p / s.wo, n = q / s.ho;
+    a_image[j] = n * H * W * C;
+    a_y0[j] = (int)(q - n * s.ho) * (int)s.sh - (int)s.ph;
+    a_x0[j] = (int)(p - q * s.wo) * (int)s.sw - (int)s.pw;
+  }
+  const bool b_valid = n0 + ar < O;
+  const T* w_row = w + (long long)(b_valid ? n0 + ar : 0) * K;
+  P zero;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) zero.e[e] = kg_from_compute<T>(0.0f);
+  P ra[2], rb;
+  auto load = [&](int kt) {
+    const int k0 = kt * KG_IG_BK + kc * 8;
+    rb = b_valid && k0 < K ? *reinterpret_cast<const P*>(w_row + k0) : zero;
+    int tap = k0 / C, c = k0 - tap * C;
+    int ky = tap / kw, kx = tap - ky * kw;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      ra[j] = zero;
+      if (!a_valid[j] || k0 >= K) continue;
+      if (packed) {
+        const int iy = a_y0[j] + ky * (int)s.dh, ix = a_x0[j] + kx * (int)s.dw;
+        if (ky < kh && iy >= 0 && iy < H && ix >= 0 && ix < W)
+          ra[j] = *reinterpret_cast<const P*>(x + a_image[j] + ((long long)iy * W + ix) * C + c);
+      } else {
+        int cc = c, yy = ky, xx = kx;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int iy = a_y0[j] + yy * (int)s.dh, ix = a_x0[j] + xx * (int)s.dw;
+          if (yy < kh && iy >= 0 && iy < H && ix >= 0 && ix < W)
+            ra[j].e[e] = x[a_image[j] + ((long long)iy * W + ix) * C + cc];
+          if (++cc == C) {
+            cc = 0;
+            if (++xx == kw) xx = 0, ++yy;
+          }
+        }
+      }
+    }
+  };
+  auto store = [&](int buf) {
+    *reinterpret_cast<P*>(&as[buf][ar][kc * 8]) = ra[0];
+    *reinterpret_cast<P*>(&as[buf][ar + 64][kc * 8]) = ra[1];
+    *reinterpret_cast<P*>(&bs[buf][ar][kc * 8]) = rb;
+  };
+  float acc[2][4][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+  const int slices = (K + KG_IG_BK - 1) / KG_IG_BK;
+  load(0);
+  store(0);
+  __syncthreads();
+  for (int kt = 0; kt < slices; ++kt) {
+    const int buf = kt & 1;
+    if (kt + 1 < slices) load(kt + 1);
+#pragma unroll
+    for (int ks = 0; ks < KG_IG_BK; ks += 16) {
+      unsigned af[2][4], bf[4][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const T* r0 = &as[buf][wm * 32 + mt * 16 + g][ks + 2 * t];
+        const T* r8 = r0 + 8 * KG_IG_LD;
+        af[mt][0] = *reinterpret_cast<const unsigned*>(r0);
+        af[mt][1] = *reinterpret_cast<const unsigned*>(r8);
+        af[mt][2] = *reinterpret_cast<const unsigned*>(r0 + 8);
+        af[mt][3] = *reinterpret_cast<const unsigned*>(r8 + 8);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const T* c0 = &bs[buf][wn * 32 + nt * 8 + g][ks + 2 * t];
+        bf[nt][0] = *reinterpret_cast<const unsigned*>(c0);
+        bf[nt][1] = *reinterpret_cast<const unsigned*>(c0 + 8);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) kg_mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
+    }
+    if (kt + 1 < slices) store(buf ^ 1);
+    __syncthreads();
+  }
+  // The epilogue: two neighbouring channels of a pixel per step, stored as one 4-byte pair where
+  // O is even.
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const long long p = m0 + wm * 32 + mt * 16 + g + half * 8;
+      if (p >= m_total) continue;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int o = n0 + wn * 32 + nt * 8 + 2 * t;
+        if (o >= O) continue;
+        const long long at = p * O + o;
+        float v[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (o + e >= O) break;
+          v[e] = acc[mt][nt][half * 2 + e];
+          if (ep.bias) v[e] += kg_ld(ep.bias, o + e);
+          if (ep.residual) v[e] += kg_ld(ep.residual, at + e);
+          v[e] = act(v[e]);
+        }
+        if (O % 2 == 0) {
+          KgConvPair<T> pr;
+          pr.e[0] = kg_from_compute<T>(v[0]);
+          pr.e[1] = kg_from_compute<T>(v[1]);
+          *reinterpret_cast<KgConvPair<T>*>(y + at) = pr;
+        } else {
+          y[at] = kg_from_compute<T>(v[0]);
+          if (o + 1 < O) y[at + 1] = kg_from_compute<T>(v[1]);
+        }
+      }
+    }
 }
 
 // The input [N, H, W, C] with its channels padded with zeros to s.cpad, into `out`.

@@ -107,12 +107,34 @@ class ConvRuntime final : public RuntimeOp {
   ConvRuntime(ConvGpuConfig cfg, ConvGpuAlgo algo, std::string label, bool backward)
       : cfg_(std::move(cfg)), algo_(algo), label_(std::move(label)), backward_(backward) {}
 
-  // One launch per range of whole images (see kMaxItemsPerLaunch).
+  // One launch per range of whole images (see kMaxItemsPerLaunch). On tensor cores (NhwcMma) a
+  // launch of the filter entry first lays the weights out [O, K] in the scratch with the scale
+  // folded in, and the shift after them (as the library call's prologue does).
   std::vector<Launch> launches(const LaunchTensors& t) const override {
     const auto& shape = t.output.shape;
     const int n = static_cast<int>(std::max<std::int64_t>(ceil_div(shape[0], images_per_launch(shape)), 1));
     const std::size_t shared = algo_ == ConvGpuAlgo::Tiled ? tile_plan(cfg_, shape).shared : 0;
     std::vector<Launch> v;
+    if (algo_ == ConvGpuAlgo::NhwcMma) {
+      const auto in = nchw(t.inputs.at(0).shape);
+      Launch L;
+      L.entry = filter_entry_;
+      L.block = {kConvThreads, 1, 1};
+      L.grid = grid_1d(cfg_.out_channels * mma_k(in) + cfg_.out_channels, kConvThreads);
+      L.args.pointer(0);
+      L.args.pointer(t.params.at(0).ptr);
+      L.args.pointer(cfg_.options.bias ? t.params.at(1).ptr : 0);
+      const std::size_t bn = cfg_.options.bias ? 2 : 1;
+      for (std::size_t i = 0; i < 4; ++i) L.args.pointer(cfg_.batch_norm ? t.params.at(bn + i).ptr : 0);
+      L.args.pointer(0);
+      L.args.pointer(t.scratch);
+      KgConvShape s = geometry(shape[0], in, nchw(shape));
+      s.gemm_k = mma_k(in);
+      L.args.bytes(&s, sizeof s);
+      L.args.f64(cfg_.bn_eps);
+      L.args.f64(0.0);
+      v.push_back(std::move(L));
+    }
     for (int l = 0; l < n; ++l) {
       Launch L;
       L.grid = forward_grid(l, shape);
@@ -365,6 +387,16 @@ class ConvRuntime final : public RuntimeOp {
     return cfg_.kernel.h == 1 && cfg_.kernel.w == 1 && op.padding.h == 0 && op.padding.w == 0 && op.stride.h == 1 &&
            op.stride.w == 1 && in.at(1) % 8 == 0;
   }
+  // The reduction length of the tensor-core kernel: kh·kw·C rounded up to a multiple of 8.
+  std::int64_t mma_k(const std::vector<std::int64_t>& in) const {
+    return (cfg_.kernel.h * cfg_.kernel.w * in.at(1) + 7) / 8 * 8;
+  }
+  // Where the filter launch puts the shift after [O, k] weights (kg_conv_shift_offset in conv.cu).
+  DevicePtr mma_shift_offset(std::int64_t k) const {
+    constexpr std::size_t kAlign = KG_CONV_SCRATCH_ALIGN;
+    const std::size_t bytes = static_cast<std::size_t>(cfg_.out_channels * k) * dtype_size(cfg_.dtype);
+    return static_cast<DevicePtr>((bytes + kAlign - 1) / kAlign * kAlign);
+  }
   // The input channels cuDNN sees in channels-last: a multiple of 8 (what its tensor cores take),
   // zero-padded, for one group; the input's own count otherwise.
   std::int64_t padded_channels(std::int64_t c) const {
@@ -386,6 +418,22 @@ class ConvRuntime final : public RuntimeOp {
     const auto out_image = static_cast<DevicePtr>(shape[1] * shape[2] * shape[3]) * esize;
     const auto at = static_cast<DevicePtr>(first);
     const std::size_t bn = cfg_.options.bias ? 2 : 1;
+    if (algo_ == ConvGpuAlgo::NhwcMma) {
+      // The weights and the shift as the filter launch laid them out in the scratch.
+      const std::int64_t k = mma_k(in);
+      v.pointer(t.inputs[0].ptr + at * in_image);
+      v.pointer(t.scratch);
+      v.pointer(t.scratch ? t.scratch + mma_shift_offset(k) : 0);
+      for (std::size_t i = 0; i < 4; ++i) v.pointer(0);
+      v.pointer(cfg_.residual ? t.inputs[1].ptr + at * out_image : 0);
+      v.pointer(t.output.ptr + at * out_image);
+      KgConvShape s = geometry(count, in, nchw(shape));
+      s.gemm_k = k;
+      v.bytes(&s, sizeof s);
+      v.f64(cfg_.bn_eps);
+      v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
+      return;
+    }
     v.pointer(t.inputs[0].ptr + at * in_image);
     v.pointer(t.params[0].ptr);
     v.pointer(cfg_.options.bias ? t.params[1].ptr : 0);
@@ -415,6 +463,16 @@ class ConvRuntime final : public RuntimeOp {
                          util::cat("launch ", launch, " of the tiled kernel over ", n, " images of ",
                                    items_per_image(shape), " tiles")),
                 1, 1};
+      case ConvGpuAlgo::NhwcMma: {  // a tile per block: pixel tiles (x), channel tiles (y)
+        const auto out = nchw(shape);
+        const std::int64_t pixels = n * out[2] * out[3];
+        auto dim = [&](std::int64_t blocks, char axis, const auto&... work) {
+          return grid_dim(blocks, axis, util::cat("launch ", launch, " of the tensor-core kernel over ", work...));
+        };
+        return {dim(ceil_div(pixels, KG_IG_BM), 'x', pixels, " output pixels in tiles of ", KG_IG_BM),
+                dim(ceil_div(out[1], KG_IG_BN), 'y', out[1], " output channels in tiles of ", KG_IG_BN),
+                1};
+      }
       case ConvGpuAlgo::Direct:
       case ConvGpuAlgo::Nhwc:
         break;
@@ -428,6 +486,7 @@ class ConvRuntime final : public RuntimeOp {
     const std::int64_t pixels = shape[2] * shape[3], groups = cfg_.options.groups;
     switch (algo_) {
       case ConvGpuAlgo::Nhwc:
+      case ConvGpuAlgo::NhwcMma:
         return shape[1] * shape[2] * shape[3];
       case ConvGpuAlgo::Gemm:
         return pixels;
@@ -588,7 +647,8 @@ class ConvRuntime final : public RuntimeOp {
 }  // namespace
 
 ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg) {
-  if (cfg.channels_last) return ConvGpuAlgo::Nhwc;
+  if (cfg.channels_last)
+    return is_half_float(cfg.dtype) && cfg.options.groups == 1 ? ConvGpuAlgo::NhwcMma : ConvGpuAlgo::Nhwc;
   const auto& op = cfg.options;
   const std::int64_t og = cfg.out_channels / op.groups;
   const std::int64_t kdim = cfg.in_channels / op.groups * cfg.kernel.h * cfg.kernel.w;
@@ -611,8 +671,9 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
   const char* algo_name = algo == ConvGpuAlgo::Gemm    ? "gemm"
                           : algo == ConvGpuAlgo::Tiled ? "tiled"
                           : algo == ConvGpuAlgo::Nhwc  ? "nhwc"
+                          : algo == ConvGpuAlgo::NhwcMma ? "nhwc_mma"
                                                        : "direct";
-  if (!activated && algo != ConvGpuAlgo::Tiled && algo != ConvGpuAlgo::Nhwc) {
+  if (!activated && algo != ConvGpuAlgo::Tiled && algo != ConvGpuAlgo::Nhwc && algo != ConvGpuAlgo::NhwcMma) {
     rt->set_epilogue_entry(entry_for("kg_conv2d_epilogue", cfg.dtype));
     return Lowered{op_name, kernel_file("conv.cu"), entry_for(util::cat("kg_conv2d_", algo_name), cfg.dtype),
                    rt};

@@ -35,8 +35,9 @@ struct ConvGpuConfig {
 
 // The GPU algorithms (see conv.cu): an implicit GEMM for many output channels per group and
 // deep reductions; otherwise a shared-memory tiled loop for stride 1, no dilation and kernels
-// up to 7x7, and a direct loop for the rest. Channels-last has one loop of its own (Nhwc).
-enum class ConvGpuAlgo { Direct, Gemm, Tiled, Nhwc };
+// up to 7x7, and a direct loop for the rest. Channels-last has an implicit GEMM on tensor cores
+// for f16 and bf16 with one group (NhwcMma), and one loop of its own for the rest (Nhwc).
+enum class ConvGpuAlgo { Direct, Gemm, Tiled, Nhwc, NhwcMma };
 ConvGpuAlgo conv_gpu_algo(const ConvGpuConfig& cfg);
 
 // The kernel and RuntimeOp of the convolution `cfg` describes; `op_name` names it in errors

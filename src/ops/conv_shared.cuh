@@ -12,6 +12,11 @@
 #define KG_CONV_BM 64
 #define KG_CONV_BN 64
 #define KG_CONV_BK 16
+// nhwc_mma (tensor cores): an output tile of BM pixels × BN channels per block, reduced over
+// BK-deep k slices.
+#define KG_IG_BM 128
+#define KG_IG_BN 64
+#define KG_IG_BK 32
 // tiled: the input window at the start of dynamic shared memory is rounded up to this many
 // bytes; the weights after it are read as vectors.
 #define KG_CONV_SMEM_ALIGN 16

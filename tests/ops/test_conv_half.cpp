@@ -130,6 +130,8 @@ std::string algo_stem(const Geom& g, DType dtype) {
       return "direct";
     case kg::ops::ConvGpuAlgo::Nhwc:
       return "nhwc";
+    case kg::ops::ConvGpuAlgo::NhwcMma:
+      return "nhwc_mma";
     case kg::ops::ConvGpuAlgo::Tiled:
       break;
   }

@@ -16,6 +16,7 @@
 #include "backend/emu/executor.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
+#include "lower/lowering.hpp"
 #include "ops/conv_dnnl.hpp"
 #include "passes/passes.hpp"
 #include "support/test_util.hpp"
@@ -239,6 +240,79 @@ TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
       EXPECT_TRUE(kg_test::all_close(lib, want, 0.0, tol));
       const kg::Tensor own = kg::emu::run_model(r, {x}, p, true).at(0);
       EXPECT_TRUE(kg_test::all_close(own, want, 0.0, tol));
+    }
+  }
+}
+
+// The tensor-core kernel of a 16-bit channels-last convolution (an implicit GEMM on
+// mma.m16n8k16, its fragments exchanged through shared memory under the emulator), checked under
+// the emulator against the f32 CPU, in bf16 and f16: partial pixel, channel and k tiles; few input
+// channels (read element by element) and channels in packs of 8; an odd channel count; stride,
+// padding and dilation; a residual branch (a second convolution of the same shape) added before
+// the ReLU.
+TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  struct Conf {
+    const char* what;
+    std::int64_t c, o;
+    kg::Size2 k;
+    kg::nn::Conv2dOptions opt;
+    std::int64_t batch, h, w;
+    bool bn, residual, relu;
+  };
+  const std::vector<Conf> confs = {
+      {"stem-like: 3 channels, 7x7/2, 72 out", 3, 72, 7, {.stride = 2, .padding = 3, .bias = false}, 3, 23, 21, true,
+       false, true},
+      {"packed channels, dilation, residual", 24, 40, 3, {.padding = 2, .dilation = 2, .bias = false}, 2, 9, 10, true,
+       true, true},
+      {"20 channels element by element, 13 out", 20, 13, 3, {.padding = 1}, 2, 11, 9, false, false, false},
+      {"1x1, 128 out, many pixels", 64, 128, 1, {}, 5, 8, 9, false, false, true},
+      {"5x5/2 with bias", 16, 8, 5, {.stride = 2, .padding = 2}, 2, 12, 13, false, false, false},
+  };
+  for (const Conf& f : confs) {
+    SCOPED_TRACE(f.what);
+    const kg::Model m = make_model(
+        [&](const kg::SymTensor& x) {
+          kg::SymTensor y = kg::nn::conv2d(x, f.o, f.k, f.opt, "conv");
+          if (f.bn) y = kg::nn::batch_norm2d(y, "bn");
+          if (f.residual) y = kg::add(y, kg::nn::conv2d(x, f.o, f.k, f.opt, "side"), "add");
+          return f.relu ? kg::relu(y, "relu") : y;
+        },
+        f.c, f.h, f.w);
+    const auto params = random_params(m, rng);
+    const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {f.batch, f.c, f.h, f.w});
+    const kg::Tensor want = nchw_cpu_output(m, x, params);
+    const double scale = std::max(1e-3, max_abs(want));
+    for (kg::DType t : {kg::DType::BF16, kg::DType::F16}) {
+      SCOPED_TRACE(kg::dtype_name(t));
+      const kg::Model r = rewritten(m, {.gpu = true}, t);
+      ASSERT_EQ(op_counts(r).at("nn.conv2d_nhwc"), f.residual ? 2 : 1);
+      // Every convolution lowers to the tensor-core kernel.
+      for (int id : r.live_nodes()) {
+        const kg::Node& n = r.graph().node(id);
+        if (n.kind != kg::Node::Kind::Op || n.op->op().name() != "nn.conv2d_nhwc") continue;
+        const std::optional<kg::Lowered> l =
+            n.op->op().lower(kg::lower::lower_context(r, id, kg::lower::LowerTarget{{}, 90, true}));
+        ASSERT_TRUE(l.has_value());
+        EXPECT_NE(l->entry_point.find("nhwc_mma"), std::string::npos) << l->entry_point;
+      }
+      // Inputs, weights and output rounded to 8 (bf16) or 11 (f16) bits, sums in f32.
+      const double tol = (t == kg::DType::BF16 ? 2e-2 : 4e-3) * scale;
+      const kg::Tensor own = kg::emu::run_model(r, {x}, converted(params, t), true).at(0);
+      EXPECT_TRUE(kg_test::all_written(own));
+      EXPECT_TRUE(kg_test::all_close(own, want, 0.0, tol));
+      if (!kg::Device::cuda_available()) continue;
+      // On the GPU, the rewritten model on its own kernels: the mma instruction itself.
+      kg::LoadOptions o;
+      o.vendor_libraries = false;
+      o.poison_buffers = true;
+      kg::LoadedModel gpu = r.load(kg::Device::cuda(), {x.shape()}, o);
+      gpu.load_state_dict(converted(params, t), false);
+      const kg::Tensor got = gpu.forward({x}).at(0);
+      EXPECT_TRUE(kg_test::all_written(got));
+      EXPECT_TRUE(kg_test::all_close(got, want, 0.0, tol));
     }
   }
 }
