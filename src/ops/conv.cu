@@ -331,13 +331,46 @@ struct __align__(4) KgConvPair {
   T e[2];
 };
 
+// The epilogue of one accumulator pair: channels o and o + 1 of output element `at` (p·O + o).
 template <class T, class Act>
-__device__ __forceinline__ void kg_conv2d_nhwc_mma(const T* __restrict__ x, const T* __restrict__ w,
-                                                   T* __restrict__ y, const KgConvShape& s,
-                                                   const KgConvEpilogue<T>& ep, const Act& act) {
+__device__ __forceinline__ void kg_conv_mma_store(T* __restrict__ y, const KgConvEpilogue<T>& ep, const Act& act,
+                                                  long long at, int o, int O, float a0, float a1) {
+  float v[2] = {a0, a1};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (o + e >= O) break;
+    if (ep.bias) v[e] += kg_ld(ep.bias, o + e);
+    if (ep.residual) v[e] += kg_ld(ep.residual, at + e);
+    v[e] = act(v[e]);
+  }
+  if (O % 2 == 0) {
+    KgConvPair<T> pr;
+    pr.e[0] = kg_from_compute<T>(v[0]);
+    pr.e[1] = kg_from_compute<T>(v[1]);
+    *reinterpret_cast<KgConvPair<T>*>(y + at) = pr;
+  } else {
+    y[at] = kg_from_compute<T>(v[0]);
+    if (o + 1 < O) y[at + 1] = kg_from_compute<T>(v[1]);
+  }
+}
+
+// Two 16-bit elements as one fragment register (the first in the low half).
+template <class T>
+__device__ __forceinline__ unsigned kg_mma_pair(T lo, T hi) {
+  return (unsigned)lo.bits | ((unsigned)hi.bits << 16);
+}
+
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_nhwc_mma_general(const T* __restrict__ x, const T* __restrict__ w,
+                                                           T* __restrict__ y, const KgConvShape& s,
+                                                           const KgConvEpilogue<T>& ep, const Act& act,
+                                                           unsigned char* smem) {
   typedef KgConvPack<T, 8> P;
-  __shared__ __align__(16) T as[2][KG_IG_BM][KG_IG_LD];
-  __shared__ __align__(16) T bs[2][KG_IG_BN][KG_IG_LD];
+  typedef T Row[KG_IG_LD];
+  Row* as0 = reinterpret_cast<Row*>(smem);
+  Row* bs0 = as0 + 2 * KG_IG_BM;
+  auto as = [&](int buf, int r) { return as0[buf * KG_IG_BM + r]; };
+  auto bs = [&](int buf, int r) { return bs0[buf * KG_IG_BN + r]; };
   const int tid = (int)threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp % 4, wn = warp / 4, g = lane / 4, t = lane % 4;
   const long long m_total = s.n * s.ho * s.wo;
@@ -396,9 +429,9 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma(const T* __restrict__ x, cons
     }
   };
   auto store = [&](int buf) {
-    *reinterpret_cast<P*>(&as[buf][ar][kc * 8]) = ra[0];
-    *reinterpret_cast<P*>(&as[buf][ar + 64][kc * 8]) = ra[1];
-    *reinterpret_cast<P*>(&bs[buf][ar][kc * 8]) = rb;
+    *reinterpret_cast<P*>(&as(buf, ar)[kc * 8]) = ra[0];
+    *reinterpret_cast<P*>(&as(buf, ar + 64)[kc * 8]) = ra[1];
+    *reinterpret_cast<P*>(&bs(buf, ar)[kc * 8]) = rb;
   };
   float acc[2][4][4];
 #pragma unroll
@@ -419,7 +452,7 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma(const T* __restrict__ x, cons
       unsigned af[2][4], bf[4][2];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
-        const T* r0 = &as[buf][wm * 32 + mt * 16 + g][ks + 2 * t];
+        const T* r0 = &as(buf, wm * 32 + mt * 16 + g)[ks + 2 * t];
         const T* r8 = r0 + 8 * KG_IG_LD;
         af[mt][0] = *reinterpret_cast<const unsigned*>(r0);
         af[mt][1] = *reinterpret_cast<const unsigned*>(r8);
@@ -428,7 +461,7 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma(const T* __restrict__ x, cons
       }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const T* c0 = &bs[buf][wn * 32 + nt * 8 + g][ks + 2 * t];
+        const T* c0 = &bs(buf, wn * 32 + nt * 8 + g)[ks + 2 * t];
         bf[nt][0] = *reinterpret_cast<const unsigned*>(c0);
         bf[nt][1] = *reinterpret_cast<const unsigned*>(c0 + 8);
       }
@@ -451,28 +484,142 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma(const T* __restrict__ x, cons
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int o = n0 + wn * 32 + nt * 8 + 2 * t;
-        if (o >= O) continue;
-        const long long at = p * O + o;
-        float v[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (o + e >= O) break;
-          v[e] = acc[mt][nt][half * 2 + e];
-          if (ep.bias) v[e] += kg_ld(ep.bias, o + e);
-          if (ep.residual) v[e] += kg_ld(ep.residual, at + e);
-          v[e] = act(v[e]);
-        }
-        if (O % 2 == 0) {
-          KgConvPair<T> pr;
-          pr.e[0] = kg_from_compute<T>(v[0]);
-          pr.e[1] = kg_from_compute<T>(v[1]);
-          *reinterpret_cast<KgConvPair<T>*>(y + at) = pr;
-        } else {
-          y[at] = kg_from_compute<T>(v[0]);
-          if (o + 1 < O) y[at + 1] = kg_from_compute<T>(v[1]);
-        }
+        if (o < O) kg_conv_mma_store(y, ep, act, p * O + o, o, O, acc[mt][nt][half * 2], acc[mt][nt][half * 2 + 1]);
       }
     }
+}
+
+// Few input channels (C not a multiple of 8: ResNet's 3-channel stem), where gathering the
+// rows element by element from global memory costs more than the product. A block computes
+// KG_IG_BM consecutive pixels of one output row (grid x: images × rows × tiles of the row) for
+// KG_IG_BN channels (grid y): it stages the input patch those pixels' windows cover, zero
+// outside the image, [kh rows of the window][s.patch_w pixels][C] in shared memory, the block's
+// weights [KG_IG_BN][K] beside it, and a table of each k's offset in the patch; the warps then
+// build their A fragments from the patch (pixel r, k: patch[r·sw·C + offset[k]]) with no
+// bounds checks, and run the whole reduction without another barrier. Past kh·kw·C the table
+// points at a zero after the patch. ops/conv_gpu.cpp picks this path when the three fit in
+// KG_IG_SMEM.
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_nhwc_mma_patch(const T* __restrict__ x, const T* __restrict__ w,
+                                                         T* __restrict__ y, const KgConvShape& s,
+                                                         const KgConvEpilogue<T>& ep, const Act& act,
+                                                         unsigned char* smem) {
+  const int tid = (int)threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp % 4, wn = warp / 4, g = lane / 4, t = lane % 4;
+  const int C = (int)s.c, H = (int)s.h, W = (int)s.w, O = (int)s.o, K = (int)s.gemm_k;
+  const int kh = (int)s.kh, kw = (int)s.kw, dh = (int)s.dh, dw = (int)s.dw, sw = (int)s.sw;
+  const int OW = (int)s.wo, OH = (int)s.ho, PW = (int)s.patch_w;
+  const int row_tiles = (OW + KG_IG_BM - 1) / KG_IG_BM;
+  const long long b = blockIdx.x;
+  const int tile = (int)(b % row_tiles);
+  const long long q = b / row_tiles;
+  const int oy = (int)(q % OH);
+  const long long n = q / OH;
+  const int ox0 = tile * KG_IG_BM, n0 = (int)blockIdx.y * KG_IG_BN;
+  const int iy0 = oy * (int)s.sh - (int)s.ph, ix0 = ox0 * sw - (int)s.pw;
+  const int patch_row = PW * C, patch = kh * patch_row;  // elements
+  // Shared memory: the patch (and one zero after it), the weights' rows (ldb elements each, a
+  // multiple of 8 that is 8 more than a multiple of 16, so a warp's fragment reads hit 32 banks),
+  // the k table.
+  const int ldb = K % 16 == 8 ? K : K + 8;
+  T* ps = reinterpret_cast<T*>(smem);
+  T* bs = ps + (patch + 1 + 7) / 8 * 8;
+  int* koff = reinterpret_cast<int*>(bs + KG_IG_BN * ldb);
+  const T zero = kg_from_compute<T>(0.0f);
+  // The patch: kh input rows (dilated), each a contiguous run of PW·C elements of the input.
+  const long long image = n * H * W * C;
+  for (int ky = 0; ky < kh; ++ky) {
+    const int iy = iy0 + ky * dh;
+    const bool row_in = iy >= 0 && iy < H;
+    const long long row = image + (long long)iy * W * C;
+    for (int i = tid; i < patch_row; i += blockDim.x) {
+      const int at = ix0 * C + i;  // element index within the input row
+      ps[ky * patch_row + i] = row_in && at >= 0 && at < W * C ? x[row + at] : zero;
+    }
+  }
+  if (tid == 0) ps[patch] = zero;
+  // The weights: KG_IG_BN rows of K, 16 bytes at a time.
+  typedef KgConvPack<T, 8> P;
+  P pz;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) pz.e[e] = zero;
+  for (int i = tid; i < KG_IG_BN * (K / 8); i += blockDim.x) {
+    const int r = i / (K / 8), k = (i - r * (K / 8)) * 8;
+    *reinterpret_cast<P*>(bs + r * ldb + k) =
+        n0 + r < O ? *reinterpret_cast<const P*>(w + (long long)(n0 + r) * K + k) : pz;
+  }
+  // The k table: offset of (ky, kx, c) from a pixel's window in the patch.
+  for (int k = tid; k < K; k += blockDim.x) {
+    const int tap = k / C, c = k - tap * C, ky = tap / kw, kx = tap - ky * kw;
+    koff[k] = ky < kh ? ky * patch_row + kx * dw * C + c : patch;
+  }
+  __syncthreads();
+  // Each thread's four pixel rows: wm·32 + mt·16 + g (+ 8).
+  int pix[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) pix[mt][h] = (wm * 32 + mt * 16 + g + h * 8) * sw * C;
+  float acc[2][4][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+  for (int kb = 0; kb < K; kb += 16) {
+    // Columns 2t, 2t + 1, 2t + 8, 2t + 9 of this k step (K is a multiple of 8: the last step may
+    // be half, its upper columns then read the zero).
+    int ko[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int k = kb + 2 * t + (e & 1) + (e >> 1) * 8;
+      ko[e] = k < K ? koff[k] : patch;
+    }
+    unsigned af[2][4], bf[4][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      af[mt][0] = kg_mma_pair(ps[pix[mt][0] + ko[0]], ps[pix[mt][0] + ko[1]]);
+      af[mt][1] = kg_mma_pair(ps[pix[mt][1] + ko[0]], ps[pix[mt][1] + ko[1]]);
+      af[mt][2] = kg_mma_pair(ps[pix[mt][0] + ko[2]], ps[pix[mt][0] + ko[3]]);
+      af[mt][3] = kg_mma_pair(ps[pix[mt][1] + ko[2]], ps[pix[mt][1] + ko[3]]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const T* c0 = bs + (wn * 32 + nt * 8 + g) * ldb + kb + 2 * t;
+      bf[nt][0] = *reinterpret_cast<const unsigned*>(c0);
+      bf[nt][1] = kb + 8 < K ? *reinterpret_cast<const unsigned*>(c0 + 8) : 0u;
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) kg_mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
+  }
+  const long long row_first = (n * OH + oy) * OW;  // the output row's first pixel
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int ox = ox0 + wm * 32 + mt * 16 + g + h * 8;
+      if (ox >= OW) continue;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int o = n0 + wn * 32 + nt * 8 + 2 * t;
+        if (o < O)
+          kg_conv_mma_store(y, ep, act, (row_first + ox) * O + o, o, O, acc[mt][nt][h * 2], acc[mt][nt][h * 2 + 1]);
+      }
+    }
+}
+
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv2d_nhwc_mma(const T* __restrict__ x, const T* __restrict__ w,
+                                                   T* __restrict__ y, const KgConvShape& s,
+                                                   const KgConvEpilogue<T>& ep, const Act& act) {
+  __shared__ __align__(16) unsigned char smem[KG_IG_SMEM];
+  if (s.patch_w)
+    kg_conv2d_nhwc_mma_patch<T>(x, w, y, s, ep, act, smem);
+  else
+    kg_conv2d_nhwc_mma_general<T>(x, w, y, s, ep, act, smem);
 }
 
 // The input [N, H, W, C] with its channels padded with zeros to s.cpad, into `out`.

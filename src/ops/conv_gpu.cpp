@@ -137,7 +137,7 @@ class ConvRuntime final : public RuntimeOp {
     }
     for (int l = 0; l < n; ++l) {
       Launch L;
-      L.grid = forward_grid(l, shape);
+      L.grid = forward_grid(l, shape, nchw(t.inputs.at(0).shape));
       L.block = {kConvThreads, 1, 1};
       L.shared_bytes = shared;
       pack(l, t, L.args);
@@ -391,6 +391,19 @@ class ConvRuntime final : public RuntimeOp {
   std::int64_t mma_k(const std::vector<std::int64_t>& in) const {
     return (cfg_.kernel.h * cfg_.kernel.w * in.at(1) + 7) / 8 * 8;
   }
+  // The few-channel path of the tensor-core kernel (conv.cu): the width in pixels of the input
+  // patch that a tile of KG_IG_BM output pixels of one row reads, when C is not a multiple of 8
+  // and the patch, the tile's weights and the k table fit in KG_IG_SMEM bytes; 0 otherwise.
+  std::int64_t mma_patch_w(const std::vector<std::int64_t>& in) const {
+    const std::int64_t c = in.at(1);
+    if (c % 8 == 0) return 0;
+    const auto& op = cfg_.options;
+    const std::int64_t k = mma_k(in), ldb = k % 16 == 8 ? k : k + 8, esize = static_cast<std::int64_t>(dtype_size(cfg_.dtype));
+    const std::int64_t pw = (KG_IG_BM - 1) * op.stride.w + (cfg_.kernel.w - 1) * op.dilation.w + 1;
+    const std::int64_t patch = cfg_.kernel.h * pw * c;
+    const std::int64_t bytes = (patch + 1 + 7) / 8 * 8 * esize + KG_IG_BN * ldb * esize + k * 4;
+    return bytes <= KG_IG_SMEM ? pw : 0;
+  }
   // Where the filter launch puts the shift after [O, k] weights (kg_conv_shift_offset in conv.cu).
   DevicePtr mma_shift_offset(std::int64_t k) const {
     constexpr std::size_t kAlign = KG_CONV_SCRATCH_ALIGN;
@@ -429,6 +442,7 @@ class ConvRuntime final : public RuntimeOp {
       v.pointer(t.output.ptr + at * out_image);
       KgConvShape s = geometry(count, in, nchw(shape));
       s.gemm_k = k;
+      s.patch_w = mma_patch_w(in);
       v.bytes(&s, sizeof s);
       v.f64(cfg_.bn_eps);
       v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
@@ -445,7 +459,7 @@ class ConvRuntime final : public RuntimeOp {
     v.f64(cfg_.bn_eps);
     v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
   }
-  Dim3 forward_grid(int launch, const std::vector<std::int64_t>& shape) const {
+  Dim3 forward_grid(int launch, const std::vector<std::int64_t>& shape, const std::vector<std::int64_t>& in_nchw) const {
     const std::int64_t n = images_of(launch, shape).second;
     const std::int64_t og = shape[1] / cfg_.options.groups;
     switch (algo_) {
@@ -469,6 +483,11 @@ class ConvRuntime final : public RuntimeOp {
         auto dim = [&](std::int64_t blocks, char axis, const auto&... work) {
           return grid_dim(blocks, axis, util::cat("launch ", launch, " of the tensor-core kernel over ", work...));
         };
+        if (mma_patch_w(in_nchw)) {  // tiles of one output row each
+          const std::int64_t rows = n * out[2], per_row = ceil_div(out[3], KG_IG_BM);
+          return {dim(rows * per_row, 'x', rows, " output rows in ", per_row, " tiles of ", KG_IG_BM, " pixels"),
+                  dim(ceil_div(out[1], KG_IG_BN), 'y', out[1], " output channels in tiles of ", KG_IG_BN), 1};
+        }
         return {dim(ceil_div(pixels, KG_IG_BM), 'x', pixels, " output pixels in tiles of ", KG_IG_BM),
                 dim(ceil_div(out[1], KG_IG_BN), 'y', out[1], " output channels in tiles of ", KG_IG_BN),
                 1};

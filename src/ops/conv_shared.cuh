@@ -17,6 +17,9 @@
 #define KG_IG_BM 128
 #define KG_IG_BN 64
 #define KG_IG_BK 32
+// Its static shared memory in bytes: the general path's two slices of A and B (30 KB), or the
+// few-channel path's input patch, weights and k table (ops/conv_gpu.cpp keeps them within it).
+#define KG_IG_SMEM 36864
 // tiled: the input window at the start of dynamic shared memory is rounded up to this many
 // bytes; the weights after it are read as vectors.
 #define KG_CONV_SMEM_ALIGN 16
@@ -44,6 +47,9 @@ struct KgConvShape {
   long long cpad;
   // channels-last GEMM form: the im2col rows' length (kh·kw·c rounded up to 8), or 0
   long long gemm_k;
+  // nhwc_mma with few input channels: the input patch's width in pixels (the block's tile is part
+  // of one output row, staged with its window in shared memory), or 0 for the general gather
+  long long patch_w;
 };
 
 // ---- backward (conv_backward.cu) ----

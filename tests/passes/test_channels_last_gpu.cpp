@@ -247,8 +247,9 @@ TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
 // The tensor-core kernel of a 16-bit channels-last convolution (an implicit GEMM on
 // mma.m16n8k16, its fragments exchanged through shared memory under the emulator), checked under
 // the emulator against the f32 CPU, in bf16 and f16: partial pixel, channel and k tiles; few input
-// channels (read element by element) and channels in packs of 8; an odd channel count; stride,
-// padding and dilation; a residual branch (a second convolution of the same shape) added before
+// channels (staged as an input patch per output row, or read element by element where the patch
+// does not fit) and channels in packs of 8; an odd channel count; stride, padding and dilation;
+// output rows longer than a tile; a residual branch (a second convolution of the same shape) added before
 // the ReLU.
 TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
   const std::uint64_t seed = fresh_seed();
@@ -268,6 +269,8 @@ TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
       {"packed channels, dilation, residual", 24, 40, 3, {.padding = 2, .dilation = 2, .bias = false}, 2, 9, 10, true,
        true, true},
       {"20 channels element by element, 13 out", 20, 13, 3, {.padding = 1}, 2, 11, 9, false, false, false},
+      {"3 channels, output rows of two tiles", 3, 16, 3, {.padding = 1, .dilation = {1, 2}}, 2, 3, 140, true, false,
+       true},
       {"1x1, 128 out, many pixels", 64, 128, 1, {}, 5, 8, 9, false, false, true},
       {"5x5/2 with bias", 16, 8, 5, {.stride = 2, .padding = 2}, 2, 12, 13, false, false, false},
   };

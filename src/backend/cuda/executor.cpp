@@ -130,6 +130,8 @@ class GpuExecutor final : public backend::Executor {
     std::unique_ptr<VendorPlan> vendor;
     std::vector<CUfunction> prologue_fns, epilogue_fns;
     std::vector<std::vector<void*> > prologue_kparams, epilogue_kparams;
+    // What a tuned load measured for the choice, e.g. " (own 0.412 ms, library 0.330 ms)".
+    std::string measured;
   };
   // How library calls are planned (tf32, tuning, the workspace limit), or nothing when they are off.
   std::optional<VendorOptions> vendor_options() const;
@@ -309,6 +311,9 @@ void GpuExecutor::plan_vendor_calls() {
     auto plan = std::move(st.vendor);
     const double own_ms = time_step(i, 5);
     if (vendor_ms <= own_ms) st.vendor = std::move(plan);
+    char measured[96];
+    std::snprintf(measured, sizeof measured, " (own %.3f ms, library %.3f ms)", own_ms, vendor_ms);
+    st.measured = measured;
     vo.cache->store(scope, key, st.vendor ? "library" : "own");
   }
 }
@@ -562,7 +567,8 @@ void GpuExecutor::execute(bool training, std::uint64_t seed, std::vector<NodeTim
       d.check(d.cuEventElapsedTime(&ms, node_events_[2 * i], node_events_[2 * i + 1]), "cuEventElapsedTime");
       const Node& n = graph_.node(lp_.steps[i].node);
       profile->push_back({n.name, n.op_name(), static_cast<double>(ms),
-                          steps_[i].vendor ? steps_[i].vendor->describe() : lp_.steps[i].module.name});
+                          (steps_[i].vendor ? steps_[i].vendor->describe() : lp_.steps[i].module.name) +
+                              steps_[i].measured});
     }
   } else if (options_.cuda_graph && !options_.checked && !repacked) {
     if (!graph_exec_) {
