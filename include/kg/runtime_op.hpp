@@ -177,6 +177,9 @@ struct LibraryCall {
   std::variant<GemmCall, Conv2dCall> call;
   std::vector<Launch> epilogue;
   std::vector<Launch> prologue = {};
+  // The op's own launches are expected to be faster on these shapes: a load that does not tune
+  // (and has no kept choice) runs them; a tuned load still times both and keeps the faster.
+  bool own_first = false;
 };
 
 // The backward described for vendor libraries: `calls` (each overwriting one gradient; their

@@ -325,6 +325,9 @@ __device__ __forceinline__ void kg_conv2d_im2col_nhwc(const T* __restrict__ x, T
 // Shared-memory row length in elements: 32 + 8, so that the 32 fragment reads of a warp (8 rows
 // × 4 words) fall in 32 different banks.
 #define KG_IG_LD 40
+// The few-channel path's loads of its patch and weights: elements (and 16-byte packs) a thread
+// has in flight at once.
+#define KG_IG_ROUND 8
 
 template <class T>
 struct __align__(4) KgConvPair {
@@ -526,28 +529,47 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma_patch(const T* __restrict__ x
   T* bs = ps + (patch + 1 + 7) / 8 * 8;
   int* koff = reinterpret_cast<int*>(bs + KG_IG_BN * ldb);
   const T zero = kg_from_compute<T>(0.0f);
-  // The patch: kh input rows (dilated), each a contiguous run of PW·C elements of the input.
-  const long long image = n * H * W * C;
-  for (int ky = 0; ky < kh; ++ky) {
-    const int iy = iy0 + ky * dh;
-    const bool row_in = iy >= 0 && iy < H;
-    const long long row = image + (long long)iy * W * C;
-    for (int i = tid; i < patch_row; i += blockDim.x) {
-      const int at = ix0 * C + i;  // element index within the input row
-      ps[ky * patch_row + i] = row_in && at >= 0 && at < W * C ? x[row + at] : zero;
-    }
-  }
-  if (tid == 0) ps[patch] = zero;
-  // The weights: KG_IG_BN rows of K, 16 bytes at a time.
+  // The patch: kh input rows (dilated), each a contiguous run of PW·C elements of the input; and
+  // the weights: KG_IG_BN rows of K, 16 bytes at a time. In rounds of KG_IG_ROUND elements and
+  // packs a thread, every load of a round issued before its stores, so that a round waits for
+  // memory once rather than once an element. i / patch_row is a multiply-high, exact for
+  // i, patch_row < 2^16 (ops/conv_gpu.cpp keeps the patch far smaller).
   typedef KgConvPack<T, 8> P;
   P pz;
 #pragma unroll
   for (int e = 0; e < 8; ++e) pz.e[e] = zero;
-  for (int i = tid; i < KG_IG_BN * (K / 8); i += blockDim.x) {
-    const int r = i / (K / 8), k = (i - r * (K / 8)) * 8;
-    *reinterpret_cast<P*>(bs + r * ldb + k) =
-        n0 + r < O ? *reinterpret_cast<const P*>(w + (long long)(n0 + r) * K + k) : pz;
+  const long long image = n * H * W * C;
+  const unsigned row_magic = 0xffffffffu / (unsigned)patch_row + 1u;
+  const int packs = KG_IG_BN * (K / 8), threads = (int)blockDim.x;
+  for (int base = 0; base < patch || base < packs; base += KG_IG_ROUND * threads) {
+    T v[KG_IG_ROUND];
+    P pv[KG_IG_ROUND];
+#pragma unroll
+    for (int u = 0; u < KG_IG_ROUND; ++u) {
+      const int i = base + u * threads + tid;
+      v[u] = zero;
+      if (i < patch) {
+        const int ky = (int)__umulhi((unsigned)i, row_magic), at = ix0 * C + (i - ky * patch_row);
+        const int iy = iy0 + ky * dh;
+        if (iy >= 0 && iy < H && at >= 0 && at < W * C) v[u] = x[image + (long long)iy * W * C + at];
+      }
+      pv[u] = pz;
+      if (i < packs) {
+        const int r = i / (K / 8), k = (i - r * (K / 8)) * 8;
+        if (n0 + r < O) pv[u] = *reinterpret_cast<const P*>(w + (long long)(n0 + r) * K + k);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < KG_IG_ROUND; ++u) {
+      const int i = base + u * threads + tid;
+      if (i < patch) ps[i] = v[u];
+      if (i < packs) {
+        const int r = i / (K / 8), k = (i - r * (K / 8)) * 8;
+        *reinterpret_cast<P*>(bs + r * ldb + k) = pv[u];
+      }
+    }
   }
+  if (tid == 0) ps[patch] = zero;
   // The k table: offset of (ky, kx, c) from a pixel's window in the patch.
   for (int k = tid; k < K; k += blockDim.x) {
     const int tap = k / C, c = k - tap * C, ky = tap / kw, kx = tap - ky * kw;

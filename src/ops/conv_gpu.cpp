@@ -215,6 +215,9 @@ class ConvRuntime final : public RuntimeOp {
       g.ldb = ls.gemm_k;
       g.ldc = out[1];
       LibraryCall call{g, {}};
+      // The tensor-core kernel's few-channel path reads the input once instead of writing and
+      // reading the im2col rows: run it unless a tuned load finds otherwise.
+      call.own_first = algo_ == ConvGpuAlgo::NhwcMma && mma_patch_w(in) != 0;
       call.prologue.push_back(launch(filter_entry_, ls.filter_elems + out[1], 0, t.params.at(0).ptr, bias,
                                      cfg_.batch_norm, 0, t.scratch));
       // One thread per 16 bytes of the rows.
@@ -230,6 +233,7 @@ class ConvRuntime final : public RuntimeOp {
     padded[1] = ls.channels;
     LibraryCall call{conv_call(ls.input ? t.scratch + ls.input : t.inputs[0].ptr, t.scratch, t.output.ptr, padded, out),
                      {}};
+    call.own_first = algo_ == ConvGpuAlgo::NhwcMma && mma_patch_w(in) != 0;  // as in the GEMM form
     call.prologue.push_back(launch(filter_entry_, ls.filter_elems + out[1], 0, t.params.at(0).ptr, bias,
                                    cfg_.batch_norm, 0, t.scratch));
     if (ls.input)

@@ -306,7 +306,11 @@ void GpuExecutor::plan_vendor_calls() {
       st.vendor.reset();
       continue;
     }
-    if (kept == "library" || !options_.tune) continue;
+    if (kept == "library") continue;
+    if (!options_.tune) {
+      if (!kept && sl.library->own_first) st.vendor.reset();
+      continue;
+    }
     const double vendor_ms = time_step(i, 5);
     auto plan = std::move(st.vendor);
     const double own_ms = time_step(i, 5);
