@@ -117,23 +117,11 @@ class ConvRuntime final : public RuntimeOp {
     std::vector<Launch> v;
     if (algo_ == ConvGpuAlgo::NhwcMma) {
       const auto in = nchw(t.inputs.at(0).shape);
-      Launch L;
-      L.entry = filter_entry_;
-      L.block = {kConvThreads, 1, 1};
-      L.grid = grid_1d(cfg_.out_channels * mma_k(in) + cfg_.out_channels, kConvThreads);
-      L.args.pointer(0);
-      L.args.pointer(t.params.at(0).ptr);
-      L.args.pointer(cfg_.options.bias ? t.params.at(1).ptr : 0);
-      const std::size_t bn = cfg_.options.bias ? 2 : 1;
-      for (std::size_t i = 0; i < 4; ++i) L.args.pointer(cfg_.batch_norm ? t.params.at(bn + i).ptr : 0);
-      L.args.pointer(0);
-      L.args.pointer(t.scratch);
       KgConvShape s = geometry(shape[0], in, nchw(shape));
       s.gemm_k = mma_k(in);
-      L.args.bytes(&s, sizeof s);
-      L.args.f64(cfg_.bn_eps);
-      L.args.f64(0.0);
-      v.push_back(std::move(L));
+      v.push_back(entry_launch(t, filter_entry_, cfg_.out_channels * s.gemm_k + cfg_.out_channels, 0,
+                               t.params.at(0).ptr, cfg_.options.bias ? t.params.at(1).ptr : 0, cfg_.batch_norm, 0,
+                               t.scratch, s));
     }
     for (int l = 0; l < n; ++l) {
       Launch L;
@@ -164,25 +152,10 @@ class ConvRuntime final : public RuntimeOp {
     const bool last = cfg_.channels_last;
     if (last && !t.scratch) return std::nullopt;
     const bool epilogue = op.bias || cfg_.batch_norm || cfg_.residual || cfg_.activation || cfg_.activation_form;
-    const std::size_t bn = op.bias ? 2 : 1;
     // Arguments of an entry: its pointers, then the geometry and the scalars.
     auto launch = [&](const std::string& entry, std::int64_t items, DevicePtr x, DevicePtr w, DevicePtr bias,
                       bool with_bn, DevicePtr residual, DevicePtr y) {
-      Launch L;
-      L.entry = entry;
-      L.block = {kConvThreads, 1, 1};
-      L.grid = grid_1d(items, kConvThreads);
-      L.args.pointer(x);
-      L.args.pointer(w);
-      L.args.pointer(bias);
-      for (std::size_t i = 0; i < 4; ++i) L.args.pointer(with_bn ? t.params[bn + i].ptr : 0);
-      L.args.pointer(residual);
-      L.args.pointer(y);
-      const KgConvShape s = geometry(out[0], in, out);
-      L.args.bytes(&s, sizeof s);
-      L.args.f64(cfg_.bn_eps);
-      L.args.f64(cfg_.activation ? cfg_.activation->param : 0.0);
-      return L;
+      return entry_launch(t, entry, items, x, w, bias, with_bn, residual, y, geometry(out[0], in, out));
     };
     const DevicePtr bias = op.bias ? t.params[1].ptr : 0;
     const DevicePtr residual = cfg_.residual ? t.inputs.at(1).ptr : 0;
@@ -243,6 +216,28 @@ class ConvRuntime final : public RuntimeOp {
           launch(epilogue_entry_, numel_of(out), 0, 0, t.scratch + ls.shift, false, residual, t.output.ptr));
     return call;
   }
+  // A launch of one of the module's entries over `items` threads (the epilogue, filter, pad and
+  // im2col entries loop over their work): the pointers, with the BatchNorm's parameters where
+  // `with_bn`, then the geometry and the scalars, as every entry takes them.
+  Launch entry_launch(const LaunchTensors& t, const std::string& entry, std::int64_t items, DevicePtr x, DevicePtr w,
+                      DevicePtr bias, bool with_bn, DevicePtr residual, DevicePtr y, const KgConvShape& s) const {
+    const std::size_t bn = cfg_.options.bias ? 2 : 1;
+    Launch L;
+    L.entry = entry;
+    L.block = {kConvThreads, 1, 1};
+    L.grid = grid_1d(items, kConvThreads);
+    L.args.pointer(x);
+    L.args.pointer(w);
+    L.args.pointer(bias);
+    for (std::size_t i = 0; i < 4; ++i) L.args.pointer(with_bn ? t.params.at(bn + i).ptr : 0);
+    L.args.pointer(residual);
+    L.args.pointer(y);
+    L.args.bytes(&s, sizeof s);
+    L.args.f64(cfg_.bn_eps);
+    L.args.f64(cfg_.activation ? cfg_.activation->param : 0.0);
+    return L;
+  }
+
   // dx by cuDNN's backward data, dw by its backward filter, db by the backward module's kernel.
   std::optional<LibraryBackward> backward_library_calls(const LaunchTensors& t) const override {
     if (!backward_ || (cfg_.dtype != DType::F32 && cfg_.dtype != DType::F64)) return std::nullopt;
@@ -340,8 +335,7 @@ class ConvRuntime final : public RuntimeOp {
     const auto in = nchw(t.inputs.at(0).shape);
     const auto out = nchw(t.output.shape);
     const auto esize = dtype_size(cfg_.dtype);
-    constexpr std::size_t kAlign = KG_CONV_SCRATCH_ALIGN;
-    auto align = [](std::size_t b) { return (b + kAlign - 1) / kAlign * kAlign; };
+    auto align = scratch_align;
     LastScratch ls;
     ls.channels = padded_channels(in[1]);
     ls.gemm_k = gemm_k(in, out);
@@ -410,9 +404,11 @@ class ConvRuntime final : public RuntimeOp {
   }
   // Where the filter launch puts the shift after [O, k] weights (kg_conv_shift_offset in conv.cu).
   DevicePtr mma_shift_offset(std::int64_t k) const {
-    constexpr std::size_t kAlign = KG_CONV_SCRATCH_ALIGN;
-    const std::size_t bytes = static_cast<std::size_t>(cfg_.out_channels * k) * dtype_size(cfg_.dtype);
-    return static_cast<DevicePtr>((bytes + kAlign - 1) / kAlign * kAlign);
+    return scratch_align(static_cast<std::size_t>(cfg_.out_channels * k) * dtype_size(cfg_.dtype));
+  }
+  // `bytes` rounded up to where the next part of the scratch may start.
+  static std::size_t scratch_align(std::size_t bytes) {
+    return (bytes + KG_CONV_SCRATCH_ALIGN - 1) / KG_CONV_SCRATCH_ALIGN * KG_CONV_SCRATCH_ALIGN;
   }
   // The input channels cuDNN sees in channels-last: a multiple of 8 (what its tensor cores take),
   // zero-padded, for one group; the input's own count otherwise.
