@@ -32,6 +32,10 @@ int count_ops(const kg::Model& m, const std::string& op = "") {
   return n;
 }
 
+// The kernels a model launches: its op nodes but a fused group's extra outputs (kg.group_output
+// nodes are views of the group's buffers).
+int count_kernels(const kg::Model& m) { return count_ops(m) - count_ops(m, "kg.group_output"); }
+
 kg::SymTensor pw(PointwiseFn fn, const std::vector<kg::SymTensor>& xs, const std::vector<double>& attrs = {},
                  const std::string& name = "") {
   return kg::ops::pointwise(fn, xs, attrs, name);
@@ -223,7 +227,9 @@ TEST(PointwiseFusion, EveryFloatFunctionInOneGeneratedKernel) {
 }
 
 // Random chains of unary and binary pw functions over inputs that broadcast in several ways (a
-// scalar, a channel vector, a row, a full tensor): fewer nodes, the same values fused and unfused.
+// scalar, a channel vector, a row, a full tensor): fewer kernels, the same values fused and
+// unfused. (Kernels, not nodes: a group with two outputs adds a view node for the second, so a
+// graph of 4 nodes fused into 2 kernels still has 4 nodes, as with seed 11473901723876400179.)
 TEST(PointwiseFusion, RandomBroadcastingChainsAgreeFusedAndUnfused) {
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -272,7 +278,7 @@ TEST(PointwiseFusion, RandomBroadcastingChainsAgreeFusedAndUnfused) {
     for (const auto& s : shapes) inputs.push_back(kg_test::random_tensor(rng, dt, s, -2.0, 2.0));
     kg::Model m = compare(g, outs, inputs, tolerance(dt));
     kg::Model plain(g, outs, kg::LoweringMode::Inference, {.fusion = false});
-    EXPECT_LT(count_ops(m), count_ops(plain));
+    EXPECT_LT(count_kernels(m), count_ops(plain));
     EXPECT_GE(count_ops(m, "kg.fused_elementwise"), 1);
   }
 }
