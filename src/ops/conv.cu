@@ -224,7 +224,8 @@ __device__ __forceinline__ void kg_conv2d_nhwc(const T* __restrict__ x, const T*
 // The prologue of the channels-last library call (ops/conv_gpu.cpp): the weights
 // [O, C/g, kh, kw] laid out [O, kh, kw, cp] into `out` with each output channel's scale folded in
 // (a BatchNorm's; 1 without) and channels c >= C/g of a padded input 0 (cp = s.cpad with one
-// group, else C/g); then, from the first multiple of 128 elements after them, each channel's
+// group, else C/g), or [O, s.gemm_k] in the k order of s.gemm_c channels a tap where s.gemm_k is
+// set; then, from the first multiple of KG_CONV_SCRATCH_ALIGN bytes after them, each channel's
 // shift (bias and BatchNorm).
 template <class T>
 __device__ __forceinline__ void kg_conv2d_filter_nhwc(const T* __restrict__ w, T* __restrict__ out,
@@ -242,9 +243,9 @@ __device__ __forceinline__ void kg_conv2d_filter_nhwc(const T* __restrict__ w, T
       kg_st(out, shift_at + o, shift);
       continue;
     }
-    if (s.gemm_k) {  // the GEMM form: [O, gemm_k], k = tap * C + c, zeros past kh·kw·C
-      const long long k = i % s.gemm_k, c = k % cg, tap = k / cg;
-      kg_st(out, i, tap < taps ? kg_ld(w, (o * cg + c) * taps + tap) * scale : C(0));
+    if (s.gemm_k) {  // the GEMM form and nhwc_mma: [O, gemm_k], k = tap·gemm_c + c, zeros past the taps
+      const long long k = i % s.gemm_k, c = k % s.gemm_c, tap = k / s.gemm_c;
+      kg_st(out, i, tap < taps && c < cg ? kg_ld(w, (o * cg + c) * taps + tap) * scale : C(0));
       continue;
     }
     const long long c = i % cp, tap = (i / cp) % taps;
@@ -311,50 +312,71 @@ __device__ __forceinline__ void kg_conv2d_im2col_nhwc(const T* __restrict__ x, T
 
 // ---- channels-last on tensor cores (f16, bf16; one group) ----
 // An implicit GEMM: y[p, o] = act(sum_k rows[p, k] · w'[o, k] + shift[o] + residual[p, o]) over
-// the output pixels p = (n, oy, ox) of [N, OH, OW] and k = (ky·kw + kx)·C + c < K = s.gemm_k,
-// where w' is the weights as the channels-last prologue lays them out ([O, K], a BatchNorm's
-// scale folded in, zeros past kh·kw·C), `shift` (ep.bias) the per-channel shift it writes after
+// the output pixels p = (n, oy, ox) of [N, OH, OW] and k = (ky·kw + kx)·CP + c < K = s.gemm_k
+// (CP = s.gemm_c: C, or C rounded up to even on the few-channel path below), where w' is the
+// weights as the filter launch lays them out ([O, K], a BatchNorm's scale folded in, zeros in
+// padding channels and past kh·kw·CP), `shift` (ep.bias) the per-channel shift it writes after
 // them, and the rows are gathered from the input [N, H, W, C] as they are needed, zero outside the
 // image. A block of 256 threads computes a tile of KG_IG_BM (128) pixels × KG_IG_BN (64) channels:
 // 8 warps as 4 × 2, each 32 × 32 with mma.m16n8k16 (mma.cuh), over k in slices of KG_IG_BK staged in
 // shared memory, two buffers deep: the next slice is read into registers while the tensor cores
 // work on this one. Each thread reads 16 bytes of two rows and of one weight row per slice: one
 // 16-byte load where C is a multiple of 8 (the 8 elements lie in one tap), element by element
-// otherwise (ResNet's 3-channel stem). K is a multiple of 8, so no 8-element chunk crosses it.
+// otherwise (few channels where the few-channel path's patch does not fit). K is a multiple of 8,
+// so no 8-element chunk crosses it.
 // Grid: x over pixel tiles, y over channel tiles. The tile sizes are conv_shared.cuh's.
 // Shared-memory row length in elements: 32 + 8, so that the 32 fragment reads of a warp (8 rows
 // × 4 words) fall in 32 different banks.
 #define KG_IG_LD 40
-// The few-channel path's loads of its patch and weights: elements (and 16-byte packs) a thread
-// has in flight at once.
+// The few-channel path's loads of its patch and weights: channel pairs (and 16-byte packs) a
+// thread has in flight at once.
 #define KG_IG_ROUND 8
 
 template <class T>
 struct __align__(4) KgConvPair {
   T e[2];
 };
+// Two 32-bit words read as one 8-byte access.
+struct __align__(8) KgConvWords {
+  unsigned lo, hi;
+};
 
-// The epilogue of one accumulator pair: channels o and o + 1 of output element `at` (p·O + o).
-template <class T, class Act>
-__device__ __forceinline__ void kg_conv_mma_store(T* __restrict__ y, const KgConvEpilogue<T>& ep, const Act& act,
-                                                  long long at, int o, int O, float a0, float a1) {
-  float v[2] = {a0, a1};
+// The shift (ep.bias, laid out by the filter launch) of the channels whose accumulators a thread
+// holds: o = n0 + wn·32 + nt·8 + 2t and o + 1 for nt = 0..3; 0 past O.
+template <class T>
+__device__ __forceinline__ void kg_conv_mma_shift(const KgConvEpilogue<T>& ep, int o0, int O, float (&sh)[4][2]) {
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if (o + e >= O) break;
-    if (ep.bias) v[e] += kg_ld(ep.bias, o + e);
-    if (ep.residual) v[e] += kg_ld(ep.residual, at + e);
-    v[e] = act(v[e]);
-  }
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int o = o0 + nt * 8 + e;
+      sh[nt][e] = ep.bias && o < O ? kg_ld(ep.bias, o) : 0.0f;
+    }
+}
+
+// The epilogue of one accumulator pair, its shift added: channels o and o + 1 of output element
+// `at` (p·O + o). The residual is added, the activation applied and the pair rounded and stored as
+// one 4-byte word where O is even.
+template <class T, class Act>
+__device__ __forceinline__ void kg_conv_mma_store(T* __restrict__ y, const T* __restrict__ residual, const Act& act,
+                                                  long long at, int o, int O, float v0, float v1) {
+  const bool two = o + 1 < O;
   if (O % 2 == 0) {
-    KgConvPair<T> pr;
-    pr.e[0] = kg_from_compute<T>(v[0]);
-    pr.e[1] = kg_from_compute<T>(v[1]);
-    *reinterpret_cast<KgConvPair<T>*>(y + at) = pr;
-  } else {
-    y[at] = kg_from_compute<T>(v[0]);
-    if (o + 1 < O) y[at + 1] = kg_from_compute<T>(v[1]);
+    if (residual) {
+      float r0, r1;
+      kg_mma_unpack(T(), *reinterpret_cast<const unsigned*>(residual + at), r0, r1);
+      v0 += r0;
+      v1 += r1;
+    }
+    *reinterpret_cast<unsigned*>(y + at) = kg_pack2(T(), act(v0), act(v1));
+    return;
   }
+  if (residual) {
+    v0 += kg_ld(residual, at);
+    if (two) v1 += kg_ld(residual, at + 1);
+  }
+  y[at] = kg_from_compute<T>(act(v0));
+  if (two) y[at + 1] = kg_from_compute<T>(act(v1));
 }
 
 // Two 16-bit elements as one fragment register (the first in the low half).
@@ -436,13 +458,7 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma_general(const T* __restrict__
     *reinterpret_cast<P*>(&as(buf, ar + 64)[kc * 8]) = ra[1];
     *reinterpret_cast<P*>(&bs(buf, ar)[kc * 8]) = rb;
   };
-  float acc[2][4][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+  float acc[2][4][4] = {};
   const int slices = (K + KG_IG_BK - 1) / KG_IG_BK;
   load(0);
   store(0);
@@ -476,8 +492,10 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma_general(const T* __restrict__
     if (kt + 1 < slices) store(buf ^ 1);
     __syncthreads();
   }
-  // The epilogue: two neighbouring channels of a pixel per step, stored as one 4-byte pair where
-  // O is even.
+  // The epilogue: two neighbouring channels of a pixel per step.
+  const int o0 = n0 + wn * 32 + 2 * t;
+  float sh[4][2];
+  kg_conv_mma_shift(ep, o0, O, sh);
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -486,151 +504,175 @@ __device__ __forceinline__ void kg_conv2d_nhwc_mma_general(const T* __restrict__
       if (p >= m_total) continue;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const int o = n0 + wn * 32 + nt * 8 + 2 * t;
-        if (o < O) kg_conv_mma_store(y, ep, act, p * O + o, o, O, acc[mt][nt][half * 2], acc[mt][nt][half * 2 + 1]);
+        const int o = o0 + nt * 8;
+        if (o < O)
+          kg_conv_mma_store(y, ep.residual, act, p * O + o, o, O, acc[mt][nt][half * 2] + sh[nt][0],
+                            acc[mt][nt][half * 2 + 1] + sh[nt][1]);
       }
     }
 }
 
-// Few input channels (C not a multiple of 8: ResNet's 3-channel stem), where gathering the
-// rows element by element from global memory costs more than the product. A block computes
-// KG_IG_BM consecutive pixels of one output row (grid x: images × rows × tiles of the row) for
-// KG_IG_BN channels (grid y): it stages the input patch those pixels' windows cover, zero
-// outside the image, [kh rows of the window][s.patch_w pixels][C] in shared memory, the block's
-// weights [KG_IG_BN][K] beside it, and a table of each k's offset in the patch; the warps then
-// build their A fragments from the patch (pixel r, k: patch[r·sw·C + offset[k]]) with no
-// bounds checks, and run the whole reduction without another barrier. Past kh·kw·C the table
-// points at a zero after the patch. ops/conv_gpu.cpp picks this path when the three fit in
-// KG_IG_SMEM.
+// Few input channels (C not a multiple of 8: ResNet's 3-channel stem), where gathering rows
+// element by element from global memory costs more than the product. The k order pads each tap's
+// channels to CP = s.gemm_c (C rounded up to even), so that a fragment register, two neighbouring
+// k, is two neighbouring channels of one pixel: one 4-byte shared-memory read. A block computes
+// s.patch_tiles tiles of tile_h × tile_w (= KG_IG_BM) output pixels for KG_IG_BN channels (grid y)
+// in turn; the tiles are numbered image by image, row of tiles by row (grid x: groups of
+// patch_tiles). The block stages once its weights, [KG_IG_BN][patch_ldb] with the k of each
+// 16-wide step reordered 0 1 8 9 2 3 10 11 ... so that a lane's two B registers are one 8-byte
+// read, and a table of each step's k offsets in the patch per lane (two: k = 2t and 2t + 8). Then
+// for each tile it stages the input patch the tile's windows cover, [patch_h][patch_w][CP], zero
+// outside the image and in the padding channel, and runs the whole reduction from shared memory
+// with no bounds checks: register (pixel r, k) = patch[pixel_offset(r) + k_offset(k)]. The
+// reduction's last step, partly past kh·kw·CP, masks those registers to zero (the weights there
+// are zero too, but an inf or NaN read would not be). ops/conv_gpu.cpp picks the tile shape and
+// the layout (KgConvShape's patch_* fields) and this path where it fits in KG_IG_SMEM.
 template <class T, class Act>
 __device__ __forceinline__ void kg_conv2d_nhwc_mma_patch(const T* __restrict__ x, const T* __restrict__ w,
                                                          T* __restrict__ y, const KgConvShape& s,
                                                          const KgConvEpilogue<T>& ep, const Act& act,
                                                          unsigned char* smem) {
-  const int tid = (int)threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int wm = warp % 4, wn = warp / 4, g = lane / 4, t = lane % 4;
-  const int C = (int)s.c, H = (int)s.h, W = (int)s.w, O = (int)s.o, K = (int)s.gemm_k;
-  const int kh = (int)s.kh, kw = (int)s.kw, dh = (int)s.dh, dw = (int)s.dw, sw = (int)s.sw;
-  const int OW = (int)s.wo, OH = (int)s.ho, PW = (int)s.patch_w;
-  const int row_tiles = (OW + KG_IG_BM - 1) / KG_IG_BM;
-  const long long b = blockIdx.x;
-  const int tile = (int)(b % row_tiles);
-  const long long q = b / row_tiles;
-  const int oy = (int)(q % OH);
-  const long long n = q / OH;
-  const int ox0 = tile * KG_IG_BM, n0 = (int)blockIdx.y * KG_IG_BN;
-  const int iy0 = oy * (int)s.sh - (int)s.ph, ix0 = ox0 * sw - (int)s.pw;
-  const int patch_row = PW * C, patch = kh * patch_row;  // elements
-  // Shared memory: the patch (and one zero after it), the weights' rows (ldb elements each, a
-  // multiple of 8 that is 8 more than a multiple of 16, so a warp's fragment reads hit 32 banks),
-  // the k table.
-  const int ldb = K % 16 == 8 ? K : K + 8;
-  T* ps = reinterpret_cast<T*>(smem);
-  T* bs = ps + (patch + 1 + 7) / 8 * 8;
-  int* koff = reinterpret_cast<int*>(bs + KG_IG_BN * ldb);
-  const T zero = kg_from_compute<T>(0.0f);
-  // The patch: kh input rows (dilated), each a contiguous run of PW·C elements of the input; and
-  // the weights: KG_IG_BN rows of K, 16 bytes at a time. In rounds of KG_IG_ROUND elements and
-  // packs a thread, every load of a round issued before its stores, so that a round waits for
-  // memory once rather than once an element. i / patch_row is a multiply-high, exact for
-  // i, patch_row < 2^16 (ops/conv_gpu.cpp keeps the patch far smaller).
   typedef KgConvPack<T, 8> P;
+  const int tid = (int)threadIdx.x, lane = tid % 32, warp = tid / 32, threads = (int)blockDim.x;
+  const int wm = warp % 4, wn = warp / 4, g = lane / 4, t = lane % 4;
+  const int C = (int)s.c, CP = (int)s.gemm_c, H = (int)s.h, W = (int)s.w, O = (int)s.o, K = (int)s.gemm_k;
+  const int kw = (int)s.kw, KR = (int)s.kh * kw * CP;  // k past KR: padding
+  const int TH = (int)s.tile_h, TW = (int)s.tile_w, PH = (int)s.patch_h, PW = (int)s.patch_w;
+  const int OH = (int)s.ho, OW = (int)s.wo, ldb = (int)s.patch_ldb;
+  const int n0 = (int)blockIdx.y * KG_IG_BN;
+  T* ps = reinterpret_cast<T*>(smem);
+  T* bs = reinterpret_cast<T*>(smem + s.patch_b);
+  KgConvWords* ktab = reinterpret_cast<KgConvWords*>(smem + s.patch_k);
   P pz;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) pz.e[e] = zero;
-  const long long image = n * H * W * C;
-  const unsigned row_magic = 0xffffffffu / (unsigned)patch_row + 1u;
-  const int packs = KG_IG_BN * (K / 8), threads = (int)blockDim.x;
-  for (int base = 0; base < patch || base < packs; base += KG_IG_ROUND * threads) {
-    T v[KG_IG_ROUND];
-    P pv[KG_IG_ROUND];
+  for (int e = 0; e < 8; ++e) pz.e[e] = kg_from_compute<T>(0.0f);
+  // The weights: 16-byte packs of 8 k, the four words of a pack spread to every other word of its
+  // 16-wide step (the low or high 8 k), in rounds of KG_IG_ROUND packs a thread.
+  const int row_packs = K / 8, packs = KG_IG_BN * row_packs;
+  for (int base = 0; base < packs; base += KG_IG_ROUND * threads) {
+    P v[KG_IG_ROUND];
 #pragma unroll
     for (int u = 0; u < KG_IG_ROUND; ++u) {
-      const int i = base + u * threads + tid;
-      v[u] = zero;
-      if (i < patch) {
-        const int ky = (int)__umulhi((unsigned)i, row_magic), at = ix0 * C + (i - ky * patch_row);
-        const int iy = iy0 + ky * dh;
-        if (iy >= 0 && iy < H && at >= 0 && at < W * C) v[u] = x[image + (long long)iy * W * C + at];
-      }
-      pv[u] = pz;
-      if (i < packs) {
-        const int r = i / (K / 8), k = (i - r * (K / 8)) * 8;
-        if (n0 + r < O) pv[u] = *reinterpret_cast<const P*>(w + (long long)(n0 + r) * K + k);
-      }
+      const int i = base + u * threads + tid, r = i / row_packs;
+      v[u] = i < packs && n0 + r < O ? *reinterpret_cast<const P*>(w + (long long)(n0 + r) * K + (i - r * row_packs) * 8)
+                                     : pz;
     }
 #pragma unroll
     for (int u = 0; u < KG_IG_ROUND; ++u) {
-      const int i = base + u * threads + tid;
-      if (i < patch) ps[i] = v[u];
-      if (i < packs) {
-        const int r = i / (K / 8), k = (i - r * (K / 8)) * 8;
-        *reinterpret_cast<P*>(bs + r * ldb + k) = pv[u];
-      }
+      const int i = base + u * threads + tid, r = i / row_packs, k = (i - r * row_packs) * 8;
+      if (i >= packs) break;
+      unsigned* to = reinterpret_cast<unsigned*>(bs + r * ldb + (k & ~15)) + (k & 8 ? 1 : 0);
+      const unsigned* from = reinterpret_cast<const unsigned*>(&v[u]);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) to[2 * q] = from[q];
     }
   }
-  if (tid == 0) ps[patch] = zero;
-  // The k table: offset of (ky, kx, c) from a pixel's window in the patch.
-  for (int k = tid; k < K; k += blockDim.x) {
-    const int tap = k / C, c = k - tap * C, ky = tap / kw, kx = tap - ky * kw;
-    koff[k] = ky < kh ? ky * patch_row + kx * dw * C + c : patch;
+  // The k table: per 16-wide step and lane column t, the patch offsets of k = 2t and 2t + 8.
+  auto k_offset = [&](int k) {
+    if (k >= KR) return 0;
+    const int tap = k / CP, c = k - tap * CP, ky = tap / kw, kx = tap - ky * kw;
+    return (ky * (int)s.dh * PW + kx * (int)s.dw) * CP + c;
+  };
+  for (int i = tid; i < K / 16 * 4; i += threads) {
+    const int k = i / 4 * 16 + i % 4 * 2;
+    ktab[i].lo = (unsigned)k_offset(k);
+    ktab[i].hi = (unsigned)k_offset(k + 8);
   }
-  __syncthreads();
-  // Each thread's four pixel rows: wm·32 + mt·16 + g (+ 8).
-  int pix[2][2];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) pix[mt][h] = (wm * 32 + mt * 16 + g + h * 8) * sw * C;
-  float acc[2][4][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
-  for (int kb = 0; kb < K; kb += 16) {
-    // Columns 2t, 2t + 1, 2t + 8, 2t + 9 of this k step (K is a multiple of 8: the last step may
-    // be half, its upper columns then read the zero).
-    int ko[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int k = kb + 2 * t + (e & 1) + (e >> 1) * 8;
-      ko[e] = k < K ? koff[k] : patch;
-    }
-    unsigned af[2][4], bf[4][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      af[mt][0] = kg_mma_pair(ps[pix[mt][0] + ko[0]], ps[pix[mt][0] + ko[1]]);
-      af[mt][1] = kg_mma_pair(ps[pix[mt][1] + ko[0]], ps[pix[mt][1] + ko[1]]);
-      af[mt][2] = kg_mma_pair(ps[pix[mt][0] + ko[2]], ps[pix[mt][0] + ko[3]]);
-      af[mt][3] = kg_mma_pair(ps[pix[mt][1] + ko[2]], ps[pix[mt][1] + ko[3]]);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const T* c0 = bs + (wn * 32 + nt * 8 + g) * ldb + kb + 2 * t;
-      bf[nt][0] = *reinterpret_cast<const unsigned*>(c0);
-      bf[nt][1] = kb + 8 < K ? *reinterpret_cast<const unsigned*>(c0 + 8) : 0u;
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) kg_mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
-  }
-  const long long row_first = (n * OH + oy) * OW;  // the output row's first pixel
+  // This thread's four pixels of a tile, rows wm·32 + mt·16 + g (+ 8): their windows' offsets in
+  // the patch and their places in the tile.
+  int pix[2][2], ry[2][2], rx[2][2];
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int ox = ox0 + wm * 32 + mt * 16 + g + h * 8;
-      if (ox >= OW) continue;
+      const int r = wm * 32 + mt * 16 + g + h * 8;
+      ry[mt][h] = r / TW;
+      rx[mt][h] = r - ry[mt][h] * TW;
+      pix[mt][h] = (ry[mt][h] * (int)s.sh * PW + rx[mt][h] * (int)s.sw) * CP;
+    }
+  const int o0 = n0 + wn * 32 + 2 * t;
+  float sh[4][2];
+  kg_conv_mma_shift(ep, o0, O, sh);
+  // The patch's channel pairs: index i = (py·PW + px)·CP/2 + c/2; the divisions as multiply-highs,
+  // exact below 2^16 (ops/conv_gpu.cpp keeps the patch far smaller).
+  const int row_pairs = PW * CP / 2, pairs = PH * row_pairs;
+  const unsigned row_magic = 0xffffffffu / (unsigned)row_pairs + 1u, cp_magic = 0xffffffffu / (unsigned)CP + 1u;
+  const long long tiles = s.n * s.tiles_h * s.tiles_w;
+  for (int j = 0; j < (int)s.patch_tiles; ++j) {
+    const long long tile = (long long)blockIdx.x * s.patch_tiles + j;
+    if (tile >= tiles) break;
+    const long long q = tile / s.tiles_w, n = q / s.tiles_h;
+    const int oy0 = (int)(q - n * s.tiles_h) * TH, ox0 = (int)(tile - q * s.tiles_w) * TW;
+    const int iy0 = oy0 * (int)s.sh - (int)s.ph, ix0 = ox0 * (int)s.sw - (int)s.pw;
+    const T* image = x + n * H * W * C;
+    if (j > 0) __syncthreads();  // every warp is done with the last tile's patch
+    for (int base = 0; base < pairs; base += KG_IG_ROUND * threads) {
+      unsigned v[KG_IG_ROUND];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int o = n0 + wn * 32 + nt * 8 + 2 * t;
-        if (o < O)
-          kg_conv_mma_store(y, ep, act, (row_first + ox) * O + o, o, O, acc[mt][nt][h * 2], acc[mt][nt][h * 2 + 1]);
+      for (int u = 0; u < KG_IG_ROUND; ++u) {
+        const int i = base + u * threads + tid;
+        v[u] = 0u;
+        if (i >= pairs) continue;
+        const int py = (int)__umulhi((unsigned)i, row_magic), e = 2 * (i - py * row_pairs);
+        const int px = (int)__umulhi((unsigned)e, cp_magic), c = e - px * CP;
+        const int iy = iy0 + py, ix = ix0 + px;
+        if (iy < 0 || iy >= H || ix < 0 || ix >= W) continue;
+        const T* at = image + ((long long)iy * W + ix) * C + c;
+        v[u] = (unsigned)at[0].bits | (c + 1 < C ? (unsigned)at[1].bits << 16 : 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < KG_IG_ROUND; ++u) {
+        const int i = base + u * threads + tid;
+        if (i < pairs) reinterpret_cast<unsigned*>(ps)[i] = v[u];
       }
     }
+    __syncthreads();
+    float acc[2][4][4] = {};
+    auto step = [&](int kb, bool last) {
+      const KgConvWords ko = ktab[kb / 16 * 4 + t];
+      unsigned af[2][4], bf[4][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        af[mt][0] = *reinterpret_cast<const unsigned*>(ps + pix[mt][0] + ko.lo);
+        af[mt][1] = *reinterpret_cast<const unsigned*>(ps + pix[mt][1] + ko.lo);
+        af[mt][2] = *reinterpret_cast<const unsigned*>(ps + pix[mt][0] + ko.hi);
+        af[mt][3] = *reinterpret_cast<const unsigned*>(ps + pix[mt][1] + ko.hi);
+        if (last) {
+          if (kb + 2 * t >= KR) af[mt][0] = af[mt][1] = 0u;
+          if (kb + 2 * t + 8 >= KR) af[mt][2] = af[mt][3] = 0u;
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const KgConvWords b = *reinterpret_cast<const KgConvWords*>(bs + (wn * 32 + nt * 8 + g) * ldb + kb + 4 * t);
+        bf[nt][0] = b.lo;
+        bf[nt][1] = b.hi;
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) kg_mma_16816<T>(acc[mt][nt], af[mt], bf[nt]);
+    };
+    const int full = KR / 16 * 16;
+    for (int kb = 0; kb < full; kb += 16) step(kb, false);
+    if (full < K) step(full, true);
+    // The epilogue: two neighbouring channels of a pixel per step.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int oy = oy0 + ry[mt][h], ox = ox0 + rx[mt][h];
+        if (oy >= OH || ox >= OW) continue;
+        const long long at = ((n * OH + oy) * OW + ox) * O;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int o = o0 + nt * 8;
+          if (o < O)
+            kg_conv_mma_store(y, ep.residual, act, at + o, o, O, acc[mt][nt][h * 2] + sh[nt][0],
+                              acc[mt][nt][h * 2 + 1] + sh[nt][1]);
+        }
+      }
+  }
 }
 
 template <class T, class Act>

@@ -118,7 +118,9 @@ class ConvRuntime final : public RuntimeOp {
     if (algo_ == ConvGpuAlgo::NhwcMma) {
       const auto in = nchw(t.inputs.at(0).shape);
       KgConvShape s = geometry(shape[0], in, nchw(shape));
-      s.gemm_k = mma_k(in);
+      const std::optional<PatchPlan> plan = patch_plan(in, nchw(shape));
+      s.gemm_k = plan ? plan->k : mma_k(in);
+      s.gemm_c = plan ? plan->cp : in[1];
       v.push_back(entry_launch(t, filter_entry_, cfg_.out_channels * s.gemm_k + cfg_.out_channels, 0,
                                t.params.at(0).ptr, cfg_.options.bias ? t.params.at(1).ptr : 0, cfg_.batch_norm, 0,
                                t.scratch, s));
@@ -190,7 +192,7 @@ class ConvRuntime final : public RuntimeOp {
       LibraryCall call{g, {}};
       // The tensor-core kernel's few-channel path reads the input once instead of writing and
       // reading the im2col rows: run it unless a tuned load finds otherwise.
-      call.own_first = algo_ == ConvGpuAlgo::NhwcMma && mma_patch_w(in) != 0;
+      call.own_first = algo_ == ConvGpuAlgo::NhwcMma && patch_plan(in, out).has_value();
       call.prologue.push_back(launch(filter_entry_, ls.filter_elems + out[1], 0, t.params.at(0).ptr, bias,
                                      cfg_.batch_norm, 0, t.scratch));
       // One thread per 16 bytes of the rows.
@@ -206,7 +208,7 @@ class ConvRuntime final : public RuntimeOp {
     padded[1] = ls.channels;
     LibraryCall call{conv_call(ls.input ? t.scratch + ls.input : t.inputs[0].ptr, t.scratch, t.output.ptr, padded, out),
                      {}};
-    call.own_first = algo_ == ConvGpuAlgo::NhwcMma && mma_patch_w(in) != 0;  // as in the GEMM form
+    call.own_first = algo_ == ConvGpuAlgo::NhwcMma && patch_plan(in, out).has_value();  // as in the GEMM form
     call.prologue.push_back(launch(filter_entry_, ls.filter_elems + out[1], 0, t.params.at(0).ptr, bias,
                                    cfg_.batch_norm, 0, t.scratch));
     if (ls.input)
@@ -385,22 +387,62 @@ class ConvRuntime final : public RuntimeOp {
     return cfg_.kernel.h == 1 && cfg_.kernel.w == 1 && op.padding.h == 0 && op.padding.w == 0 && op.stride.h == 1 &&
            op.stride.w == 1 && in.at(1) % 8 == 0;
   }
-  // The reduction length of the tensor-core kernel: kh·kw·C rounded up to a multiple of 8.
+  // The reduction length of the tensor-core kernel's general path: kh·kw·C rounded up to a
+  // multiple of 8.
   std::int64_t mma_k(const std::vector<std::int64_t>& in) const {
     return (cfg_.kernel.h * cfg_.kernel.w * in.at(1) + 7) / 8 * 8;
   }
-  // The few-channel path of the tensor-core kernel (conv.cu): the width in pixels of the input
-  // patch that a tile of KG_IG_BM output pixels of one row reads, when C is not a multiple of 8
-  // and the patch, the tile's weights and the k table fit in KG_IG_SMEM bytes; 0 otherwise.
-  std::int64_t mma_patch_w(const std::vector<std::int64_t>& in) const {
+  // The few-channel path of the tensor-core kernel (conv.cu, KgConvShape's patch_* fields): the
+  // tile of KG_IG_BM output pixels and its input patch, and the block's shared memory: the patch
+  // [patch_h][patch_w][cp] at 0, the weights [KG_IG_BN][ldb] at b_at, the k table (8 bytes per
+  // 16-wide step and lane column) at k_at.
+  struct PatchPlan {
+    std::int64_t tile_h = 0, tile_w = 0, tiles_h = 0, tiles_w = 0, patch_h = 0, patch_w = 0;
+    std::int64_t cp = 0, k = 0, ldb = 0, b_at = 0, k_at = 0, bytes = 0;
+  };
+  // For C not a multiple of 8 (ResNet's 3-channel stem), where it fits in KG_IG_SMEM: the tile
+  // shape (rows × columns, a power of 2 each) that covers the output with the fewest wasted
+  // pixels, and of those the smallest patch. The channels are padded to even (cp), k = kh·kw·cp
+  // rounded up to a whole step of 16, and the weights' row length ldb is k or k + 16, the one
+  // that is 16 more than a multiple of 32 elements: then the 8-byte B reads of a half-warp (4
+  // rows of 32 bytes) fall in 32 different banks.
+  std::optional<PatchPlan> patch_plan(const std::vector<std::int64_t>& in, const std::vector<std::int64_t>& out) const {
     const std::int64_t c = in.at(1);
-    if (c % 8 == 0) return 0;
+    if (c % 8 == 0) return std::nullopt;
     const auto& op = cfg_.options;
-    const std::int64_t k = mma_k(in), ldb = k % 16 == 8 ? k : k + 8, esize = static_cast<std::int64_t>(dtype_size(cfg_.dtype));
-    const std::int64_t pw = (KG_IG_BM - 1) * op.stride.w + (cfg_.kernel.w - 1) * op.dilation.w + 1;
-    const std::int64_t patch = cfg_.kernel.h * pw * c;
-    const std::int64_t bytes = (patch + 1 + 7) / 8 * 8 * esize + KG_IG_BN * ldb * esize + k * 4;
-    return bytes <= KG_IG_SMEM ? pw : 0;
+    const std::int64_t esize = static_cast<std::int64_t>(dtype_size(cfg_.dtype));
+    const std::int64_t oh = std::max<std::int64_t>(out.at(2), 1), ow = std::max<std::int64_t>(out.at(3), 1);
+    PatchPlan p;
+    p.cp = c + c % 2;
+    p.k = (cfg_.kernel.h * cfg_.kernel.w * p.cp + 15) / 16 * 16;
+    p.ldb = p.k % 32 == 16 ? p.k : p.k + 16;
+    std::optional<PatchPlan> best;
+    std::int64_t best_covered = 0;
+    for (std::int64_t tw = KG_IG_BM; tw >= 8; tw /= 2) {
+      PatchPlan q = p;
+      q.tile_w = tw;
+      q.tile_h = KG_IG_BM / tw;
+      q.tiles_w = ceil_div(ow, q.tile_w);
+      q.tiles_h = ceil_div(oh, q.tile_h);
+      q.patch_h = (q.tile_h - 1) * op.stride.h + (cfg_.kernel.h - 1) * op.dilation.h + 1;
+      q.patch_w = (q.tile_w - 1) * op.stride.w + (cfg_.kernel.w - 1) * op.dilation.w + 1;
+      q.b_at = ceil_div(q.patch_h * q.patch_w * q.cp * esize, 16) * 16;
+      q.k_at = q.b_at + KG_IG_BN * q.ldb * esize;
+      q.bytes = q.k_at + q.k / 16 * 4 * 8;
+      if (q.bytes > KG_IG_SMEM) continue;
+      const std::int64_t covered = q.tiles_w * q.tile_w * q.tiles_h * q.tile_h;
+      if (!best || covered < best_covered || (covered == best_covered && q.bytes < best->bytes)) {
+        best = q;
+        best_covered = covered;
+      }
+    }
+    return best;
+  }
+  // The tiles a block of the few-channel path computes in turn (reusing its staged weights):
+  // more where there are many, so that a large batch still has about 8 waves of blocks or more.
+  static std::int64_t patch_tiles(const PatchPlan& p, std::int64_t images) {
+    const std::int64_t tiles = images * p.tiles_h * p.tiles_w;
+    return tiles >= 8192 ? 4 : tiles >= 2048 ? 2 : 1;
   }
   // Where the filter launch puts the shift after [O, k] weights (kg_conv_shift_offset in conv.cu).
   DevicePtr mma_shift_offset(std::int64_t k) const {
@@ -433,7 +475,8 @@ class ConvRuntime final : public RuntimeOp {
     const std::size_t bn = cfg_.options.bias ? 2 : 1;
     if (algo_ == ConvGpuAlgo::NhwcMma) {
       // The weights and the shift as the filter launch laid them out in the scratch.
-      const std::int64_t k = mma_k(in);
+      const std::optional<PatchPlan> plan = patch_plan(in, nchw(shape));
+      const std::int64_t k = plan ? plan->k : mma_k(in);
       v.pointer(t.inputs[0].ptr + at * in_image);
       v.pointer(t.scratch);
       v.pointer(t.scratch ? t.scratch + mma_shift_offset(k) : 0);
@@ -442,7 +485,20 @@ class ConvRuntime final : public RuntimeOp {
       v.pointer(t.output.ptr + at * out_image);
       KgConvShape s = geometry(count, in, nchw(shape));
       s.gemm_k = k;
-      s.patch_w = mma_patch_w(in);
+      s.gemm_c = in[1];
+      if (plan) {
+        s.gemm_c = plan->cp;
+        s.tile_h = plan->tile_h;
+        s.tile_w = plan->tile_w;
+        s.tiles_h = plan->tiles_h;
+        s.tiles_w = plan->tiles_w;
+        s.patch_h = plan->patch_h;
+        s.patch_w = plan->patch_w;
+        s.patch_tiles = patch_tiles(*plan, count);
+        s.patch_ldb = plan->ldb;
+        s.patch_b = plan->b_at;
+        s.patch_k = plan->k_at;
+      }
       v.bytes(&s, sizeof s);
       v.f64(cfg_.bn_eps);
       v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
@@ -483,9 +539,10 @@ class ConvRuntime final : public RuntimeOp {
         auto dim = [&](std::int64_t blocks, char axis, const auto&... work) {
           return grid_dim(blocks, axis, util::cat("launch ", launch, " of the tensor-core kernel over ", work...));
         };
-        if (mma_patch_w(in_nchw)) {  // tiles of one output row each
-          const std::int64_t rows = n * out[2], per_row = ceil_div(out[3], KG_IG_BM);
-          return {dim(rows * per_row, 'x', rows, " output rows in ", per_row, " tiles of ", KG_IG_BM, " pixels"),
+        if (const std::optional<PatchPlan> p = patch_plan(in_nchw, out)) {  // patch_tiles tiles a block
+          const std::int64_t tiles = n * p->tiles_h * p->tiles_w, per = patch_tiles(*p, n);
+          return {dim(ceil_div(tiles, per), 'x', tiles, " tiles of ", p->tile_h, " x ", p->tile_w, " pixels, ", per,
+                      " a block"),
                   dim(ceil_div(out[1], KG_IG_BN), 'y', out[1], " output channels in tiles of ", KG_IG_BN), 1};
         }
         return {dim(ceil_div(pixels, KG_IG_BM), 'x', pixels, " output pixels in tiles of ", KG_IG_BM),
@@ -553,6 +610,7 @@ class ConvRuntime final : public RuntimeOp {
     s.nhwc = cfg_.channels_last ? 1 : 0;
     s.cpad = cfg_.channels_last ? padded_channels(s.c) : s.c;
     s.gemm_k = gemm_k(in, out);
+    s.gemm_c = s.c;
     if (algo_ == ConvGpuAlgo::Tiled) {
       const TilePlan t = tile_plan(cfg_, out);
       s.tile_h = t.tile_h;

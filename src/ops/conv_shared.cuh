@@ -18,7 +18,7 @@
 #define KG_IG_BN 64
 #define KG_IG_BK 32
 // Its static shared memory in bytes: the general path's two slices of A and B (30 KB), or the
-// few-channel path's input patch, weights and k table (ops/conv_gpu.cpp keeps them within it).
+// few-channel path's input patch, weights and k table (ops/conv_gpu.cpp lays them out within it).
 #define KG_IG_SMEM 36864
 // tiled: the input window at the start of dynamic shared memory is rounded up to this many
 // bytes; the weights after it are read as vectors.
@@ -38,18 +38,28 @@ struct KgConvShape {
   long long groups;
   long long ocb;  // direct: output channels per thread (1, 2 or 4)
   // tiled: output tile rows and columns, input channels staged at a time, output channels per
-  // block (a multiple of OCB), tiles across and down, channel chunks per group
+  // block (a multiple of OCB), tiles across and down, channel chunks per group. The tensor-core
+  // kernel's few-channel path uses tile_h, tile_w (tile_h · tile_w = KG_IG_BM), tiles_w, tiles_h.
   long long tile_h, tile_w, cc, och, tiles_w, tiles_h, chunks;
   // 1: channels-last tensors (x [N, H, W, C], y and the residual [N, OH, OW, O]); the weights
   // stay [O, C/groups, kh, kw]
   long long nhwc;
   // channels-last library path: the input channels cuDNN sees (c, or c padded with zeros)
   long long cpad;
-  // channels-last GEMM form: the im2col rows' length (kh·kw·c rounded up to 8), or 0
+  // channels-last GEMM form: the im2col rows' length (kh·kw·c rounded up to 8), or 0; nhwc_mma:
+  // the weights' rows (see gemm_c)
   long long gemm_k;
-  // nhwc_mma with few input channels: the input patch's width in pixels (the block's tile is part
-  // of one output row, staged with its window in shared memory), or 0 for the general gather
-  long long patch_w;
+  // the channels of one tap in the k order (k = (ky·kw + kx)·gemm_c + channel) of the GEMM form's
+  // rows and of nhwc_mma's weights: c, or c rounded up to even on the few-channel path (the
+  // padding channel's weights are zero)
+  long long gemm_c;
+  // nhwc_mma with few input channels (c not a multiple of 8), or patch_w = 0 for the general
+  // gather. A block computes patch_tiles tiles of tile_h × tile_w output pixels one after the
+  // other; for each it stages the input patch their windows cover, [patch_h][patch_w][gemm_c]
+  // (zero outside the image and in the padding channel), at the start of its shared memory. Its
+  // weights [KG_IG_BN][patch_ldb] start at byte patch_b, its k table at byte patch_k. All chosen
+  // by ops/conv_gpu.cpp.
+  long long patch_w, patch_h, patch_tiles, patch_ldb, patch_b, patch_k;
 };
 
 // ---- backward (conv_backward.cu) ----

@@ -85,6 +85,28 @@ __device__ __forceinline__ kg_bf16 kg_from_compute<kg_bf16>(float v) {
   return r;
 }
 
+// Two floats rounded to nearest-even into 16-bit elements, as one 32-bit word with the first in
+// its low half (as a pair of T is laid out in memory). One instruction on compute capability 8.0
+// and newer; the scalar conversions elsewhere (the same rounding).
+__device__ __forceinline__ unsigned kg_pack2(kg_bf16, float lo, float hi) {
+#if !defined(KG_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (unsigned)kg_float_to_bf16(lo) | ((unsigned)kg_float_to_bf16(hi) << 16);
+#endif
+}
+__device__ __forceinline__ unsigned kg_pack2(kg_f16, float lo, float hi) {
+#if !defined(KG_CUDA_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (unsigned)kg_float_to_f16(lo) | ((unsigned)kg_float_to_f16(hi) << 16);
+#endif
+}
+
 // Reads p[i] as the compute type; writes v (a compute-type value) rounded into p[i].
 template <class T>
 __device__ __forceinline__ kg_compute_t<T> kg_ld(const T* p, long long i = 0) {

@@ -83,21 +83,16 @@ __device__ __forceinline__ void kg_mma_16816(float (&d)[4], const unsigned (&a)[
 template <class T>
 __device__ __forceinline__ void kg_mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
 
-template <>
-__device__ __forceinline__ void kg_mma_16816<kg_bf16>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-template <>
-__device__ __forceinline__ void kg_mma_16816<kg_f16>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
+// The instruction for one 16-bit type (its PTX name).
+#define KG_MMA_16816_FOR(T, PTX)                                                                             \
+  template <>                                                                                                \
+  __device__ __forceinline__ void kg_mma_16816<T>(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) { \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX                                        \
+                 ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                     \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));                        \
+  }
+KG_MMA_16816_FOR(kg_bf16, "bf16")
+KG_MMA_16816_FOR(kg_f16, "f16")
+#undef KG_MMA_16816_FOR
 #endif

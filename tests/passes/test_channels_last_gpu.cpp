@@ -247,8 +247,8 @@ TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
 // The tensor-core kernel of a 16-bit channels-last convolution (an implicit GEMM on
 // mma.m16n8k16, its fragments exchanged through shared memory under the emulator), checked under
 // the emulator against the f32 CPU, in bf16 and f16: partial pixel, channel and k tiles; few input
-// channels (staged as an input patch per output row, or read element by element where the patch
-// does not fit) and channels in packs of 8; an odd channel count; stride, padding and dilation;
+// channels (an input patch per tile of output pixels, or read element by element where the patch
+// and the weights do not fit in shared memory) and channels in packs of 8; an odd channel count; stride, padding and dilation;
 // output rows longer than a tile; a residual branch (a second convolution of the same shape) added before
 // the ReLU.
 TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
@@ -268,7 +268,11 @@ TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
        false, true},
       {"packed channels, dilation, residual", 24, 40, 3, {.padding = 2, .dilation = 2, .bias = false}, 2, 9, 10, true,
        true, true},
-      {"20 channels element by element, 13 out", 20, 13, 3, {.padding = 1}, 2, 11, 9, false, false, false},
+      {"20 channels as a patch, 13 out", 20, 13, 3, {.padding = 1}, 2, 11, 9, false, false, false},
+      {"12 channels element by element (the patch's weights do not fit)", 12, 16, 5, {.padding = 2}, 2, 7, 9, true,
+       false, true},
+      {"5 channels, odd: a padding channel; 4x8 output", 5, 8, 3, {.stride = {2, 1}, .padding = 1}, 3, 8, 8, false,
+       false, true},
       {"3 channels, output rows of two tiles", 3, 16, 3, {.padding = 1, .dilation = {1, 2}}, 2, 3, 140, true, false,
        true},
       {"1x1, 128 out, many pixels", 64, 128, 1, {}, 5, 8, 9, false, false, true},
@@ -317,6 +321,38 @@ TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
       EXPECT_TRUE(kg_test::all_written(got));
       EXPECT_TRUE(kg_test::all_close(got, want, 0.0, tol));
     }
+  }
+}
+
+// ResNet's stem (3 channels, 7×7/2, BatchNorm, ReLU) on the tensor-core kernel at batches large
+// enough that a block of its few-channel path computes two and four tiles in turn, the last
+// block's share partial (98 tiles an image), on the GPU against the f32 CPU.
+TEST(ChannelsLastGpu, TensorCoreStemAtLargeBatchesMatchesTheCpu) {
+  if (!kg::Device::cuda_available()) GTEST_SKIP() << "needs a GPU";
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const kg::Model m = make_model(
+      [](const kg::SymTensor& x) {
+        const kg::SymTensor y = kg::nn::conv2d(x, 64, 7, {.stride = 2, .padding = 3, .bias = false}, "conv1");
+        return kg::relu(kg::nn::batch_norm2d(y, "bn1"), "relu");
+      },
+      3, 224, 224);
+  const auto params = random_params(m, rng);
+  for (std::int64_t batch : {23, 85}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {batch, 3, 224, 224});
+    const kg::Tensor want = nchw_cpu_output(m, x, params);
+    const double tol = 2e-2 * std::max(1e-3, max_abs(want));
+    const kg::Model r = rewritten(m, {.gpu = true}, kg::DType::BF16);
+    kg::LoadOptions o;
+    o.vendor_libraries = false;
+    o.poison_buffers = true;
+    kg::LoadedModel gpu = r.load(kg::Device::cuda(), {x.shape()}, o);
+    gpu.load_state_dict(converted(params, kg::DType::BF16), false);
+    const kg::Tensor got = gpu.forward({x}).at(0);
+    EXPECT_TRUE(kg_test::all_written(got));
+    EXPECT_TRUE(kg_test::all_close(got, want, 0.0, tol));
   }
 }
 
