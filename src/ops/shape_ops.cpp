@@ -9,6 +9,7 @@
 #include <iterator>
 #include <limits>
 #include <numeric>
+#include <optional>
 
 #include "kg/ops.hpp"
 #include "ops/divider.hpp"
@@ -165,13 +166,34 @@ class ReshapeOp final : public CustomOp {
 class PermuteOp final : public CustomOp {
  public:
   explicit PermuteOp(std::vector<std::int64_t> dims) : dims_(std::move(dims)) {}
+  // The permutation with its elements converted to `to` (f32, f16 or bf16, from any of them) as
+  // they are copied: a cast and a layout change in one pass (passes/channels_last.cpp). Inference
+  // only: it has no backward.
+  PermuteOp(std::vector<std::int64_t> dims, DType to) : dims_(std::move(dims)), to_(to) {
+    if (!converts_between(to, to))
+      throw Error(util::cat("nn.permute converts to f32, f16 or bf16, not ", dtype_name(to)));
+  }
+  // The dtypes a converting permute reads and writes.
+  static bool converts_between(DType from, DType to) {
+    auto ok = [](DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; };
+    return ok(from) && ok(to);
+  }
   // transpose(dim0, dim1): the permutation is built once the rank is known.
   PermuteOp(std::int64_t dim0, std::int64_t dim1) : transpose_(true), t0_(dim0), t1_(dim1) {}
   std::string name() const override { return "nn.permute"; }
   std::string attributes() const override {
-    return transpose_ ? util::cat("transpose=", t0_, ",", t1_) : util::cat("dims=", sizes_to_string(dims_));
+    const std::string to = to_ ? util::cat(",to=", dtype_name(*to_)) : "";
+    return transpose_ ? util::cat("transpose=", t0_, ",", t1_) : util::cat("dims=", sizes_to_string(dims_), to);
   }
   bool computes_in(DType t) const override { return is_half_float(t); }
+  DType infer_output_dtype(const std::vector<DType>& in) const override {
+    if (in.size() != 1) throw Error(util::cat("expects 1 input(s), got ", in.size()));
+    if (to_ && !converts_between(in[0], *to_))
+      throw Error(util::cat("converts f32, f16 or bf16 to ", dtype_name(*to_), ", not ", dtype_name(in[0])));
+    return to_ ? *to_ : in[0];
+  }
+  // The dtype the elements are converted to, if any.
+  std::optional<DType> converts_to() const { return to_; }
 
   // The permutation for an input of `rank` dims: output dim i is input dim perm[i].
   std::vector<std::size_t> perm(std::size_t rank) const {
@@ -209,15 +231,23 @@ class PermuteOp final : public CustomOp {
 
   std::optional<Lowered> lower(const LowerContext& ctx) const override;
   std::string lower_backward_source(const LowerContext&) const override {
-    return kernel_file("shape_ops.cu");
+    return to_ ? std::string() : kernel_file("shape_ops.cu");
   }
 
   void cpu_forward(CpuContext& ctx) const override {
     const Tensor& x = ctx.inputs[0];
-    permute_copy(ctx, x, perm(x.rank()), ctx.output.raw());
+    if (!to_ || *to_ == x.dtype()) {
+      permute_copy(ctx, x, perm(x.rank()), ctx.output.raw());
+      return;
+    }
+    // Permuted in the input's dtype, then converted.
+    Tensor t = Tensor::empty(x.dtype(), ctx.output.shape());
+    permute_copy(ctx, x, perm(x.rank()), t.raw());
+    const Tensor c = t.to(*to_);
+    std::memcpy(ctx.output.raw(), c.raw(), c.nbytes());
   }
 
-  bool has_cpu_backward() const override { return true; }
+  bool has_cpu_backward() const override { return !to_; }
   BackwardSaves backward_saves() const override { return {false, false}; }  // shapes only
   // dx = dy permuted back by the inverse permutation.
   void cpu_backward(CpuBackwardContext& ctx) const override {
@@ -340,6 +370,7 @@ class PermuteOp final : public CustomOp {
   }
 
   std::vector<std::int64_t> dims_;
+  std::optional<DType> to_;
   bool transpose_ = false;
   std::int64_t t0_ = 0, t1_ = 0;
 };
@@ -443,8 +474,19 @@ class PermuteRuntime final : public RuntimeOp {
 };
 
 std::optional<Lowered> PermuteOp::lower(const LowerContext& ctx) const {
-  return Lowered{"nn.permute", kernel_file("shape_ops.cu"), width_entry("kg_permute", ctx.output_dtype),
-                 std::make_shared<PermuteRuntime>(*this, ctx.output_dtype)};
+  const DType from = ctx.input_dtypes.at(0);
+  auto rt = std::make_shared<PermuteRuntime>(*this, ctx.output_dtype);
+  if (!to_ || *to_ == from)
+    return Lowered{"nn.permute", kernel_file("shape_ops.cu"), width_entry("kg_permute", ctx.output_dtype), rt};
+  // A converting copy: shape_ops.cu's kernels without their entries, and one entry of its own.
+  const std::string entry = util::cat("kg_permute_", dtype_name(from), "_to_", dtype_name(*to_));
+  return Lowered{"nn.permute",
+                 util::cat(without_entries(kernel_file("shape_ops.cu")),
+                           "\nextern \"C\" __global__ void __launch_bounds__(KG_COPY_THREADS)\n    ", entry, "(const ",
+                           device_type(from), "* __restrict__ src, ", device_type(*to_),
+                           "* __restrict__ dst, KgPermuteArgs p) {\n  kg_permute<", device_type(from), ", ",
+                           device_type(*to_), ">(src, dst, p);\n}\n"),
+                 entry, rt};
 }
 
 // Copies `total` output bytes in parallel blocks; `piece(p, &src, &avail)` gives the source of
@@ -843,6 +885,9 @@ class SliceOp final : public CustomOp {
 }  // namespace
 
 CustomData permute_op(std::vector<std::int64_t> dims) { return CustomData::make<PermuteOp>(std::move(dims)); }
+CustomData permute_op(std::vector<std::int64_t> dims, DType to) {
+  return CustomData::make<PermuteOp>(std::move(dims), to);
+}
 
 bool permute_keeps_dim0(const CustomOp& op, std::size_t rank) {
   const auto* p = dynamic_cast<const PermuteOp*>(&op);

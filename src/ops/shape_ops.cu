@@ -5,10 +5,13 @@
 // (kg_concat_backward) and slice's fills the input gradient, zero outside the slice
 // (kg_slice_backward). Every kernel does nothing when given a null destination (a gradient
 // nobody needs).
+// A converting permute (ops/shape_ops.cpp) takes the file without its entries (the
+// KG_FUSED_MODULE sections) and adds an entry of its own.
 // Index math divides through KgDivider (32-bit multiply-high when the tensor has fewer than 2^31
 // elements, plain 64-bit division otherwise). The block size and the argument structs are
 // shape_ops_shared.cuh's.
 #include "index.cuh"
+#include "kg_dtype.cuh"
 #include "shape_ops_shared.cuh"
 
 // ---- nn.permute ----
@@ -18,13 +21,24 @@
 //   tiled (tiled_p = the output dim that is the input's last): 32×32 tiles through shared
 //     memory, read along the input's last dim and written along the output's last dim, for
 //     each entry of the other dims.
-// The copy is described by a KgPermuteArgs.
+// The copy is described by a KgPermuteArgs. Elements are copied as they are (S = D, by width) or
+// converted from S to D (f32, kg_f16, kg_bf16: a cast folded into the permute).
 
-template <class E, bool Small>
-__device__ __forceinline__ void kg_permute_gather(const E* __restrict__ src, E* __restrict__ dst,
+template <class S, class D>
+struct KgPermuteValue {
+  __device__ __forceinline__ D operator()(S v) const { return kg_from_compute<D>(kg_to_compute(v)); }
+};
+template <class E>
+struct KgPermuteValue<E, E> {
+  __device__ __forceinline__ E operator()(E v) const { return v; }
+};
+
+template <class S, class D, bool Small>
+__device__ __forceinline__ void kg_permute_gather(const S* __restrict__ src, D* __restrict__ dst,
                                                   const KgPermuteArgs& p) {
   const int rank = (int)p.rank;
-  kg_for_each_unrolled<E, Small ? KG_UNROLL : 1>(
+  const KgPermuteValue<S, D> value;
+  kg_for_each_unrolled<D, Small ? KG_UNROLL : 1>(
       p.total,
       [&](kg_index i) {
         kg_index rem = i, off = 0;
@@ -36,15 +50,16 @@ __device__ __forceinline__ void kg_permute_gather(const E* __restrict__ src, E* 
             rem = q;
           }
         }
-        return src[off + rem * p.src_stride[0]];
+        return value(src[off + rem * p.src_stride[0]]);
       },
-      [&](kg_index i, E v) { dst[i] = v; });
+      [&](kg_index i, D v) { dst[i] = v; });
 }
 
-template <class E, bool Small>
-__device__ __forceinline__ void kg_permute_tiled(const E* __restrict__ src, E* __restrict__ dst,
+template <class S, class D, bool Small>
+__device__ __forceinline__ void kg_permute_tiled(const S* __restrict__ src, D* __restrict__ dst,
                                                  const KgPermuteArgs& p) {
-  __shared__ E tile[KG_TILE][KG_TILE + 1];
+  __shared__ D tile[KG_TILE][KG_TILE + 1];
+  const KgPermuteValue<S, D> value;
   const int rank = (int)p.rank, pa = (int)p.tiled_p, pb = rank - 1;
   kg_index a_size = 0, b_size = 0, b_src_stride = 0, a_dst_stride = 0;
 #pragma unroll
@@ -72,7 +87,7 @@ __device__ __forceinline__ void kg_permute_tiled(const E* __restrict__ src, E* _
 #pragma unroll
     for (int j = ty; j < KG_TILE; j += rows) {
       const kg_index a = a0 + tx, b = b0 + j;
-      if (a < a_size && b < b_size) tile[j][tx] = src[so + a + b * b_src_stride];
+      if (a < a_size && b < b_size) tile[j][tx] = value(src[so + a + b * b_src_stride]);
     }
     __syncthreads();
 #pragma unroll
@@ -84,20 +99,21 @@ __device__ __forceinline__ void kg_permute_tiled(const E* __restrict__ src, E* _
   }
 }
 
-template <class E>
-__device__ __forceinline__ void kg_permute(const E* __restrict__ src, E* __restrict__ dst,
+template <class S, class D = S>
+__device__ __forceinline__ void kg_permute(const S* __restrict__ src, D* __restrict__ dst,
                                            const KgPermuteArgs& p) {
   if (!dst) return;
   if (p.tiled_p >= 0 && p.total < (1LL << 31))
-    kg_permute_tiled<E, true>(src, dst, p);
+    kg_permute_tiled<S, D, true>(src, dst, p);
   else if (p.tiled_p >= 0)
-    kg_permute_tiled<E, false>(src, dst, p);
+    kg_permute_tiled<S, D, false>(src, dst, p);
   else if (p.total < (1LL << 31))
-    kg_permute_gather<E, true>(src, dst, p);
+    kg_permute_gather<S, D, true>(src, dst, p);
   else
-    kg_permute_gather<E, false>(src, dst, p);
+    kg_permute_gather<S, D, false>(src, dst, p);
 }
 
+#ifndef KG_FUSED_MODULE
 extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
     kg_permute_u8(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, KgPermuteArgs p) {
   kg_permute<unsigned char>(src, dst, p);
@@ -116,6 +132,7 @@ extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
                    KgPermuteArgs p) {
   kg_permute<unsigned long long>(src, dst, p);
 }
+#endif  // KG_FUSED_MODULE
 
 // ---- nn.concat ----
 // The output is [outer, row]; input k fills columns offset[k] .. offset[k] + chunk[k] of each
@@ -145,6 +162,8 @@ __device__ __forceinline__ void kg_concat(E* __restrict__ dst, const KgConcatArg
     kg_concat_copy<E, false>(src, out, n, chunk, p.chunk_div[k], p.row);
 }
 
+
+#ifndef KG_FUSED_MODULE
 extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
     kg_concat_u8(unsigned char* __restrict__ dst, KgConcatArgs p) {
   kg_concat<unsigned char>(dst, p);
@@ -161,6 +180,7 @@ extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
     kg_concat_u64(unsigned long long* __restrict__ dst, KgConcatArgs p) {
   kg_concat<unsigned long long>(dst, p);
 }
+#endif  // KG_FUSED_MODULE
 
 // ---- nn.slice ----
 // The output is [outer, len, inner]: out[o, j, r] = src[o * src_outer + src_begin + j * src_step
@@ -191,6 +211,8 @@ __device__ __forceinline__ void kg_slice_any(const E* __restrict__ src, E* __res
     kg_slice<E, false>(src, dst, total, inner, len, src_outer, src_begin, src_step);
 }
 
+
+#ifndef KG_FUSED_MODULE
 extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
     kg_slice_u8(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst, long long total,
                 KgDivider inner, KgDivider len, long long src_outer, long long src_begin,
@@ -215,6 +237,7 @@ extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
                  long long src_step) {
   kg_slice_any<unsigned long long>(src, dst, total, inner, len, src_outer, src_begin, src_step);
 }
+#endif  // KG_FUSED_MODULE
 
 // ---- backward: nn.concat ----
 // Input k's gradient is columns offset[k] .. offset[k] + chunk[k] of each row of dy ([outer,
@@ -246,6 +269,8 @@ __device__ __forceinline__ void kg_concat_backward(const E* __restrict__ dy, con
     kg_concat_backward_copy<E, false>(src, dst, n, chunk, p.chunk_div[k], p.row);
 }
 
+
+#ifndef KG_FUSED_MODULE
 extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
     kg_concat_backward_u8(const unsigned char* __restrict__ dy, KgConcatArgs p) {
   kg_concat_backward<unsigned char>(dy, p);
@@ -262,6 +287,7 @@ extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
     kg_concat_backward_u64(const unsigned long long* __restrict__ dy, KgConcatArgs p) {
   kg_concat_backward<unsigned long long>(dy, p);
 }
+#endif  // KG_FUSED_MODULE
 
 // ---- backward: nn.slice ----
 // dx is [outer, size, inner]; dx[o, s, r] = dy[o, (s - begin) / step, r] where s - begin is a
@@ -297,6 +323,7 @@ __device__ __forceinline__ void kg_slice_backward(const E* __restrict__ dy, E* _
     kg_slice_backward_gather<E, false>(dy, dx, total, inner, size, step, begin, len);
 }
 
+#ifndef KG_FUSED_MODULE
 extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
     kg_slice_backward_u8(const unsigned char* __restrict__ dy, unsigned char* __restrict__ dx,
                          long long total, KgDivider inner, KgDivider size, KgDivider step, long long begin,
@@ -320,3 +347,4 @@ extern "C" __global__ void __launch_bounds__(KG_COPY_THREADS)
                           long long len) {
   kg_slice_backward<unsigned long long>(dy, dx, total, inner, size, step, begin, len);
 }
+#endif  // KG_FUSED_MODULE

@@ -13,7 +13,10 @@
 //   channels-last and all of the output's shape stays elementwise, on permuted shapes;
 // - an nn.permute node converts each value where it crosses the region's edge, once per value
 //   and direction ("<node>.to_nhwc", "<node>.to_nchw"), and the model's outputs keep their
-//   layout.
+//   layout. Where the value entering the region is a cast (pw.cast between f32, f16 and bf16:
+//   the model input's conversion to bf16, say) that nothing outside the region reads, the cast
+//   is folded into the permute, which then reads the cast's input and converts as it copies: one
+//   pass over the value instead of two.
 //
 // Node names and parameter names do not change, so weights load as before.
 #include <map>
@@ -110,6 +113,22 @@ GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::ve
   }
   if (replaced.empty()) return {graph, outputs};
 
+  // Casts that only region nodes read, and that are not outputs: folded into their permute.
+  const std::vector<int> uses = use_counts(g, outputs);
+  std::vector<int> region_reads(g.nodes().size(), 0);
+  for (int id : live)
+    if (region[static_cast<std::size_t>(id)])
+      for (int in : g.node(id).inputs) ++region_reads[static_cast<std::size_t>(in)];
+  std::vector<char> folded(g.nodes().size(), 0);
+  for (int id : live) {
+    const Node& n = g.node(id);
+    const auto u = static_cast<std::size_t>(id);
+    if (n.kind != Node::Kind::Op || region[u] || n.op->op().name() != "pw.cast" || n.inputs.size() != 1) continue;
+    auto converts = [](DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; };
+    if (uses[u] > 0 && uses[u] == region_reads[u] && converts(n.dtype) && converts(g.node(n.inputs[0]).dtype))
+      folded[u] = 1;
+  }
+
   Rewriter rw(g);
   Graph& out = *rw.graph();
   std::map<int, int> nhwc_of, nchw_of;  // old id → new permute node
@@ -127,16 +146,22 @@ GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::ve
     p.name = unique_name(src.name + (to_last ? ".to_nhwc" : ".to_nchw"));
     p.dtype = src.dtype;
     p.shape = to_last ? to_nhwc(src.shape) : src.shape;
-    p.op = ops::permute_op(to_last ? std::vector<std::int64_t>{0, 2, 3, 1}
-                                   : std::vector<std::int64_t>{0, 3, 1, 2});
-    p.inputs = {rw.mapped(old_id)};
+    std::vector<std::int64_t> dims =
+        to_last ? std::vector<std::int64_t>{0, 2, 3, 1} : std::vector<std::int64_t>{0, 3, 1, 2};
+    if (folded[static_cast<std::size_t>(old_id)]) {  // the cast's input, converted as it is copied
+      p.op = ops::permute_op(std::move(dims), src.dtype);
+      p.inputs = {rw.mapped(src.inputs[0])};
+    } else {
+      p.op = ops::permute_op(std::move(dims));
+      p.inputs = {rw.mapped(old_id)};
+    }
     const int fresh = out.add_node(std::move(p));
     cache.emplace(old_id, fresh);
     return fresh;
   };
   for (int id : live) {
     const Node& n = g.node(id);
-    if (n.kind != Node::Kind::Op) continue;
+    if (n.kind != Node::Kind::Op || folded[static_cast<std::size_t>(id)]) continue;
     const bool here = region[static_cast<std::size_t>(id)] != 0;
     Node copy = n;
     copy.inputs.clear();

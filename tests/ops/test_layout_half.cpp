@@ -19,6 +19,7 @@
 
 #include "kg/runtime_op.hpp"
 #include "ops/index_ops.hpp"
+#include "ops/shape_ops.hpp"
 #include "ops/view.hpp"
 #include "support/gpu_util.hpp"
 #include "support/test_util.hpp"
@@ -354,6 +355,64 @@ TEST(LayoutHalf, PermuteIsBitExact) {
     for (std::int64_t c = 0; c < 4; ++c)
       for (std::int64_t b = 0; b < 3; ++b) want.push_back(xb[static_cast<std::size_t>((a * 3 + b) * 4 + c)]);
   EXPECT_TRUE(same_bits(y, DType::F16, {2, 4, 3}, want));
+}
+
+// nn.permute converting its elements as it copies (the channels-last pass folds a cast into it):
+// f32 to bf16 and f16, and back, and between the 16-bit types, on the gather and the tiled
+// paths; against a naive permute of the input followed by the tensor's own conversion. Every
+// output bit must match (each element is rounded once). Then its errors: a dtype it does not
+// convert, and the backward it does not have.
+TEST(LayoutHalf, ConvertingPermuteRoundsEachElementOnce) {
+  std::mt19937_64 rng(fresh_seed());
+  const std::pair<DType, DType> pairs[] = {{DType::F32, DType::BF16},
+                                           {DType::F32, DType::F16},
+                                           {DType::BF16, DType::F32},
+                                           {DType::F16, DType::BF16}};
+  struct Case {
+    Sizes shape, perm;
+  };
+  const Case cases[] = {{{2, 3, 4, 5}, {0, 2, 3, 1}}, {{2, 5, 3, 4}, {0, 3, 1, 2}}, {{3, 17, 2, 18}, {0, 3, 2, 1}}};
+  for (const auto& [from, to] : pairs)
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(kg::dtype_name(from)) + " to " + std::string(kg::dtype_name(to)) + " " +
+                   kg::sizes_to_string(c.shape) + " perm " + kg::sizes_to_string(c.perm));
+      // Values with more bits than bf16 keeps, and a few of f16's subnormals.
+      Tensor x = kg_test::random_tensor(rng, from, c.shape, -3, 3);
+      if (from == DType::F32)
+        for (std::int64_t i = 0; i < x.numel(); i += 7) x.data<float>()[i] *= 1e-6f;
+      const Tensor y = run_one(
+          [&](const SymTensor& t) {
+            return t.record_custom(kg::ops::permute_op(c.perm, to), {}, std::nullopt, "perm");
+          },
+          x);
+      Sizes os;
+      for (std::int64_t d : c.perm) os.push_back(c.shape[static_cast<std::size_t>(d)]);
+      Tensor permuted = Tensor::empty(from, os);
+      const Sizes st = strides(c.shape);
+      const std::size_t w = kg::dtype_size(from);
+      for (std::int64_t i = 0; i < kg::numel_of(os); ++i) {
+        const Sizes o = unflatten(i, os);
+        std::int64_t off = 0;
+        for (std::size_t d = 0; d < o.size(); ++d) off += o[d] * st[static_cast<std::size_t>(c.perm[d])];
+        std::memcpy(static_cast<char*>(permuted.raw()) + i * w, static_cast<const char*>(x.raw()) + off * w, w);
+      }
+      const Tensor want = permuted.to(to);
+      ASSERT_EQ(y.dtype(), to);
+      ASSERT_EQ(y.shape(), os);
+      EXPECT_EQ(std::memcmp(y.raw(), want.raw(), want.nbytes()), 0);
+    }
+  kg_test::expect_error([] { kg::ops::permute_op({0, 1}, DType::I32); }, {"nn.permute", "i32"});
+  auto g = kg::Graph::create();
+  const SymTensor i = g->input(DType::I64, kg::Shape::of({2, 3}), "i");
+  kg_test::expect_error([&] { i.record_custom(kg::ops::permute_op({1, 0}, DType::BF16), {}, std::nullopt, "p"); },
+                        {"nn.permute", "i64", "bf16"});
+  // No backward: the lowered op has no backward source, the CPU none either.
+  const kg::CustomData op = kg::ops::permute_op({1, 0}, DType::BF16);
+  EXPECT_FALSE(op->has_cpu_backward());
+  kg::LowerContext lc;
+  lc.input_dtypes = {DType::F32};
+  lc.output_dtype = DType::BF16;
+  EXPECT_TRUE(op->lower_backward_source(lc).empty());
 }
 
 // Concatenation along `dim` by naive loops: output index i takes input k's element at the same

@@ -143,8 +143,41 @@ TEST(ChannelsLastGpu, RewritesHalfConvolutionsAndTheirPoolingKeepingNamesAndPara
   EXPECT_EQ(ops.at("nn.conv2d_nhwc"), 6);  // every convolution, each with its BatchNorm folded in
   EXPECT_EQ(ops.at("nn.max_pool2d_nhwc"), 1);
   EXPECT_EQ(ops.at("nn.global_avg_pool_nhwc"), 1);
-  // One conversion in (after the input's cast to bf16) and one out (before the flatten).
+  // One conversion in and one out (before the flatten). The input's cast to bf16, which only the
+  // region reads, is folded into the first: it reads the f32 input and writes bf16.
   EXPECT_EQ(ops.at("nn.permute"), 2);
+  // Casts of the model's input, in a graph.
+  auto input_casts = [](const kg::Model& g) {
+    int c = 0;
+    for (int id : g.live_nodes()) {
+      const kg::Node& n = g.graph().node(id);
+      if (n.kind == kg::Node::Kind::Op && n.op->op().name() == "pw.cast" &&
+          g.graph().node(n.inputs.at(0)).kind == kg::Node::Kind::Input)
+        ++c;
+    }
+    return c;
+  };
+  EXPECT_EQ(input_casts(r), 0);
+  int converting = 0;
+  for (int id : r.live_nodes()) {
+    const kg::Node& n = r.graph().node(id);
+    if (n.kind != kg::Node::Kind::Op || n.op->op().name() != "nn.permute") continue;
+    const kg::Node& in = r.graph().node(n.inputs.at(0));
+    if (in.dtype == kg::DType::F32 && n.dtype == kg::DType::BF16) {
+      ++converting;
+      EXPECT_EQ(in.kind, kg::Node::Kind::Input) << n.name;
+      EXPECT_NE(n.op->op().attributes().find("to=bf16"), std::string::npos) << n.op->op().attributes();
+    }
+  }
+  EXPECT_EQ(converting, 1);
+  // A cast that something outside the region reads too stays a cast.
+  const kg::Model both = make_model(
+      [](const kg::SymTensor& x) {
+        const kg::SymTensor y = kg::nn::conv2d(x, 8, 3, {.padding = 1}, "conv");
+        return kg::add(kg::global_avg_pool(y, "gap"), kg::global_avg_pool(x, "gap_x"), "add");
+      },
+      8, 9, 9);
+  EXPECT_EQ(input_casts(rewritten(both, {.gpu = true}, kg::DType::BF16)), 1);
   EXPECT_EQ(param_names(r), param_names(m));
   for (int id : r.live_nodes()) {
     const kg::Node& n = r.graph().node(id);
