@@ -37,6 +37,26 @@ std::string format_ms(double ms) {
   return buf;
 }
 
+// Inputs for a profiled run: uniform in [-1, 1) for floating inputs (never zeros, on which the
+// GPU draws less power and may run faster than on real data), zeros for integer ones (indices).
+std::vector<kg::Tensor> profile_inputs(const ModelSource& source, const kg::LoadedModel& loaded) {
+  std::mt19937_64 rng(0x6b67'7261'7068ULL);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<kg::Tensor> v;
+  for (const auto& shape : loaded.input_shapes()) {
+    const kg::DType dt = source.inputs().at(v.size()).dtype;
+    if (!kg::is_floating(dt)) {
+      v.push_back(kg::Tensor::zeros(dt, shape));
+      continue;
+    }
+    kg::Tensor t = kg::Tensor::empty(kg::DType::F32, shape);
+    float* p = t.data<float>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = uniform(rng);
+    v.push_back(dt == kg::DType::F32 ? std::move(t) : t.to(dt));
+  }
+  return v;
+}
+
 kg::DType output_dtype(const kg::Model& model, std::size_t i) {
   return model.graph().node(model.outputs().at(i).second).dtype;
 }
@@ -243,11 +263,9 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
     out << "memory plan: " << loaded.memory_plan().to_string() << "\n";
     if (options.precision != kg::DType::F32) print_precision(out, loaded, options.precision);
     if (options.profile) {
-      // One run on zeros (the second one: the first also warms the caches), node by node.
-      std::vector<kg::Tensor> zeros;
-      for (const auto& shape : loaded.input_shapes())
-        zeros.push_back(kg::Tensor::zeros(source.inputs().at(zeros.size()).dtype, shape));
-      for (int r = 0; r < 2; ++r) loaded.forward(zeros);
+      // One run on random inputs (the second one: the first also warms the caches), node by node.
+      const std::vector<kg::Tensor> inputs = profile_inputs(source, loaded);
+      for (int r = 0; r < 2; ++r) loaded.forward(inputs);
       out << "tactics (one run, each node timed alone):\n";
       double total = 0;
       for (const auto& t : loaded.profile()) {
@@ -297,10 +315,8 @@ void tune(const TuneArgs& args, std::ostream& out) {
   auto [tuned, tuned_ms] = timed_load(options);
   out << "model " << args.model << " on " << device.to_string() << " for " << binding.to_string() << ", "
       << args.precision << (args.tf32 ? " (tf32)" : "") << ": tuned load " << format_ms(tuned_ms) << "\n";
-  std::vector<kg::Tensor> zeros;
-  for (const auto& shape : tuned.input_shapes())
-    zeros.push_back(kg::Tensor::zeros(source.inputs().at(zeros.size()).dtype, shape));
-  for (int r = 0; r < 2; ++r) tuned.forward(zeros);
+  const std::vector<kg::Tensor> inputs = profile_inputs(source, tuned);
+  for (int r = 0; r < 2; ++r) tuned.forward(inputs);
   out << "tactics (one run, each node timed alone):\n";
   double total = 0;
   for (const auto& t : tuned.profile()) {
