@@ -14,8 +14,10 @@
 
 #include "backend/cuda/executor.hpp"
 #include "backend/emu/executor.hpp"
+#include "compile/compiler.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
+#include "lower/dry_run.hpp"
 #include "lower/lowering.hpp"
 #include "ops/conv_dnnl.hpp"
 #include "passes/passes.hpp"
@@ -338,6 +340,9 @@ TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
         ASSERT_TRUE(l.has_value());
         EXPECT_NE(l->entry_point.find("nhwc_mma"), std::string::npos) << l->entry_point;
       }
+      // With NVRTC, every kernel compiled to PTX for sm_90 (the device code the emulator
+      // replaces: the mma and pair-rounding asm) and its launches checked against the PTX.
+      if (kg::compile::Compiler::available()) kg::lower::dry_run(r, {x.shape()}, 90);
       // Inputs, weights and output rounded to 8 (bf16) or 11 (f16) bits, sums in f32.
       const double tol = (t == kg::DType::BF16 ? 2e-2 : 4e-3) * scale;
       const kg::Tensor own = kg::emu::run_model(r, {x}, converted(params, t), true).at(0);
