@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -119,6 +120,14 @@ double max_abs(const kg::Tensor& t) {
   for (std::int64_t i = 0; i < d.numel(); ++i) m = std::max(m, std::abs(d.data<double>()[i]));
   return m;
 }
+// The same over the finite elements.
+double max_abs_finite(const kg::Tensor& t) {
+  const kg::Tensor d = t.to(kg::DType::F64);
+  double m = 0;
+  for (std::int64_t i = 0; i < d.numel(); ++i)
+    if (std::isfinite(d.data<double>()[i])) m = std::max(m, std::abs(d.data<double>()[i]));
+  return m;
+}
 
 // The recorded (NCHW) model's output on the CPU with its own kernels: the reference.
 kg::Tensor nchw_cpu_output(const kg::Model& m, const kg::Tensor& x, const std::map<std::string, kg::Tensor>& params) {
@@ -133,6 +142,17 @@ std::map<std::string, kg::Tensor> converted(const std::map<std::string, kg::Tens
   std::map<std::string, kg::Tensor> out;
   for (const auto& [k, v] : p) out[k] = v.to(t);
   return out;
+}
+
+// The rewritten model on the GPU with its own kernels only (no vendor library), every buffer
+// poisoned first: its output for `x`.
+kg::Tensor own_kernels_on_gpu(const kg::Model& r, const kg::Tensor& x, const std::map<std::string, kg::Tensor>& params) {
+  kg::LoadOptions o;
+  o.vendor_libraries = false;
+  o.poison_buffers = true;
+  kg::LoadedModel gpu = r.load(kg::Device::cuda(), {x.shape()}, o);
+  gpu.load_state_dict(params, false);
+  return gpu.forward({x}).at(0);
 }
 
 }  // namespace
@@ -350,15 +370,38 @@ TEST(ChannelsLastGpu, TensorCoreKernelMatchesTheCpu) {
       EXPECT_TRUE(kg_test::all_close(own, want, 0.0, tol));
       if (!kg::Device::cuda_available()) continue;
       // On the GPU, the rewritten model on its own kernels: the mma instruction itself.
-      kg::LoadOptions o;
-      o.vendor_libraries = false;
-      o.poison_buffers = true;
-      kg::LoadedModel gpu = r.load(kg::Device::cuda(), {x.shape()}, o);
-      gpu.load_state_dict(converted(params, t), false);
-      const kg::Tensor got = gpu.forward({x}).at(0);
+      const kg::Tensor got = own_kernels_on_gpu(r, x, converted(params, t));
       EXPECT_TRUE(kg_test::all_written(got));
       EXPECT_TRUE(kg_test::all_close(got, want, 0.0, tol));
     }
+  }
+}
+
+// The few-channel path's last k step reaches past kh·kw·CP (5 channels padded to 6: k = 54 of a
+// 64-wide reduction); those registers must be zero, not a read of the window's first tap times a
+// zero weight: with an infinite input there, inf · 0 would make a NaN where the convolution gives
+// ±inf. One input element is +inf, at a pixel that is some outputs' window origin; the outputs
+// must match the CPU's, infinities included, under the emulator and on a GPU.
+TEST(ChannelsLastGpu, TensorCorePaddingMakesNoNaNOfAnInfiniteInput) {
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const kg::Model m = make_model(
+      [](const kg::SymTensor& x) { return kg::nn::conv2d(x, 8, 3, {.padding = 1, .bias = false}, "conv"); }, 5, 6,
+      6);
+  const auto params = random_params(m, rng);
+  kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {1, 5, 6, 6});
+  x.data<float>()[2 * 6 + 2] = std::numeric_limits<float>::infinity();  // channel 0, pixel (2, 2)
+  const kg::Tensor want = nchw_cpu_output(m, x, params);
+  int infinite = 0;
+  for (std::int64_t i = 0; i < want.numel(); ++i) infinite += std::isinf(want.item(i)) ? 1 : 0;
+  ASSERT_EQ(infinite, 8 * 9);  // every channel of the 9 outputs whose window holds the pixel
+  const kg::Model r = rewritten(m, {.gpu = true}, kg::DType::BF16);
+  const auto p = converted(params, kg::DType::BF16);
+  const double tol = 2e-2 * std::max(1.0, max_abs_finite(want));
+  EXPECT_TRUE(kg_test::all_close(kg::emu::run_model(r, {x}, p, true).at(0), want, 0.0, tol));
+  if (kg::Device::cuda_available()) {
+    EXPECT_TRUE(kg_test::all_close(own_kernels_on_gpu(r, x, p), want, 0.0, tol));
   }
 }
 
@@ -383,12 +426,7 @@ TEST(ChannelsLastGpu, TensorCoreStemAtLargeBatchesMatchesTheCpu) {
     const kg::Tensor want = nchw_cpu_output(m, x, params);
     const double tol = 2e-2 * std::max(1e-3, max_abs(want));
     const kg::Model r = rewritten(m, {.gpu = true}, kg::DType::BF16);
-    kg::LoadOptions o;
-    o.vendor_libraries = false;
-    o.poison_buffers = true;
-    kg::LoadedModel gpu = r.load(kg::Device::cuda(), {x.shape()}, o);
-    gpu.load_state_dict(converted(params, kg::DType::BF16), false);
-    const kg::Tensor got = gpu.forward({x}).at(0);
+    const kg::Tensor got = own_kernels_on_gpu(r, x, converted(params, kg::DType::BF16));
     EXPECT_TRUE(kg_test::all_written(got));
     EXPECT_TRUE(kg_test::all_close(got, want, 0.0, tol));
   }
