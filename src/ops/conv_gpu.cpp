@@ -117,10 +117,7 @@ class ConvRuntime final : public RuntimeOp {
     std::vector<Launch> v;
     if (algo_ == ConvGpuAlgo::NhwcMma) {
       const auto in = nchw(t.inputs.at(0).shape);
-      KgConvShape s = geometry(shape[0], in, nchw(shape));
-      const std::optional<PatchPlan> plan = patch_plan(in, nchw(shape));
-      s.gemm_k = plan ? plan->k : mma_k(in);
-      s.gemm_c = plan ? plan->cp : in[1];
+      const KgConvShape s = mma_geometry(shape[0], in, nchw(shape));
       v.push_back(entry_launch(t, filter_entry_, cfg_.out_channels * s.gemm_k + cfg_.out_channels, 0,
                                t.params.at(0).ptr, cfg_.options.bias ? t.params.at(1).ptr : 0, cfg_.batch_norm, 0,
                                t.scratch, s));
@@ -444,6 +441,29 @@ class ConvRuntime final : public RuntimeOp {
     const std::int64_t tiles = images * p.tiles_h * p.tiles_w;
     return tiles >= 8192 ? 4 : tiles >= 2048 ? 2 : 1;
   }
+  // The geometry of the tensor-core kernel (and of its filter launch) over n images: its k order
+  // (gemm_k, gemm_c) and, on the few-channel path, the patch plan.
+  KgConvShape mma_geometry(std::int64_t n, const std::vector<std::int64_t>& in,
+                           const std::vector<std::int64_t>& out) const {
+    KgConvShape s = geometry(n, in, out);
+    s.gemm_k = mma_k(in);
+    s.gemm_c = in.at(1);
+    if (const std::optional<PatchPlan> p = patch_plan(in, out)) {
+      s.gemm_k = p->k;
+      s.gemm_c = p->cp;
+      s.tile_h = p->tile_h;
+      s.tile_w = p->tile_w;
+      s.tiles_h = p->tiles_h;
+      s.tiles_w = p->tiles_w;
+      s.patch_h = p->patch_h;
+      s.patch_w = p->patch_w;
+      s.patch_tiles = patch_tiles(*p, n);
+      s.patch_ldb = p->ldb;
+      s.patch_b = p->b_at;
+      s.patch_k = p->k_at;
+    }
+    return s;
+  }
   // Where the filter launch puts the shift after [O, k] weights (kg_conv_shift_offset in conv.cu).
   DevicePtr mma_shift_offset(std::int64_t k) const {
     return scratch_align(static_cast<std::size_t>(cfg_.out_channels * k) * dtype_size(cfg_.dtype));
@@ -475,30 +495,13 @@ class ConvRuntime final : public RuntimeOp {
     const std::size_t bn = cfg_.options.bias ? 2 : 1;
     if (algo_ == ConvGpuAlgo::NhwcMma) {
       // The weights and the shift as the filter launch laid them out in the scratch.
-      const std::optional<PatchPlan> plan = patch_plan(in, nchw(shape));
-      const std::int64_t k = plan ? plan->k : mma_k(in);
+      const KgConvShape s = mma_geometry(count, in, nchw(shape));
       v.pointer(t.inputs[0].ptr + at * in_image);
       v.pointer(t.scratch);
-      v.pointer(t.scratch ? t.scratch + mma_shift_offset(k) : 0);
+      v.pointer(t.scratch ? t.scratch + mma_shift_offset(s.gemm_k) : 0);
       for (std::size_t i = 0; i < 4; ++i) v.pointer(0);
       v.pointer(cfg_.residual ? t.inputs[1].ptr + at * out_image : 0);
       v.pointer(t.output.ptr + at * out_image);
-      KgConvShape s = geometry(count, in, nchw(shape));
-      s.gemm_k = k;
-      s.gemm_c = in[1];
-      if (plan) {
-        s.gemm_c = plan->cp;
-        s.tile_h = plan->tile_h;
-        s.tile_w = plan->tile_w;
-        s.tiles_h = plan->tiles_h;
-        s.tiles_w = plan->tiles_w;
-        s.patch_h = plan->patch_h;
-        s.patch_w = plan->patch_w;
-        s.patch_tiles = patch_tiles(*plan, count);
-        s.patch_ldb = plan->ldb;
-        s.patch_b = plan->b_at;
-        s.patch_k = plan->k_at;
-      }
       v.bytes(&s, sizeof s);
       v.f64(cfg_.bn_eps);
       v.f64(cfg_.activation ? cfg_.activation->param : 0.0);
