@@ -7,6 +7,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <variant>
 
 #include "kg/error.hpp"
@@ -139,6 +140,10 @@ class GpuExecutor final : public backend::Executor {
   void plan_vendor_calls();
   // Median device time in ms of `reps` runs of step i as it is set up now.
   double time_step(std::size_t i, int reps);
+  // Before a tactic is timed: step i's floating-point inputs (activations and model inputs, not
+  // parameters) filled with uniform values in [-1, 1), so that the timing does not run on whatever
+  // fresh device memory holds (often zeros, which tensor cores run faster than real data).
+  void fill_inputs_for_timing(std::size_t i);
   // Input copies (when given), the launches of a run and the events around them.
   void execute(bool training, std::uint64_t seed, std::vector<NodeTime>* profile,
                const std::vector<DeviceTensor>* device_inputs);
@@ -311,6 +316,7 @@ void GpuExecutor::plan_vendor_calls() {
       if (!kept && sl.library->own_first) st.vendor.reset();
       continue;
     }
+    fill_inputs_for_timing(i);
     const double vendor_ms = time_step(i, 5);
     auto plan = std::move(st.vendor);
     const double own_ms = time_step(i, 5);
@@ -319,6 +325,20 @@ void GpuExecutor::plan_vendor_calls() {
     std::snprintf(measured, sizeof measured, " (own %.3f ms, library %.3f ms)", own_ms, vendor_ms);
     st.measured = measured;
     vo.cache->store(scope, key, st.vendor ? "library" : "own");
+  }
+}
+
+void GpuExecutor::fill_inputs_for_timing(std::size_t i) {
+  std::mt19937_64 rng(0x74'6163'7469'63ULL + i);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (int id : graph_.node(lp_.steps[i].node).inputs) {
+    const plan::Value& v = plan_.values[static_cast<std::size_t>(id)];
+    if (!is_floating(v.dtype) || v.bytes() == 0) continue;
+    Tensor t = Tensor::empty(DType::F32, v.shape);
+    float* p = t.data<float>();
+    for (std::int64_t e = 0; e < t.numel(); ++e) p[e] = uniform(rng);
+    if (v.dtype != DType::F32) t = t.to(v.dtype);
+    ctx_.upload(value_ptr(id), t.raw(), t.nbytes());
   }
 }
 
