@@ -377,7 +377,7 @@ class PermuteOp final : public CustomOp {
 
 constexpr std::int64_t kTiledMin = 16;  // both tiled dims at least this long
 
-// nn.permute on the GPU: see shape_ops.cu for the gather and tiled paths. `dtype` picks the
+// nn.permute on the GPU: see shape_ops.cu for the gather, tiled and rows paths. `dtype` picks the
 // kernel's element width.
 class PermuteRuntime final : public RuntimeOp {
  public:
@@ -403,6 +403,7 @@ class PermuteRuntime final : public RuntimeOp {
 
   Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     const KgPermuteArgs a = plan(shape);
+    if (a.tiled_p == -2) return grid_1d(a.total / a.size[a.rank - 1].d, kCopyThreads);
     if (a.tiled_p < 0) return grid_1d((a.total + KG_UNROLL - 1) / KG_UNROLL, kCopyThreads);
     const std::int64_t tiles =
         a.tiles_a.d * a.tiles_b.d * (a.total / (a.size[a.tiled_p].d * a.size[a.rank - 1].d));
@@ -458,6 +459,10 @@ class PermuteRuntime final : public RuntimeOp {
       for (std::size_t i = 0; i + 1 < size.size(); ++i)
         if (src[i] == 1 && size[i] >= kTiledMin) a.tiled_p = static_cast<std::int64_t>(i);
     }
+    // A short last dim whose neighbour is the input's last dim: a row per thread.
+    const std::size_t n = size.size();
+    if (a.tiled_p < 0 && n >= 2 && src.back() != 1 && size.back() < KG_PERMUTE_ROW_MAX && src[n - 2] == 1)
+      a.tiled_p = -2;
     if (a.tiled_p >= 0) {
       a.tiles_a = kg_divider((size[static_cast<std::size_t>(a.tiled_p)] + KG_TILE - 1) / KG_TILE);
       a.tiles_b = kg_divider((size.back() + KG_TILE - 1) / KG_TILE);

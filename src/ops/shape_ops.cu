@@ -15,12 +15,16 @@
 #include "shape_ops_shared.cuh"
 
 // ---- nn.permute ----
-// The host merges dims that stay adjacent and drops size-1 dims, then picks one of two paths:
-//   gather (tiled_p < 0): each output element read from the source offset of its index;
+// The host merges dims that stay adjacent and drops size-1 dims, then picks one of three paths:
+//   gather (tiled_p = -1): each output element read from the source offset of its index;
 //     the reads are coalesced when the last output dim is the input's last dim;
 //   tiled (tiled_p = the output dim that is the input's last): 32×32 tiles through shared
 //     memory, read along the input's last dim and written along the output's last dim, for
-//     each entry of the other dims.
+//     each entry of the other dims;
+//   rows (tiled_p = -2): the output's last dim is short (fewer than KG_PERMUTE_ROW_MAX elements,
+//     e.g. the 3 channels of an image going NCHW → NHWC) and the one before it is the input's
+//     last: a thread copies one output row, its reads coalesced with its neighbours' along the
+//     input's last dim and its writes contiguous.
 // The copy is described by a KgPermuteArgs. Elements are copied as they are (S = D, by width) or
 // converted from S to D (f32, kg_f16, kg_bf16: a cast folded into the permute).
 
@@ -99,11 +103,44 @@ __device__ __forceinline__ void kg_permute_tiled(const S* __restrict__ src, D* _
   }
 }
 
+template <class S, class D, bool Small>
+__device__ __forceinline__ void kg_permute_rows(const S* __restrict__ src, D* __restrict__ dst,
+                                                const KgPermuteArgs& p) {
+  const KgPermuteValue<S, D> value;
+  const int rank = (int)p.rank;
+  const int row = (int)p.size[rank - 1].d;
+  const kg_index row_stride = p.src_stride[rank - 1];
+  const kg_index rows = p.total / row;
+  for (kg_index r = kg_thread_index(); r < rows; r += kg_grid_stride()) {
+    kg_index rem = r, off = 0;
+#pragma unroll
+    for (int d = KG_PERMUTE_MAX_DIMS - 2; d > 0; --d) {
+      if (d < rank - 1) {
+        const kg_index q = kg_div<Small>(p.size[d], rem);
+        off += (rem - q * p.size[d].d) * p.src_stride[d];
+        rem = q;
+      }
+    }
+    off += rem * p.src_stride[0];
+    D v[KG_PERMUTE_ROW_MAX];
+#pragma unroll
+    for (int b = 0; b < KG_PERMUTE_ROW_MAX; ++b)
+      if (b < row) v[b] = value(src[off + b * row_stride]);
+#pragma unroll
+    for (int b = 0; b < KG_PERMUTE_ROW_MAX; ++b)
+      if (b < row) dst[r * row + b] = v[b];
+  }
+}
+
 template <class S, class D = S>
 __device__ __forceinline__ void kg_permute(const S* __restrict__ src, D* __restrict__ dst,
                                            const KgPermuteArgs& p) {
   if (!dst) return;
-  if (p.tiled_p >= 0 && p.total < (1LL << 31))
+  if (p.tiled_p == -2 && p.total < (1LL << 31))
+    kg_permute_rows<S, D, true>(src, dst, p);
+  else if (p.tiled_p == -2)
+    kg_permute_rows<S, D, false>(src, dst, p);
+  else if (p.tiled_p >= 0 && p.total < (1LL << 31))
     kg_permute_tiled<S, D, true>(src, dst, p);
   else if (p.tiled_p >= 0)
     kg_permute_tiled<S, D, false>(src, dst, p);

@@ -11,11 +11,12 @@
 
 #define KG_PERMUTE_MAX_DIMS 8  // output dims after merging
 #define KG_TILE 32             // the tiled path's tiles are KG_TILE × KG_TILE elements
+#define KG_PERMUTE_ROW_MAX 16  // the rows path's rows are shorter than this
 
 struct KgPermuteArgs {
   long long total;                            // elements
   long long rank;                             // dims after merging, 1..KG_PERMUTE_MAX_DIMS
-  long long tiled_p;                          // the tiled path's dim (see shape_ops.cu); -1: gather
+  long long tiled_p;                          // the tiled path's dim (see shape_ops.cu); -1: gather, -2: rows
   KgDivider tiles_a, tiles_b;                 // tiled: tiles along dim tiled_p and the last dim
   KgDivider size[KG_PERMUTE_MAX_DIMS];        // output dims, outermost first
   long long src_stride[KG_PERMUTE_MAX_DIMS];  // input elements per step along each output dim

@@ -371,7 +371,9 @@ TEST(LayoutHalf, ConvertingPermuteRoundsEachElementOnce) {
   struct Case {
     Sizes shape, perm;
   };
-  const Case cases[] = {{{2, 3, 4, 5}, {0, 2, 3, 1}}, {{2, 5, 3, 4}, {0, 3, 1, 2}}, {{3, 17, 2, 18}, {0, 3, 2, 1}}};
+  // The rows path (NCHW → NHWC with few channels; a row of 15), the tiled path and the gather path.
+  const Case cases[] = {{{2, 3, 4, 5}, {0, 2, 3, 1}}, {{2, 5, 3, 4}, {0, 3, 1, 2}}, {{2, 15, 40}, {0, 2, 1}},
+                        {{3, 17, 2, 18}, {0, 3, 2, 1}}, {{4, 3, 5}, {2, 1, 0}}};
   for (const auto& [from, to] : pairs)
     for (const Case& c : cases) {
       SCOPED_TRACE(std::string(kg::dtype_name(from)) + " to " + std::string(kg::dtype_name(to)) + " " +

@@ -648,7 +648,7 @@ TEST(Permute, GpuLoweringCompilesAndMatchesTheCpu) {
   }
 }
 
-TEST(Permute, GpuPicksGatherOrTiles) {
+TEST(Permute, GpuPicksGatherTilesOrRows) {
   auto grid_of = [](kg::DType dt, std::vector<std::int64_t> shape, std::vector<std::int64_t> perm) {
     auto [x, g] = kg::SymTensor::input(dt, kg::Shape::of(shape), "x");
     auto dry = dry_run_of(g, {kg::permute(x, perm)}, {shape});
@@ -659,14 +659,17 @@ TEST(Permute, GpuPicksGatherOrTiles) {
   };
   if (!kg::compile::Compiler::available()) GTEST_SKIP() << "built without NVRTC";
   // Gather: one thread per four elements, 256 threads per block.
-  EXPECT_EQ(grid_of(kg::DType::F32, {7, 3, 5, 4}, {0, 2, 3, 1}), (7u * 60 + 1023) / 1024);
   EXPECT_EQ(grid_of(kg::DType::U8, {7, 40, 50}, {1, 0, 2}), (7u * 2000 + 1023) / 1024);
+  // [5, 3, 400]: the input's last dim (5 long) is the output's first.
+  EXPECT_EQ(grid_of(kg::DType::F32, {400, 3, 5}, {2, 1, 0}), (6000u + 1023) / 1024);
+  // Rows: a short last dim (3 channels going NCHW → NHWC) after the input's last: one thread per
+  // output row, 256 per block.
+  EXPECT_EQ(grid_of(kg::DType::F32, {7, 3, 50, 40}, {0, 2, 3, 1}), (7u * 2000 + 255) / 256);
+  EXPECT_EQ(grid_of(kg::DType::F32, {7, 3, 500}, {0, 2, 1}), (7u * 500 + 255) / 256);
   // Tiles of 32×32 for each batch entry.
   EXPECT_EQ(grid_of(kg::DType::F64, {7, 40, 50}, {0, 2, 1}), 7u * 2 * 2);
   EXPECT_EQ(grid_of(kg::DType::I16, {5, 32, 6, 8}, {0, 2, 3, 1}), 5u * 2 * 1);  // [5, 48, 32]
   EXPECT_EQ(grid_of(kg::DType::F32, {1, 20, 17, 33}, {0, 3, 1, 2}), 2u * 11);   // [33, 340]
-  // A long dim against a short one gathers.
-  EXPECT_EQ(grid_of(kg::DType::F32, {7, 3, 500}, {0, 2, 1}), (7u * 1500 + 1023) / 1024);
 }
 
 TEST(Permute, GpuRejectsTooManyDims) {
