@@ -163,6 +163,18 @@ struct Conv2dCall {
   std::int64_t pad_h = 0, pad_w = 0, stride_h = 1, stride_w = 1, dilation_h = 1, dilation_w = 1;
   std::int64_t groups = 1;
   bool channels_last = false;
+  // Forward only, optional: what follows the convolution in the op, for a library that can fuse
+  // it into the convolution's kernel: y = act(conv(x, w) + shift + residual), computed in f32 and
+  // rounded once, `shift` out_channels values of `dtype`, `residual` a tensor laid out as y (0 for
+  // none), act ReLU where `relu`. It must compute what the LibraryCall's epilogue launches compute
+  // over the library's output (a library that takes it runs the call without them; one that does
+  // not runs the plain convolution, then them).
+  struct Fusable {
+    DevicePtr shift = 0;
+    DevicePtr residual = 0;
+    bool relu = false;
+  };
+  std::optional<Fusable> fusable;
 };
 
 // A forward described for a vendor library (cuBLASLt for a GEMM, cuDNN for a convolution), so the

@@ -142,7 +142,8 @@ class ConvRuntime final : public RuntimeOp {
   // BatchNorm) after them; with an input channel count cuDNN's tensor cores do not take (not a
   // multiple of 8, one group), the weights' and, by a second launch, the input's channels are
   // padded with zeros to a multiple of 8. The epilogue then adds the shift and the residual and
-  // applies the activation.
+  // applies the activation; the call also describes it (Conv2dCall::fusable) where the activation
+  // is a ReLU or none, so that cuDNN can run it inside the convolution's kernel.
   std::optional<LibraryCall> library_call(const LaunchTensors& t) const override {
     if (!is_floating(cfg_.dtype)) return std::nullopt;
     const auto in = nchw(t.inputs.at(0).shape);
@@ -203,8 +204,11 @@ class ConvRuntime final : public RuntimeOp {
     }
     std::vector<std::int64_t> padded = in;
     padded[1] = ls.channels;
-    LibraryCall call{conv_call(ls.input ? t.scratch + ls.input : t.inputs[0].ptr, t.scratch, t.output.ptr, padded, out),
-                     {}};
+    Conv2dCall conv = conv_call(ls.input ? t.scratch + ls.input : t.inputs[0].ptr, t.scratch, t.output.ptr, padded, out);
+    // What the epilogue launch computes, for a library that fuses it (a ReLU, or no activation).
+    if (epilogue && !cfg_.activation_form && (!cfg_.activation || cfg_.activation->fn == UnaryFn::Relu))
+      conv.fusable = Conv2dCall::Fusable{t.scratch + ls.shift, residual, cfg_.activation.has_value()};
+    LibraryCall call{conv, {}};
     call.own_first = algo_ == ConvGpuAlgo::NhwcMma && patch_plan(in, out).has_value();  // as in the GEMM form
     call.prologue.push_back(launch(filter_entry_, ls.filter_elems + out[1], 0, t.params.at(0).ptr, bias,
                                    cfg_.batch_norm, 0, t.scratch));

@@ -258,15 +258,17 @@ TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
     kg::Size2 k;
     kg::nn::Conv2dOptions opt;
     bool bn, relu;
+    bool cudnn;  // a cuDNN form, whose call describes its epilogue as fusable
   };
   const std::vector<Conf> confs = {
-      {"gemm form, shift and relu in the gemm", 3, 16, 7, {.stride = 2, .padding = 3, .bias = false}, true, true},
-      {"gemm form, shift in the gemm", 3, 8, 3, {.padding = 1}, true, false},
-      {"gemm form, 1x1 stride 2: subsampled rows", 16, 24, 1, {.stride = 2, .bias = false}, true, false},
-      {"gemm form, 1x1: the input as the rows", 16, 8, 1, {}, true, true},
-      {"channels padded for cudnn", 5, 6, 3, {.padding = 1}, false, true},
-      {"cudnn", 16, 24, 3, {.stride = 2, .padding = 1, .bias = false}, true, true},
-      {"groups", 8, 16, 3, {.padding = 1, .groups = 2}, false, true},
+      {"gemm form, shift and relu in the gemm", 3, 16, 7, {.stride = 2, .padding = 3, .bias = false}, true, true, false},
+      {"gemm form, shift in the gemm", 3, 8, 3, {.padding = 1}, true, false, false},
+      {"gemm form, 1x1 stride 2: subsampled rows", 16, 24, 1, {.stride = 2, .bias = false}, true, false, false},
+      {"gemm form, 1x1: the input as the rows", 16, 8, 1, {}, true, true, false},
+      {"channels padded for cudnn", 5, 6, 3, {.padding = 1}, false, true, true},
+      {"cudnn", 16, 24, 3, {.stride = 2, .padding = 1, .bias = false}, true, true, true},
+      {"cudnn, shift alone", 16, 24, 3, {.padding = 1}, false, false, true},
+      {"groups", 8, 16, 3, {.padding = 1, .groups = 2}, false, true, true},
   };
   for (const Conf& f : confs) {
     SCOPED_TRACE(f.what);
@@ -293,6 +295,13 @@ TEST(ChannelsLastGpu, EveryLibraryFormOfOneConvolutionMatchesTheCpu) {
       EXPECT_EQ(library_steps, 1);
       EXPECT_TRUE(kg_test::all_written(lib));
       EXPECT_TRUE(kg_test::all_close(lib, want, 0.0, tol));
+      // The call's fusable epilogue computed by the reference in place of the epilogue launch, as
+      // cuDNN's fused graph does: described by the cuDNN forms, not by the GEMM forms.
+      int fused = 0;
+      const kg::Tensor lib_fused = kg::emu::run_model(r, {x}, p, true, true, &library_steps, &fused).at(0);
+      EXPECT_EQ(fused, f.cudnn ? 1 : 0);
+      EXPECT_TRUE(kg_test::all_written(lib_fused));
+      EXPECT_TRUE(kg_test::all_close(lib_fused, want, 0.0, tol));
       const kg::Tensor own = kg::emu::run_model(r, {x}, p, true).at(0);
       EXPECT_TRUE(kg_test::all_close(own, want, 0.0, tol));
     }
@@ -452,6 +461,15 @@ TEST(ChannelsLastGpu, Bf16ResNet18LibraryPathMatchesTheF32Cpu) {
   EXPECT_TRUE(kg_test::all_written(got));
   // bf16 keeps 8 bits: a few percent of the output's scale after 18 layers of random weights.
   EXPECT_TRUE(kg_test::all_close(got, want, 0.0, 0.08 * max_abs(want)));
+  // With the sixteen 3×3 convolutions' epilogues (shift, the residual in every second one, ReLU)
+  // fused into their calls, as cuDNN's graphs run them; the stem and the 1×1 downsampling
+  // convolutions are GEMM forms.
+  int fused = 0;
+  const kg::Tensor got_fused =
+      kg::emu::run_model(r, {x}, converted(params, kg::DType::BF16), false, true, &library_steps, &fused).at(0);
+  EXPECT_EQ(fused, 16);
+  EXPECT_TRUE(kg_test::all_written(got_fused));
+  EXPECT_TRUE(kg_test::all_close(got_fused, want, 0.0, 0.08 * max_abs(want)));
 }
 
 // The channels-last max pool's kernel, in 16-byte packs of channels (8 channels of f32: two
@@ -563,11 +581,17 @@ TEST(ChannelsLastGpu, CudnnChannelsLastMatchesTheCpuInBf16F16AndTf32) {
       // It ran channels-last: the 1×1 downsampling convolutions as GEMMs on cuBLASLt, the stem
       // (3 input channels) on our tensor-core kernel in f16 and bf16 and as a GEMM on cuBLASLt in
       // TF32, the rest on cuDNN.
-      int nhwc = 0, on_cudnn = 0, on_cublas = 0, on_own = 0;
+      // In f16 and bf16 every cuDNN convolution runs as a fused graph (its shift, residual and
+      // ReLU in the library's kernel); the description says why where one does not.
+      int nhwc = 0, on_cudnn = 0, on_cublas = 0, on_own = 0, fused = 0;
       for (const auto& t : profiled(m, x, params, o)) {
         if (t.op != "nn.conv2d_nhwc") continue;
         ++nhwc;
+        const bool on_graph = t.kernel.find("cudnn graph") != std::string::npos;
         if (t.kernel.find("cudnn") != std::string::npos && t.kernel.find("nhwc") != std::string::npos) ++on_cudnn;
+        if (on_graph && t.kernel.find("fused") != std::string::npos) ++fused;
+        if (mode.precision != kg::DType::F32 && t.kernel.find("cudnn") != std::string::npos && !on_graph)
+          ADD_FAILURE() << t.node << ": " << t.kernel;
         if (t.kernel.find("cublasLt") != std::string::npos) ++on_cublas;
         if (t.kernel == "nn.conv2d_nhwc") ++on_own;
       }
@@ -576,6 +600,7 @@ TEST(ChannelsLastGpu, CudnnChannelsLastMatchesTheCpuInBf16F16AndTf32) {
       EXPECT_EQ(on_own, stem_own);
       EXPECT_EQ(on_cublas, (resnet ? 4 : 2) - stem_own);
       EXPECT_EQ(on_cudnn + on_cublas + on_own, nhwc);
+      EXPECT_EQ(fused, mode.precision == kg::DType::F32 ? 0 : on_cudnn);
       // Turned off, the same model runs NCHW and agrees.
       kg::LoadOptions off = o;
       off.channels_last = false;

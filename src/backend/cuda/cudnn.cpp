@@ -1,6 +1,7 @@
 #ifdef KG_HAVE_CUDA
-// cuDNN 9 for a Conv2dCall through the legacy convolution API: the library opened with dlopen, one
-// handle per CUDA context, created at first use.
+// cuDNN 9 for a Conv2dCall: the library opened with dlopen, one handle per CUDA context, created
+// at first use. A forward with a fusable epilogue is first offered to the graph API
+// (cudnn_graph.cpp); everything else runs through the legacy convolution API.
 #include <cudnn.h>
 #include <dlfcn.h>
 
@@ -11,60 +12,22 @@
 #include <mutex>
 #include <vector>
 
+#include "backend/cuda/cudnn_api.hpp"
 #include "backend/cuda/driver.hpp"
 #include "backend/cuda/vendor.hpp"
 #include "kg/error.hpp"
 #include "util/str.hpp"
 
 namespace kg::cuda {
+
+void dnn_check(const DnnApi& f, cudnnStatus_t s, const std::string& label, const char* fn) {
+  if (s == CUDNN_STATUS_SUCCESS) return;
+  const char* name = f.cudnnGetErrorString(s);
+  throw Error(util::cat(label, " cuDNN ", fn, ": ", name ? name : "unknown status", " (status ",
+                        static_cast<int>(s), ")"));
+}
+
 namespace {
-
-#define KG_CUDNN_FUNCTIONS(X)                           \
-  X(cudnnGetVersion)                                    \
-  X(cudnnGetErrorString)                                \
-  X(cudnnCreate)                                        \
-  X(cudnnSetStream)                                     \
-  X(cudnnCreateTensorDescriptor)                        \
-  X(cudnnSetTensor4dDescriptor)                         \
-  X(cudnnDestroyTensorDescriptor)                       \
-  X(cudnnCreateFilterDescriptor)                        \
-  X(cudnnSetFilter4dDescriptor)                         \
-  X(cudnnDestroyFilterDescriptor)                       \
-  X(cudnnCreateConvolutionDescriptor)                   \
-  X(cudnnSetConvolution2dDescriptor)                    \
-  X(cudnnSetConvolutionGroupCount)                      \
-  X(cudnnSetConvolutionMathType)                        \
-  X(cudnnDestroyConvolutionDescriptor)                  \
-  X(cudnnGetConvolution2dForwardOutputDim)              \
-  X(cudnnGetConvolutionForwardAlgorithmMaxCount)        \
-  X(cudnnGetConvolutionForwardAlgorithm_v7)             \
-  X(cudnnFindConvolutionForwardAlgorithmEx)             \
-  X(cudnnGetConvolutionForwardWorkspaceSize)            \
-  X(cudnnConvolutionForward)                            \
-  X(cudnnAddTensor)                                     \
-  X(cudnnGetConvolutionBackwardDataAlgorithmMaxCount)   \
-  X(cudnnGetConvolutionBackwardDataAlgorithm_v7)        \
-  X(cudnnFindConvolutionBackwardDataAlgorithmEx)        \
-  X(cudnnGetConvolutionBackwardDataWorkspaceSize)       \
-  X(cudnnConvolutionBackwardData)                       \
-  X(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount) \
-  X(cudnnGetConvolutionBackwardFilterAlgorithm_v7)      \
-  X(cudnnFindConvolutionBackwardFilterAlgorithmEx)      \
-  X(cudnnGetConvolutionBackwardFilterWorkspaceSize)     \
-  X(cudnnConvolutionBackwardFilter)
-
-// Function pointers of cuDNN, typed by the toolkit's cudnn.h.
-struct DnnApi {
-#define KG_DECLARE(name) decltype(&::name) name = nullptr;
-  KG_CUDNN_FUNCTIONS(KG_DECLARE)
-#undef KG_DECLARE
-};
-
-// A cuDNN handle of one context; `mu` keeps cudnnSetStream and the calls after it together.
-struct DnnHandle {
-  cudnnHandle_t h = nullptr;
-  std::mutex mu;
-};
 
 class DnnPlan;
 
@@ -79,13 +42,7 @@ class DnnImpl final : public Dnn {
                                             const VendorOptions& o, CUstream stream,
                                             const std::string& label) const;
 
-  // Throws "<label> cuDNN <fn>: <status> (status <n>)" unless s is success.
-  void check(cudnnStatus_t s, const std::string& label, const char* fn) const {
-    if (s == CUDNN_STATUS_SUCCESS) return;
-    const char* name = f_.cudnnGetErrorString(s);
-    throw Error(util::cat(label, " cuDNN ", fn, ": ", name ? name : "unknown status", " (status ",
-                          static_cast<int>(s), ")"));
-  }
+  void check(cudnnStatus_t s, const std::string& label, const char* fn) const { dnn_check(f_, s, label, fn); }
   // The handle of the current context, created at first use. Handles live for the process:
   // destroying them at exit may run after the driver is gone.
   DnnHandle& handle(const std::string& label) const {
@@ -291,6 +248,10 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
   auto i32 = [](std::int64_t v) { return static_cast<int>(v); };
 
   DnnHandle& hd = handle(label);
+  // Why a fusable epilogue was not fused, for the description.
+  std::string unfused;
+  if (c.pass == Conv2dCall::Pass::Forward && c.fusable)
+    if (auto fused = plan_fused_forward(d_, f_, hd, c, o, stream, label, unfused)) return fused;
   const cudnnHandle_t h = hd.h;
   auto p = std::make_unique<DnnPlan>(*this, hd);
   p->x_ = c.x;
@@ -407,7 +368,7 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
   p->workspace_ = ws;
   p->description_ = util::cat("cudnn ", dtype_name(c.dtype), c.dtype == DType::F32 && o.tf32 ? "/tf32" : "",
                               c.channels_last ? " nhwc" : "", " ", algo_name(algo), cached ? " (tuned, cached)" : tuned ? " (tuned)" : "", ", ", ws,
-                              " B workspace");
+                              " B workspace", unfused.empty() ? "" : "; epilogue not fused: " + unfused);
   return p;
 }
 

@@ -305,7 +305,8 @@ void GpuExecutor::plan_vendor_calls() {
     const std::string key =
         util::cat(sl.module.name, " ", compile::content_hash(sl.module.ptx).substr(0, 16), " ",
                   std::visit([&](const auto& call) { return tuning_key(call, vo.tf32); }, sl.library->call),
-                  " epilogue", sl.epilogue.size(), sl.prologue.empty() ? "" : util::cat(" prologue", sl.prologue.size()));
+                  " epilogue", sl.epilogue.size(), st.vendor->fused_epilogue() ? " fused" : "",
+                  sl.prologue.empty() ? "" : util::cat(" prologue", sl.prologue.size()));
     const std::optional<std::string> kept = vo.cache->find(scope, key);
     if (kept == "own") {
       st.vendor.reset();
@@ -384,6 +385,7 @@ void GpuExecutor::launch_step(std::size_t i) {
                   util::cat(sl.label, " kernel '", sl.module.name, "' entry '", sl.prologue[l].entry, "'"));
     }
     st.vendor->run(ctx_.stream(), workspace_.ptr(), sl.label);
+    if (st.vendor->fused_epilogue()) return;
     for (std::size_t l = 0; l < sl.epilogue.size(); ++l) {
       const Launch& L = sl.epilogue[l].launch;
       ctx_.launch(st.epilogue_fns[l], L.grid, L.block, L.shared_bytes,

@@ -288,7 +288,8 @@ void Trainer::enqueue(bool accumulate_params, const std::vector<std::vector<lowe
         const Backward::Library& lib = bw.library[accumulate_params ? 1 : 0];
         for (std::size_t c = 0; c < lib.plans.size(); ++c) {
           lib.plans[c]->run(ctx_.stream(), workspace_.ptr(), bw.label);
-          for (const auto& L : lib.epilogues[c]) launch_checked(bw, L);
+          if (!lib.plans[c]->fused_epilogue())
+            for (const auto& L : lib.epilogues[c]) launch_checked(bw, L);
         }
         for (const auto& L : lib.launches) launch_checked(bw, L);
       } else {

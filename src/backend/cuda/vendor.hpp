@@ -47,6 +47,9 @@ class VendorPlan {
   // Enqueues the call on `stream` (capturable into a CUDA graph); `workspace` holds at least
   // workspace_bytes(). Throws kg::Error naming `label` and the library status on failure.
   virtual void run(CUstream stream, DevicePtr workspace, const std::string& label) const = 0;
+  // The call computes its convolution's fusable epilogue (Conv2dCall::fusable) too, so the
+  // LibraryCall's epilogue launches must not run after it.
+  virtual bool fused_epilogue() const { return false; }
 };
 
 // The context of the device must be current for every call below.

@@ -390,7 +390,7 @@ void launch(const std::string& name, const std::string& source, const std::strin
 
 std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inputs,
                               const std::map<std::string, Tensor>& params, bool checked, bool library_calls,
-                              int* library_steps) {
+                              int* library_steps, int* fused_steps) {
   if (library_steps) *library_steps = 0;
   const Graph& graph = model.graph();
   const auto& graph_inputs = graph.inputs();
@@ -492,8 +492,12 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
       for (const auto& L : sl.prologue)
         run_kernel(mod->find(L.entry, sl.label), L.launch.grid, L.launch.block, L.launch.shared_bytes,
                    L.launch.args, o, sl.label);
-      run_library_reference(*sl.library, sl.label);
+      const bool fused = run_library_reference(*sl.library, sl.label, fused_steps != nullptr);
       if (library_steps) ++*library_steps;
+      if (fused) {
+        ++*fused_steps;
+        continue;
+      }
       for (const auto& L : sl.epilogue)
         run_kernel(mod->find(L.entry, sl.label), L.launch.grid, L.launch.block, L.launch.shared_bytes,
                    L.launch.args, o, sl.label);

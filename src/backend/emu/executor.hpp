@@ -51,9 +51,13 @@ void launch(const std::string& name, const std::string& source, const std::strin
 // their initialisation with seed 0). With `library_calls`, an op that describes a vendor-library
 // call runs that path instead of its launches, as on a GPU with the libraries: the call by its
 // definition (run_library_reference), then the op's epilogue launches emulated; `library_steps`,
-// when given, gets the number of ops that did. Returns the model's outputs.
+// when given, gets the number of ops that did. With `fused_steps` given, a convolution's call
+// that describes a fusable epilogue (Conv2dCall::fusable) computes it, as cuDNN's fused graphs
+// do, and its epilogue launches do not run; `fused_steps` gets the number of such ops. Returns
+// the model's outputs.
 std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inputs,
                               const std::map<std::string, Tensor>& params, bool checked,
-                              bool library_calls = false, int* library_steps = nullptr);
+                              bool library_calls = false, int* library_steps = nullptr,
+                              int* fused_steps = nullptr);
 
 }  // namespace kg::emu

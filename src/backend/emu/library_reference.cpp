@@ -69,9 +69,10 @@ void for_each_term(const Conv2dCall& c, F&& f) {
     }
 }
 
-// The forward, or one of its backward passes (Conv2dCall::Pass), with f64 sums.
+// The forward, or one of its backward passes (Conv2dCall::Pass), with f64 sums; with `fuse`, a
+// forward's fusable epilogue too (shift, residual, ReLU) before the one rounding.
 template <class T>
-void conv(const Conv2dCall& c) {
+void conv(const Conv2dCall& c, bool fuse) {
   T *x = at<T>(c.x), *w = at<T>(c.w), *y = at<T>(c.y);
   const T* bias = at<T>(c.bias);
   const std::int64_t cg = c.in_channels / c.groups;
@@ -114,26 +115,35 @@ void conv(const Conv2dCall& c) {
   });
   T* out = c.pass == Pass::Forward ? y : c.pass == Pass::BackwardData ? x : w;
   const std::int64_t hwo = c.out_height * c.out_width;
+  const bool fused = fuse && c.pass == Pass::Forward && c.fusable;
+  const T* shift = fused ? at<T>(c.fusable->shift) : nullptr;
+  const T* residual = fused ? at<T>(c.fusable->residual) : nullptr;
   for (std::int64_t i = 0; i < outputs; ++i) {
     double v = sum[static_cast<std::size_t>(i)];
-    if (c.pass == Pass::Forward && bias)
-      v += static_cast<double>(bias[last ? i % c.out_channels : (i / hwo) % c.out_channels]);
+    const std::int64_t o = last ? i % c.out_channels : (i / hwo) % c.out_channels;
+    if (c.pass == Pass::Forward && bias) v += static_cast<double>(bias[o]);
+    if (shift) v += static_cast<double>(shift[o]);
+    if (residual) v += static_cast<double>(residual[i]);
+    if (fused && c.fusable->relu) v = std::max(v, 0.0);
     out[i] = static_cast<T>(v);
   }
 }
 
 }  // namespace
 
-void run_library_reference(const LibraryCall& call, const std::string& label) {
+bool run_library_reference(const LibraryCall& call, const std::string& label, bool fuse) {
+  bool fused = false;
   std::visit(
       [&](const auto& c) {
         using Call = std::decay_t<decltype(c)>;
         auto run = [&](auto zero) {
           using T = decltype(zero);
-          if constexpr (std::is_same_v<Call, GemmCall>)
+          if constexpr (std::is_same_v<Call, GemmCall>) {
             gemm<T>(c);
-          else
-            conv<T>(c);
+          } else {
+            conv<T>(c, fuse);
+            fused = fuse && c.pass == Conv2dCall::Pass::Forward && c.fusable.has_value();
+          }
         };
         if (c.dtype == DType::F32)
           run(float{});
@@ -148,6 +158,7 @@ void run_library_reference(const LibraryCall& call, const std::string& label) {
                                 dtype_name(c.dtype)));
       },
       call.call);
+  return fused;
 }
 
 }  // namespace kg::emu

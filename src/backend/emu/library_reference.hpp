@@ -11,7 +11,9 @@
 namespace kg::emu {
 
 // Writes the call's output (for a convolution's backward passes, the gradient the pass writes).
-// f32 and f64 calls; another dtype is a kg::Error naming `label`.
-void run_library_reference(const LibraryCall& call, const std::string& label);
+// f32, f64, f16 and bf16 calls; another dtype is a kg::Error naming `label`. With `fuse`, a
+// convolution's fusable epilogue (Conv2dCall::fusable) is computed too, as a library that fuses
+// it would: returns whether it was, in which case the call's epilogue launches must not run.
+bool run_library_reference(const LibraryCall& call, const std::string& label, bool fuse = false);
 
 }  // namespace kg::emu
