@@ -24,9 +24,6 @@ __device__ __forceinline__ void kg_pool_nhwc_each(const KgPoolNhwcShape& s, cons
   }
 }
 
-// Windows of up to this many taps have all their loads in flight at once.
-#define KG_POOL_NHWC_TAPS 9
-
 // V consecutive channels, loaded and stored as one access of V elements.
 template <class T, int V>
 struct alignas(sizeof(T) * V) KgPoolPack {
@@ -54,40 +51,20 @@ __device__ __forceinline__ void kg_max_pool2d_nhwc_run(const T* __restrict__ x, 
       m[j] = kg_pool_nhwc_lowest(C(0));
       pick.e[j] = kg_from_compute<T>(m[j]);
     }
-    // The taps in window order (row by row); a tap outside the input is skipped.
-    auto take = [&](const P& v) {
+    for (long long ky = 0; ky < s.kh; ++ky) {
+      const long long iy = iy0 + ky * s.dh;
+      if (iy < 0 || iy >= s.h) continue;
+      for (long long kx = 0; kx < s.kw; ++kx) {
+        const long long ix = ix0 + kx * s.dw;
+        if (ix < 0 || ix >= s.w) continue;
+        const P v = *reinterpret_cast<const P*>(img + (iy * s.w + ix) * s.c);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const C c = kg_ld(v.e, j);
-        if (c > m[j] || c != c) {
-          m[j] = c;
-          pick.e[j] = v.e[j];
-        }
-      }
-    };
-    if (s.kh * s.kw <= KG_POOL_NHWC_TAPS) {
-      // Small windows (ResNet's 3×3): every tap's load issued before the first comparison.
-      const int kw = (int)s.kw, taps = (int)(s.kh * s.kw);
-      P v[KG_POOL_NHWC_TAPS];
-      bool in[KG_POOL_NHWC_TAPS];
-#pragma unroll
-      for (int t = 0; t < KG_POOL_NHWC_TAPS; ++t) {
-        const int ky = t / kw, kx = t - ky * kw;
-        const long long iy = iy0 + ky * s.dh, ix = ix0 + kx * s.dw;
-        in[t] = t < taps && iy >= 0 && iy < s.h && ix >= 0 && ix < s.w;
-        if (in[t]) v[t] = *reinterpret_cast<const P*>(img + (iy * s.w + ix) * s.c);
-      }
-#pragma unroll
-      for (int t = 0; t < KG_POOL_NHWC_TAPS; ++t)
-        if (in[t]) take(v[t]);
-    } else {
-      for (long long ky = 0; ky < s.kh; ++ky) {
-        const long long iy = iy0 + ky * s.dh;
-        if (iy < 0 || iy >= s.h) continue;
-        for (long long kx = 0; kx < s.kw; ++kx) {
-          const long long ix = ix0 + kx * s.dw;
-          if (ix < 0 || ix >= s.w) continue;
-          take(*reinterpret_cast<const P*>(img + (iy * s.w + ix) * s.c));
+        for (int j = 0; j < V; ++j) {
+          const C c = kg_ld(v.e, j);
+          if (c > m[j] || c != c) {
+            m[j] = c;
+            pick.e[j] = v.e[j];
+          }
         }
       }
     }

@@ -23,8 +23,8 @@
 //     each entry of the other dims;
 //   rows (tiled_p = -2): the output's last dim is short (fewer than KG_PERMUTE_ROW_MAX elements,
 //     e.g. the 3 channels of an image going NCHW → NHWC) and the one before it is the input's
-//     last: a thread reads one output row, coalesced with its neighbours' reads along the input's
-//     last dim, into shared memory, and the block writes its rows out contiguously.
+//     last: a thread copies one output row, its reads coalesced with its neighbours' along the
+//     input's last dim and its writes contiguous.
 // The copy is described by a KgPermuteArgs. Elements are copied as they are (S = D, by width) or
 // converted from S to D (f32, kg_f16, kg_bf16: a cast folded into the permute).
 
@@ -106,42 +106,29 @@ __device__ __forceinline__ void kg_permute_tiled(const S* __restrict__ src, D* _
 template <class S, class D, bool Small>
 __device__ __forceinline__ void kg_permute_rows(const S* __restrict__ src, D* __restrict__ dst,
                                                 const KgPermuteArgs& p) {
-  // A block's rows are contiguous in the output: staged here, then written by consecutive threads
-  // to consecutive addresses (a row per thread would leave each store instruction strided).
-  __shared__ D buf[KG_COPY_THREADS * (KG_PERMUTE_ROW_MAX - 1)];
   const KgPermuteValue<S, D> value;
   const int rank = (int)p.rank;
   const int row = (int)p.size[rank - 1].d;
   const kg_index row_stride = p.src_stride[rank - 1];
   const kg_index rows = p.total / row;
-  for (kg_index r0 = (kg_index)blockIdx.x * KG_COPY_THREADS; r0 < rows;
-       r0 += (kg_index)gridDim.x * KG_COPY_THREADS) {
-    const kg_index r = r0 + threadIdx.x;
-    if (r < rows) {
-      kg_index rem = r, off = 0;
+  for (kg_index r = kg_thread_index(); r < rows; r += kg_grid_stride()) {
+    kg_index rem = r, off = 0;
 #pragma unroll
-      for (int d = KG_PERMUTE_MAX_DIMS - 2; d > 0; --d) {
-        if (d < rank - 1) {
-          const kg_index q = kg_div<Small>(p.size[d], rem);
-          off += (rem - q * p.size[d].d) * p.src_stride[d];
-          rem = q;
-        }
+    for (int d = KG_PERMUTE_MAX_DIMS - 2; d > 0; --d) {
+      if (d < rank - 1) {
+        const kg_index q = kg_div<Small>(p.size[d], rem);
+        off += (rem - q * p.size[d].d) * p.src_stride[d];
+        rem = q;
       }
-      off += rem * p.src_stride[0];
-      D v[KG_PERMUTE_ROW_MAX - 1];
-#pragma unroll
-      for (int b = 0; b < KG_PERMUTE_ROW_MAX - 1; ++b)
-        if (b < row) v[b] = value(src[off + b * row_stride]);
-#pragma unroll
-      for (int b = 0; b < KG_PERMUTE_ROW_MAX - 1; ++b)
-        if (b < row) buf[threadIdx.x * row + b] = v[b];
     }
-    __syncthreads();
-    const kg_index left = rows - r0;
-    const int n = (int)(left < KG_COPY_THREADS ? left : KG_COPY_THREADS) * row;
-    D* out = dst + r0 * row;
-    for (int e = threadIdx.x; e < n; e += KG_COPY_THREADS) out[e] = buf[e];
-    __syncthreads();
+    off += rem * p.src_stride[0];
+    D v[KG_PERMUTE_ROW_MAX];
+#pragma unroll
+    for (int b = 0; b < KG_PERMUTE_ROW_MAX; ++b)
+      if (b < row) v[b] = value(src[off + b * row_stride]);
+#pragma unroll
+    for (int b = 0; b < KG_PERMUTE_ROW_MAX; ++b)
+      if (b < row) dst[r * row + b] = v[b];
   }
 }
 

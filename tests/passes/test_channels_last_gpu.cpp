@@ -473,20 +473,17 @@ TEST(ChannelsLastGpu, Bf16ResNet18LibraryPathMatchesTheF32Cpu) {
 }
 
 // The channels-last max pool's kernel, in 16-byte packs of channels (8 channels of f32: two
-// packs) and one channel at a time (6), with NaN inputs: a NaN in a window wins, as in NCHW. Windows
-// of up to 9 taps (3×3, 2×4) load every tap first; a larger one (4×3) loops.
+// packs) and one channel at a time (6), with NaN inputs: a NaN in a window wins, as in NCHW.
 TEST(ChannelsLastGpu, EmulatedMaxPoolMatchesNchwWithNaNs) {
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  const kg::Size2 windows[] = {{3, 3}, {2, 4}, {4, 3}};
-  for (std::int64_t channels : {8, 6})
-  for (const kg::Size2& k : windows) {
-    SCOPED_TRACE(std::to_string(channels) + " channels, window " + std::to_string(k.h) + "x" + std::to_string(k.w));
+  for (std::int64_t channels : {8, 6}) {
+    SCOPED_TRACE(channels);
     const kg::Model m = make_model(
         [&](const kg::SymTensor& x) {
           kg::SymTensor y = kg::nn::conv2d(x, channels, 1, {}, "conv");
-          return kg::max_pool2d(y, k, 2, 1, 1, false, "pool");
+          return kg::max_pool2d(y, 3, 2, 1, 1, false, "pool");
         },
         2, 9, 10);
     const kg::Model r = rewritten(m, {.gpu = true, .tf32 = true});
