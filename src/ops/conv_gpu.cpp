@@ -804,8 +804,11 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
                   "\n}  // namespace kg_act\ntemplate <class T>\nstruct KgConvActivation {\n  T param;\n",
                   "  __device__ __forceinline__ T operator()(T v) const { return (T)kg_act::",
                   cfg.activation_form->function, "(v); }\n};\n");
+  // The tensor-core kernel asks for two resident blocks per SM (at most 128 registers a thread):
+  // left to itself, the driver's JIT gave it more and so one block of 8 warps per SM.
   source += util::cat(
-      "\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", entry, "(", entry_params(t),
+      "\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS",
+      algo == ConvGpuAlgo::NhwcMma ? ", 2" : "", ")\n    ", entry, "(", entry_params(t),
       ") {\n  ", body,
       ">(x, w, y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),\n",
       "      ", functor, ");\n}\n");
