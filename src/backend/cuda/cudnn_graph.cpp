@@ -443,6 +443,8 @@ std::unique_ptr<VendorPlan> plan_fused_forward(const Driver& d, const DnnApi& f,
     if (o.cache && o.tune && how != " (tuned, cached)")
       o.cache->store(scope, key, util::cat("graph ", built[pick].position));
     const Candidate& chosen = built[pick];
+    // The plan's engine configuration lives as long as the plan, as the graph's descriptors do.
+    keep.push_back(std::move(cfgs[chosen.position]));
     std::string description = util::cat(
         "cudnn graph ", dtype_name(c.dtype), last ? " nhwc" : "", " engine ", chosen.engine, " (heuristic's #",
         chosen.position + 1, " of ", cfgs.size(), ")", how, ", conv+shift", has_residual ? "+residual" : "",
