@@ -474,37 +474,42 @@ TEST(ChannelsLastGpu, Bf16ResNet18LibraryPathMatchesTheF32Cpu) {
 
 // The channels-last max pool's kernel, in 16-byte packs of channels (8 channels of f32: two
 // packs) and one channel at a time (6), with NaN inputs: a NaN in a window wins, as in NCHW.
+// Square and non-square windows.
 TEST(ChannelsLastGpu, EmulatedMaxPoolMatchesNchwWithNaNs) {
   const std::uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
+  const kg::Size2 windows[] = {{3, 3}, {2, 4}, {4, 3}};
   for (std::int64_t channels : {8, 6}) {
-    SCOPED_TRACE(channels);
-    const kg::Model m = make_model(
-        [&](const kg::SymTensor& x) {
-          kg::SymTensor y = kg::nn::conv2d(x, channels, 1, {}, "conv");
-          return kg::max_pool2d(y, 3, 2, 1, 1, false, "pool");
-        },
-        2, 9, 10);
-    const kg::Model r = rewritten(m, {.gpu = true, .tf32 = true});
-    ASSERT_EQ(op_counts(r).at("nn.max_pool2d_nhwc"), 1);
-    const auto params = random_params(m, rng);
-    kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 2, 9, 10});
-    for (std::int64_t i : {3, 47, 200, 301}) x.data<float>()[i] = NAN;
-    const kg::Tensor want = nchw_cpu_output(m, x, params);
-    const kg::Tensor got = kg::emu::run_model(r, {x}, params, /*checked=*/true).at(0);
-    ASSERT_EQ(got.shape(), want.shape());
-    int nans = 0;
-    for (std::int64_t i = 0; i < want.numel(); ++i) {
-      const float w = want.data<float>()[i], g = got.data<float>()[i];
-      if (std::isnan(w)) {
-        ++nans;
-        EXPECT_TRUE(std::isnan(g)) << "element " << i;
-      } else {
-        EXPECT_NEAR(g, w, 1e-5 * (1 + std::abs(w))) << "element " << i;
+    for (const kg::Size2& k : windows) {
+      SCOPED_TRACE(std::to_string(channels) + " channels, window " + std::to_string(k.h) + "x" +
+                   std::to_string(k.w));
+      const kg::Model m = make_model(
+          [&](const kg::SymTensor& x) {
+            kg::SymTensor y = kg::nn::conv2d(x, channels, 1, {}, "conv");
+            return kg::max_pool2d(y, k, 2, 1, 1, false, "pool");
+          },
+          2, 9, 10);
+      const kg::Model r = rewritten(m, {.gpu = true, .tf32 = true});
+      ASSERT_EQ(op_counts(r).at("nn.max_pool2d_nhwc"), 1);
+      const auto params = random_params(m, rng);
+      kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {2, 2, 9, 10});
+      for (std::int64_t i : {3, 47, 200, 301}) x.data<float>()[i] = NAN;
+      const kg::Tensor want = nchw_cpu_output(m, x, params);
+      const kg::Tensor got = kg::emu::run_model(r, {x}, params, /*checked=*/true).at(0);
+      ASSERT_EQ(got.shape(), want.shape());
+      int nans = 0;
+      for (std::int64_t i = 0; i < want.numel(); ++i) {
+        const float w = want.data<float>()[i], g = got.data<float>()[i];
+        if (std::isnan(w)) {
+          ++nans;
+          EXPECT_TRUE(std::isnan(g)) << "element " << i;
+        } else {
+          EXPECT_NEAR(g, w, 1e-5 * (1 + std::abs(w))) << "element " << i;
+        }
       }
+      EXPECT_GT(nans, 0);
     }
-    EXPECT_GT(nans, 0);
   }
 }
 
