@@ -10,11 +10,13 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "backend/cuda/context.hpp"
+#include "backend/cuda/cudnn_api.hpp"
 #include "backend/cuda/driver.hpp"
 #include "backend/cuda/vendor.hpp"
 #include "support/test_util.hpp"
@@ -31,6 +33,24 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Without a GPU.
+
+// What cuDNN's plans read back from the tuning cache (a file anyone can edit): a legacy algorithm
+// ("3") or a position in the graph API's heuristic list ("graph 3"), 1 to 3 digits; anything
+// else, however hostile, is no kept choice (the plan then chooses afresh).
+TEST(Vendor, KeptCudnnChoicesAreShortNumbersAndNothingElse) {
+  using kg::cuda::parse_kept_number;
+  EXPECT_EQ(parse_kept_number(std::string("7")), 7);
+  EXPECT_EQ(parse_kept_number(std::string("042")), 42);
+  EXPECT_EQ(parse_kept_number(std::string("graph 0"), "graph "), 0);
+  EXPECT_EQ(parse_kept_number(std::string("graph 999"), "graph "), 999);
+  const std::vector<std::string> bad = {"",        "-1",     "1234",      "3a",     " 3",  "3 ",
+                                        "\xff",   "graph 3", std::string("1\0", 2), "9999999999"};
+  for (const std::string& t : bad) EXPECT_EQ(parse_kept_number(t), std::nullopt) << t;
+  const std::vector<std::string> bad_graph = {"graph ", "graph", "graph 1234", "graph -1", "Graph 3", "graph  3",
+                                              "3", "graph 3x", std::string("graph \0", 7)};
+  for (const std::string& t : bad_graph) EXPECT_EQ(parse_kept_number(t, "graph "), std::nullopt) << t;
+  EXPECT_EQ(parse_kept_number(std::nullopt), std::nullopt);
+}
 
 TEST(Vendor, WithoutADriverTheLibrariesAreUnavailableAndSayWhy) {
   if (Driver::get()) GTEST_SKIP() << "a GPU is present";

@@ -27,6 +27,19 @@ void dnn_check(const DnnApi& f, cudnnStatus_t s, const std::string& label, const
                         static_cast<int>(s), ")"));
 }
 
+std::optional<int> parse_kept_number(const std::optional<std::string>& text, std::string_view prefix) {
+  if (!text || text->size() <= prefix.size() || text->size() > prefix.size() + 3 ||
+      text->compare(0, prefix.size(), prefix) != 0)
+    return std::nullopt;
+  int v = 0;
+  for (std::size_t i = prefix.size(); i < text->size(); ++i) {
+    const char ch = (*text)[i];
+    if (ch < '0' || ch > '9') return std::nullopt;
+    v = v * 10 + (ch - '0');
+  }
+  return v;
+}
+
 namespace {
 
 class DnnPlan;
@@ -180,17 +193,6 @@ struct TuneWorkspace {
   }
 };
 
-// A cuDNN algorithm number from the tuning cache; nullopt for anything else.
-std::optional<int> parse_algo(const std::optional<std::string>& text) {
-  if (!text || text->empty() || text->size() > 3) return std::nullopt;
-  int v = 0;
-  for (char ch : *text) {
-    if (ch < '0' || ch > '9') return std::nullopt;
-    v = v * 10 + (ch - '0');
-  }
-  return v;
-}
-
 }  // namespace
 
 std::string tuning_key(const Conv2dCall& c, bool tf32) {
@@ -325,7 +327,7 @@ std::unique_ptr<VendorPlan> DnnImpl::plan(const Conv2dCall& c, const VendorOptio
   const std::string scope = util::cat(o.device_scope, " cudnn ", f_.cudnnGetVersion());
   const std::string key = tuning_key(c, o.tf32);
   if (o.cache)
-    if (auto a = parse_algo(o.cache->find(scope, key))) {
+    if (auto a = parse_kept_number(o.cache->find(scope, key))) {
       std::size_t need = 0;
       const auto cand = static_cast<cudnnConvolutionFwdAlgo_t>(*a);
       if (f_.cudnnGetConvolutionForwardWorkspaceSize(h, p->x_desc_, p->w_desc_, p->conv_desc_, p->y_desc_, cand,
@@ -405,7 +407,7 @@ std::unique_ptr<VendorPlan> DnnImpl::plan_backward(std::unique_ptr<DnnPlan> p, c
   const std::string scope = util::cat(o.device_scope, " cudnn ", f_.cudnnGetVersion());
   const std::string key = tuning_key(c, o.tf32);
   // A stored choice (-1: none).
-  const int stored = o.cache ? parse_algo(o.cache->find(scope, key)).value_or(-1) : -1;
+  const int stored = o.cache ? parse_kept_number(o.cache->find(scope, key)).value_or(-1) : -1;
   if (data) {
     int max_count = 0;
     check(f_.cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count), label,

@@ -7,7 +7,9 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "backend/cuda/driver.hpp"
 #include "backend/cuda/vendor.hpp"
@@ -66,6 +68,10 @@ struct DnnHandle {
   cudnnHandle_t h = nullptr;
   std::mutex mu;
 };
+
+// A choice kept in the tuning cache: `prefix` then a number of 1 to 3 digits (a legacy algorithm,
+// "3"; a position in the graph API's heuristic list, "graph 3"); nullopt for anything else.
+std::optional<int> parse_kept_number(const std::optional<std::string>& text, std::string_view prefix = {});
 
 // Throws "<label> cuDNN <fn>: <status> (status <n>)" unless s is success.
 void dnn_check(const DnnApi& f, cudnnStatus_t s, const std::string& label, const char* fn);

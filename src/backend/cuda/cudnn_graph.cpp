@@ -232,20 +232,6 @@ double time_plan(const Driver& d, const DnnApi& f, DnnHandle& h, CUstream stream
   return ms[ms.size() / 2];
 }
 
-// A position in the heuristic's list kept by the tuning cache ("graph 3"); nullopt otherwise.
-std::optional<std::size_t> parse_position(const std::optional<std::string>& text) {
-  const std::string prefix = "graph ";
-  if (!text || text->rfind(prefix, 0) != 0 || text->size() == prefix.size() || text->size() > prefix.size() + 3)
-    return std::nullopt;
-  std::size_t v = 0;
-  for (std::size_t i = prefix.size(); i < text->size(); ++i) {
-    const char ch = (*text)[i];
-    if (ch < '0' || ch > '9') return std::nullopt;
-    v = v * 10 + static_cast<std::size_t>(ch - '0');
-  }
-  return v;
-}
-
 // How many of the heuristic's configurations a tuned plan times.
 constexpr std::size_t kTunedCandidates = 4;
 
@@ -378,9 +364,9 @@ std::unique_ptr<VendorPlan> plan_fused_forward(const Driver& d, const DnnApi& f,
     const std::string scope = util::cat(o.device_scope, " cudnn ", f.cudnnGetVersion());
     const std::string key = util::cat(tuning_key(c, o.tf32), " fused shift", has_residual ? " residual" : "",
                                       e.relu ? " relu" : "");
-    const std::optional<std::size_t> kept_at = o.cache ? parse_position(o.cache->find(scope, key)) : std::nullopt;
+    const std::optional<int> kept_at = o.cache ? parse_kept_number(o.cache->find(scope, key), "graph ") : std::nullopt;
     const bool kept = kept_at.has_value();
-    const std::size_t kept_position = kept_at.value_or(0);
+    const std::size_t kept_position = static_cast<std::size_t>(kept_at.value_or(0));
     const std::size_t wanted = kept ? kept_position + 1 : o.tune ? kTunedCandidates : 1;
     std::vector<Candidate> built;
     std::string last_refusal;
