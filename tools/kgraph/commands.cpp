@@ -37,22 +37,23 @@ std::string format_ms(double ms) {
   return buf;
 }
 
+// A floating tensor of `dtype` drawn uniformly from [-1, 1).
+kg::Tensor uniform_tensor(std::mt19937_64& rng, kg::DType dtype, const std::vector<std::int64_t>& shape) {
+  kg::Tensor x = kg::Tensor::empty(kg::DType::F64, shape);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  double* d = x.data<double>();
+  for (std::int64_t k = 0; k < x.numel(); ++k) d[k] = u(rng);
+  return x.to(dtype);
+}
+
 // Inputs for a profiled run: uniform in [-1, 1) for floating inputs (never zeros, on which the
 // GPU draws less power and may run faster than on real data), zeros for integer ones (indices).
 std::vector<kg::Tensor> profile_inputs(const ModelSource& source, const kg::LoadedModel& loaded) {
   std::mt19937_64 rng(0x6b67'7261'7068ULL);
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<kg::Tensor> v;
   for (const auto& shape : loaded.input_shapes()) {
     const kg::DType dt = source.inputs().at(v.size()).dtype;
-    if (!kg::is_floating(dt)) {
-      v.push_back(kg::Tensor::zeros(dt, shape));
-      continue;
-    }
-    kg::Tensor t = kg::Tensor::empty(kg::DType::F32, shape);
-    float* p = t.data<float>();
-    for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = uniform(rng);
-    v.push_back(dt == kg::DType::F32 ? std::move(t) : t.to(dt));
+    v.push_back(kg::is_floating(dt) ? uniform_tensor(rng, dt, shape) : kg::Tensor::zeros(dt, shape));
   }
   return v;
 }
@@ -123,11 +124,7 @@ std::vector<kg::Tensor> make_inputs(const RunArgs& args, const ModelSource& sour
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const kg::DType dtype = inputs[i].dtype;
     if (kg::is_floating(dtype)) {
-      kg::Tensor x = kg::Tensor::empty(kg::DType::F64, shapes[i]);
-      std::uniform_real_distribution<double> u(-1.0, 1.0);
-      double* d = x.data<double>();
-      for (std::int64_t k = 0; k < x.numel(); ++k) d[k] = u(rng);
-      out.push_back(x.to(dtype));
+      out.push_back(uniform_tensor(rng, dtype, shapes[i]));
       descriptions->push_back(kg::util::cat("random U(-1, 1), seed ", args.seed));
     } else {
       kg::Tensor x = kg::Tensor::empty(kg::DType::I64, shapes[i]);
