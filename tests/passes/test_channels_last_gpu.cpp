@@ -613,3 +613,36 @@ TEST(ChannelsLastGpu, CudnnChannelsLastMatchesTheCpuInBf16F16AndTf32) {
     }
   }
 }
+
+// KG_CUDNN_FUSION=0: the same bf16 model on cuDNN's legacy calls, each followed by the op's
+// epilogue kernel, which says why it is not fused, and the output as with the fused graphs.
+TEST(ChannelsLastGpu, CudnnFusionTurnedOffRunsTheEpilogueKernels) {
+  if (!cudnn_here()) GTEST_SKIP() << "needs a GPU with cuDNN";
+  const std::uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const kg::Model m = make_model(small_resnet, 3, 19, 17);
+  const auto params = random_params(m, rng);
+  const kg::Tensor x = kg_test::random_tensor(rng, kg::DType::F32, {3, 3, 19, 17});
+  const kg::Tensor want = nchw_cpu_output(m, x, params);
+  kg::LoadOptions o;
+  o.precision = kg::DType::BF16;
+  o.poison_buffers = true;
+  ::setenv("KG_CUDNN_FUSION", "0", 1);
+  const std::vector<kg::NodeTime> unfused = profiled(m, x, params, o);
+  kg::LoadedModel gpu = m.load(kg::Device::cuda(), {x.shape()}, o);
+  ::unsetenv("KG_CUDNN_FUSION");
+  gpu.load_state_dict(params, false);
+  const kg::Tensor got = gpu.forward({x}).at(0);
+  EXPECT_TRUE(kg_test::all_written(got));
+  EXPECT_TRUE(kg_test::all_close(got, want, 0.0, 0.08 * std::max(1.0, max_abs(want))));
+  int legacy = 0;
+  for (const auto& t : unfused) {
+    if (t.op != "nn.conv2d_nhwc" || t.kernel.find("cudnn") == std::string::npos) continue;
+    ++legacy;
+    EXPECT_EQ(t.kernel.find("cudnn graph"), std::string::npos) << t.node << ": " << t.kernel;
+    EXPECT_NE(t.kernel.find("epilogue not fused: turned off by KG_CUDNN_FUSION=0"), std::string::npos)
+        << t.node << ": " << t.kernel;
+  }
+  EXPECT_GT(legacy, 0);
+}
