@@ -24,6 +24,9 @@
 #include "compile/cuda_source.hpp"
 #include "compile/ptx.hpp"
 #include "compile/tuning_cache.hpp"
+#ifdef KG_HAVE_CUDA
+#include "backend/cuda/cudnn_api.hpp"  // parse_kept_number
+#endif
 #include "kg/data.hpp"
 #include "kg/dtype.hpp"
 #include "kg/error.hpp"
@@ -142,6 +145,11 @@ inline int fuzz_tuning_cache(const std::uint8_t* data, std::size_t size) {
       if (const auto v = cache.find(scope, key)) {
         volatile std::size_t sink = v->size();
         (void)sink;
+#ifdef KG_HAVE_CUDA
+        // What cuDNN's plans make of a kept value: a number of 1 to 3 digits or nothing.
+        for (std::string_view prefix : {std::string_view(), std::string_view("graph ")})
+          if (const auto n = cuda::parse_kept_number(v, prefix); n && (*n < 0 || *n > 999)) __builtin_trap();
+#endif
       }
     }
     at = end + 1;
