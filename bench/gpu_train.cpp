@@ -5,6 +5,7 @@
 //             [--input-dir DIR] [--output-dir DIR] [--optimizer sgd|adamw] [--lr X]
 //             [--momentum X] [--weight-decay X] [--check-steps N] [--warmup 20] [--runs 200]
 //             [--check-only] [--device-time] [--seed S] [--device N] [--cpu] [--profile]
+//             [--tune]
 //
 // The model is the zoo's (kg::models::record) followed by kg::cross_entropy against integer
 // labels, lowered for training, loaded on cuda:N. One step is
@@ -29,7 +30,9 @@
 // "host_issue_ms=<m>" added: the median host time to issue a step, before waiting for it.
 // Inputs come from DIR/input_b<n>.safetensors (tensors "input" f32 and "labels" i64 or i32) when
 // --input-dir is given, else uniform in [-1, 1) with random labels; weights from --weights, else
-// the default initialisation (seed S). --cpu runs the same steps on the CPU instead: it checks
+// the default initialisation (seed S). --tune loads with LoadOptions::tune: every cuDNN and
+// cuBLASLt algorithm of the forward and backward calls is timed at load (or read from the tuning
+// cache), as PyTorch's cudnn.benchmark does. --cpu runs the same steps on the CPU instead: it checks
 // the plumbing (files, parameter agreement) where there is no GPU; its times mean nothing here.
 #include <algorithm>
 #include <chrono>
@@ -59,7 +62,7 @@ struct Args {
   std::string optimizer = "sgd";
   double lr = -1, momentum = 0.9, weight_decay = -1;  // -1: the optimiser's default
   int check_steps = 10, warmup = 20, runs = 200, device = 0;
-  bool check_only = false, cpu = false, profile = false, device_time = false;
+  bool check_only = false, cpu = false, profile = false, device_time = false, tune = false;
   std::uint64_t seed = 0;
 };
 
@@ -69,7 +72,7 @@ struct Args {
       << "usage: gpu_train [--model NAME] [--batches 256,64] [--weights PATH] [--input-dir DIR]\n"
       << "                 [--output-dir DIR] [--optimizer sgd|adamw] [--lr X] [--momentum X]\n"
       << "                 [--weight-decay X] [--check-steps N] [--warmup W] [--runs R] [--check-only]\n"
-      << "                 [--device-time] [--seed S] [--device N] [--cpu] [--profile]\n"
+      << "                 [--device-time] [--seed S] [--device N] [--cpu] [--profile] [--tune]\n"
       << "defaults: sgd lr 0.01 momentum 0.9 weight decay 0; adamw lr 0.001 weight decay 0.01\n";
   std::exit(2);
 }
@@ -86,10 +89,12 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--check-only" || flag == "--cpu" || flag == "--profile" || flag == "--device-time") {
+    if (flag == "--check-only" || flag == "--cpu" || flag == "--profile" || flag == "--device-time" ||
+        flag == "--tune") {
       (flag == "--cpu"           ? a.cpu
        : flag == "--profile"     ? a.profile
        : flag == "--device-time" ? a.device_time
+       : flag == "--tune"        ? a.tune
                                  : a.check_only) = true;
       continue;
     }
@@ -271,6 +276,7 @@ int main(int argc, char** argv) {
       const Batch b = make_batch(a, shape);
       kg::LoadOptions lopt;
       lopt.seed = a.seed;
+      lopt.tune = a.tune;
       const auto t_load = std::chrono::steady_clock::now();
       kg::LoadedModel m = model.load(device, {shape, {batch}}, lopt);
       if (!a.weights.empty()) m.load_weights(a.weights);
