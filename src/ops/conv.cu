@@ -310,6 +310,37 @@ __device__ __forceinline__ void kg_conv2d_im2col_nhwc(const T* __restrict__ x, T
     kg_conv2d_im2col_nhwc_run<T, long long>(x, out, s);
 }
 
+// The NCHW GEMM form's columns (one group): for each image n, cols[n] is [K, OH·OW] with
+// K = C·kh·kw in the weights' own order, k = (c·kh + ky)·kw + kx, so that y[n] [O, OH·OW] =
+// w [O, K] · cols[n]; zero where the window leaves the input. One thread per element, consecutive
+// threads along the output pixels. Index math in I (int where every index fits, else long long).
+template <class T, class I>
+__device__ __forceinline__ void kg_conv2d_im2col_nchw_run(const T* __restrict__ x, T* __restrict__ out,
+                                                          const KgConvShape& s) {
+  const I ho = (I)s.ho, wo = (I)s.wo, h = (I)s.h, w = (I)s.w, kh = (I)s.kh, kw = (I)s.kw;
+  const I hwo = ho * wo, k_all = (I)s.c * kh * kw;
+  const I total = (I)s.n * k_all * hwo;
+  const T zero = kg_from_compute<T>(kg_compute_t<T>(0));
+  for (I i = (I)(blockIdx.x * blockDim.x + threadIdx.x); i < total; i += (I)(gridDim.x * blockDim.x)) {
+    const I q = i / hwo, p = i - q * hwo;  // q = n·K + k
+    const I n = q / k_all, k = q - n * k_all;
+    const I r = k / kw, kx = k - r * kw, c = r / kh, ky = r - c * kh;
+    const I oy = p / wo, ox = p - oy * wo;
+    const I iy = oy * (I)s.sh - (I)s.ph + ky * (I)s.dh, ix = ox * (I)s.sw - (I)s.pw + kx * (I)s.dw;
+    out[i] = iy >= 0 && iy < h && ix >= 0 && ix < w ? x[((n * (I)s.c + c) * h + iy) * w + ix] : zero;
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void kg_conv2d_im2col_nchw(const T* __restrict__ x, T* __restrict__ out,
+                                                      const KgConvShape& s) {
+  const long long limit = 2147483647LL - 65535LL * 32 * KG_CONV_THREADS;  // room for the stride
+  if (s.n * s.c * s.kh * s.kw * s.ho * s.wo <= limit && s.n * s.c * s.h * s.w <= limit)
+    kg_conv2d_im2col_nchw_run<T, int>(x, out, s);
+  else
+    kg_conv2d_im2col_nchw_run<T, long long>(x, out, s);
+}
+
 // ---- channels-last on tensor cores (f16, bf16; one group) ----
 // An implicit GEMM: y[p, o] = act(sum_k rows[p, k] · w'[o, k] + shift[o] + residual[p, o]) over
 // the output pixels p = (n, oy, ox) of [N, OH, OW] and k = (ky·kw + kx)·CP + c < K = s.gemm_k
@@ -1074,6 +1105,16 @@ extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
                            double* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
   kg_conv2d_epilogue<double>(y, s, kg_conv_epilogue(bias, bn_weight, bn_bias, bn_mean, bn_var, residual, bn_eps),
                            KgConvIdentity<double>());
+}
+
+// The NCHW GEMM form's columns of an f32 convolution without an activation (ops/conv_gpu.cpp).
+extern "C" __global__ void __launch_bounds__(KG_CONV_THREADS)
+    kg_conv2d_im2col_nchw_f32(const float* __restrict__ x, const float* __restrict__ w,
+                              const float* __restrict__ bias, const float* __restrict__ bn_weight,
+                              const float* __restrict__ bn_bias, const float* __restrict__ bn_mean,
+                              const float* __restrict__ bn_var, const float* __restrict__ residual,
+                              float* __restrict__ y, KgConvShape s, double bn_eps, double act_param) {
+  kg_conv2d_im2col_nchw<float>(x, y, s);
 }
 
 // 16-bit storage (kg_f16, kg_bf16), computed in float.

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -98,6 +99,17 @@ TilePlan tile_plan(const ConvGpuConfig& cfg, const std::vector<std::int64_t>& ou
   return t;
 }
 
+// The NCHW GEMM form (ConvRuntime::nchw_gemm): a reduction at least this deep, and at most this
+// many output pixels over the batch (its columns then take at most K · this many elements).
+constexpr std::int64_t kNchwGemmMinK = 256;
+constexpr std::int64_t kNchwGemmMaxPixels = 4096;
+
+// KG_CONV_GEMM_FORM=0 keeps every NCHW convolution on cuDNN (for comparison).
+bool nchw_gemm_disabled() {
+  const char* v = std::getenv("KG_CONV_GEMM_FORM");
+  return v && std::string(v) == "0";
+}
+
 // Launches cover whole images and fewer than 2^31 items (direct: pixels × channel blocks; gemm:
 // pixels; tiled: blocks) each, so that the kernels' index math stays in 32 bits.
 constexpr std::int64_t kMaxItemsPerLaunch = (std::int64_t{1} << 31) - 1;
@@ -160,6 +172,35 @@ class ConvRuntime final : public RuntimeOp {
     const DevicePtr bias = op.bias ? t.params[1].ptr : 0;
     const DevicePtr residual = cfg_.residual ? t.inputs.at(1).ptr : 0;
     if (!last) {
+      if (const std::int64_t k = nchw_gemm(in, out); k && t.scratch) {
+        // Per image, y[n] [O, OH·OW] = w [O, K] · cols[n] [K, OH·OW]: the weights as they are,
+        // the columns written by the im2col prologue (or the input itself for a 1×1 convolution
+        // without stride or padding).
+        const std::int64_t pixels = out[2] * out[3];
+        const bool cols_are_input = nchw_gemm_reads_input();
+        GemmCall g;
+        g.dtype = cfg_.dtype;
+        g.a = t.params.at(0).ptr;
+        g.b = cols_are_input ? t.inputs[0].ptr : t.scratch;
+        g.c = t.output.ptr;
+        g.m = out[1];
+        g.n = pixels;
+        g.k = k;
+        g.lda = k;
+        g.ldb = pixels;
+        g.ldc = pixels;
+        g.batch = out[0];
+        g.stride_a = 0;
+        g.stride_b = k * pixels;
+        g.stride_c = out[1] * pixels;
+        LibraryCall call{g, {}};
+        if (!cols_are_input)
+          call.prologue.push_back(launch(im2col_entry_, out[0] * k * pixels, t.inputs[0].ptr, 0, 0, false, 0, t.scratch));
+        if (epilogue)
+          call.epilogue.push_back(
+              launch(epilogue_entry_, numel_of(out), 0, 0, bias, cfg_.batch_norm, residual, t.output.ptr));
+        return call;
+      }
       LibraryCall call{conv_call(t.inputs[0].ptr, t.params.at(0).ptr, t.output.ptr, in, out), {}};
       if (epilogue)
         call.epilogue.push_back(
@@ -269,7 +310,12 @@ class ConvRuntime final : public RuntimeOp {
   void set_filter_entry(std::string entry) { filter_entry_ = std::move(entry); }
   // Channels-last: the library's weights, shift and padded input (see library_call()).
   std::size_t scratch_bytes(const LaunchTensors& t) const override {
-    return cfg_.channels_last ? last_scratch(t).bytes : 0;
+    if (cfg_.channels_last) return last_scratch(t).bytes;
+    const auto in = nchw(t.inputs.at(0).shape);
+    const auto out = nchw(t.output.shape);
+    const std::int64_t k = nchw_gemm(in, out);
+    if (!k || nchw_gemm_reads_input()) return 0;
+    return static_cast<std::size_t>(out[0] * k * out[2] * out[3]) * dtype_size(cfg_.dtype);
   }
   void set_pad_entry(std::string entry) { pad_entry_ = std::move(entry); }
   void set_im2col_entry(std::string entry) { im2col_entry_ = std::move(entry); }
@@ -380,6 +426,27 @@ class ConvRuntime final : public RuntimeOp {
     if (gemm_reads_input(in)) return k;
     const double bytes = double(out.at(0)) * double(out[2]) * double(out[3]) * double(k) * double(dtype_size(cfg_.dtype));
     return bytes <= double(std::int64_t{2} << 30) ? k : 0;
+  }
+  // The GEMM form of an NCHW f32 convolution with one group, for small outputs over deep
+  // reductions (batch 1 in ResNet's later layers): per image, y[n] [O, OH·OW] = w [O, K] ·
+  // cols[n] [K, OH·OW] with K = C·kh·kw, on cuBLASLt, which splits such a product's reduction
+  // over the GPU where cuDNN's convolutions cover the few output tiles with few blocks. The
+  // reduction length K, or 0 (cuDNN) where it does not apply or KG_CONV_GEMM_FORM=0.
+  std::int64_t nchw_gemm(const std::vector<std::int64_t>& in, const std::vector<std::int64_t>& out) const {
+    const auto& op = cfg_.options;
+    if (cfg_.channels_last || cfg_.dtype != DType::F32 || op.groups != 1 || im2col_entry_.empty()) return 0;
+    const std::int64_t k = in.at(1) * cfg_.kernel.h * cfg_.kernel.w;
+    const std::int64_t pixels = out.at(0) * out.at(2) * out.at(3);
+    if (k < kNchwGemmMinK || pixels > kNchwGemmMaxPixels || pixels == 0) return 0;
+    if (nchw_gemm_disabled()) return 0;
+    return k;
+  }
+  // The NCHW GEMM form's columns are the input itself: a 1×1 convolution without stride,
+  // padding or dilation.
+  bool nchw_gemm_reads_input() const {
+    const auto& op = cfg_.options;
+    return cfg_.kernel.h == 1 && cfg_.kernel.w == 1 && op.padding.h == 0 && op.padding.w == 0 && op.stride.h == 1 &&
+           op.stride.w == 1;
   }
   // The GEMM form's rows are the input as it is: a 1×1, stride-1, unpadded convolution whose
   // channels are a multiple of 8.
@@ -759,6 +826,7 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
                                                        : "direct";
   if (!activated && algo != ConvGpuAlgo::Tiled && algo != ConvGpuAlgo::Nhwc && algo != ConvGpuAlgo::NhwcMma) {
     rt->set_epilogue_entry(entry_for("kg_conv2d_epilogue", cfg.dtype));
+    if (cfg.dtype == DType::F32) rt->set_im2col_entry("kg_conv2d_im2col_nchw_f32");
     return Lowered{op_name, kernel_file("conv.cu"), entry_for(util::cat("kg_conv2d_", algo_name), cfg.dtype),
                    rt};
   }
@@ -835,6 +903,12 @@ Lowered lower_conv(const ConvGpuConfig& cfg, const std::string& op_name) {
     const std::string im2col = entry_for(stem + "_im2col", cfg.dtype);
     source += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", im2col, "(",
                         entry_params(t), ") {\n  kg_conv2d_im2col_nhwc<", t, ">(x, y, s);\n}\n");
+    rt->set_im2col_entry(im2col);
+  } else if (cfg.dtype == DType::F32) {
+    // The NCHW GEMM form's columns (see ConvRuntime::nchw_gemm).
+    const std::string im2col = entry_for(stem + "_im2col", cfg.dtype);
+    source += util::cat("\nextern \"C\" __global__ void __launch_bounds__(KG_CONV_THREADS)\n    ", im2col, "(",
+                        entry_params(t), ") {\n  kg_conv2d_im2col_nchw<", t, ">(x, y, s);\n}\n");
     rt->set_im2col_entry(im2col);
   }
   return Lowered{op_name, std::move(source), entry, rt};

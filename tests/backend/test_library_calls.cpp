@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "backend/cuda/context.hpp"
+#include "backend/emu/executor.hpp"
 #include "backend/emu/library_reference.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
@@ -43,6 +44,7 @@ kg::DevicePtr host(const kg::Tensor& t) {
 struct Described {
   std::optional<kg::LibraryCall> call;
   kg::Tensor out, want;
+  std::vector<float> scratch;
 };
 Described describe_and_run(const kg::Model& model, const kg::Tensor& input) {
   kg::LoadedModel cpu = model.load(kg::Device::cpu(), {input.shape()});
@@ -71,6 +73,9 @@ Described describe_and_run(const kg::Model& model, const kg::Tensor& input) {
   float* o = d.out.data<float>();
   std::fill(o, o + d.out.numel(), NAN);
   t.output = {host(d.out), d.out.shape(), d.out.dtype()};
+  // The op's scratch (the im2col columns of a convolution's GEMM form), left for the prologue.
+  d.scratch.resize(e->runtime_op->scratch_bytes(t) / sizeof(float) + 1);
+  t.scratch = static_cast<kg::DevicePtr>(reinterpret_cast<std::uintptr_t>(d.scratch.data()));
   d.call = e->runtime_op->library_call(t);
   if (d.call) kg::emu::run_library_reference(*d.call, "[test]");
   return d;
@@ -183,6 +188,86 @@ TEST(LibraryCall, ConvolutionDescribesTheConvolutionAndLeavesTheBiasToItsEpilogu
       EXPECT_TRUE(all_close(d.out, d.want, 1e-5, 1e-6));
     }
   }
+}
+
+// An NCHW f32 convolution with one group, a small output (at most 4096 pixels over the batch) and
+// a reduction of 256 or more (ResNet's later layers at batch 1) is described as a GEMM per image,
+// y[n] = w · cols[n], on the weights as they are and the columns an im2col prologue writes (the
+// input itself for a 1×1 convolution without stride or padding), with its bias, BatchNorm,
+// residual and activation as the epilogue launch. Run by the emulator (the GEMM by its definition,
+// the prologue and epilogue launches emulated) against the CPU; larger outputs, shallower
+// reductions and KG_CONV_GEMM_FORM=0 keep the convolution call.
+TEST(LibraryCall, SmallNchwConvolutionsAreAGemmOverTheirColumns) {
+  std::mt19937_64 rng(fresh_seed());
+  struct Case {
+    const char* what;
+    std::vector<std::int64_t> x;
+    std::int64_t out;
+    kg::Size2 kernel;
+    kg::nn::Conv2dOptions o;
+    bool bn, relu, residual;
+    bool gemm;      // described as the GEMM form
+    bool im2col;    // with an im2col prologue
+  };
+  const std::vector<Case> cases = {
+      {"3x3, bias", {1, 32, 6, 7}, 16, 3, {.padding = 1}, false, false, false, true, true},
+      {"3x3, BatchNorm, ReLU, two images", {2, 32, 5, 5}, 24, 3, {.padding = 1, .bias = false}, true, true, false, true, true},
+      {"3x3 stride 2, dilation 2, BatchNorm, residual, ReLU", {1, 40, 9, 8}, 8, 3,
+       {.stride = 2, .padding = 2, .dilation = 2, .bias = false}, true, true, true, true, true},
+      {"5x3, uneven padding", {2, 20, 6, 9}, 12, {5, 3}, {.padding = {1, 2}}, false, true, false, true, true},
+      {"1x1: the input as the columns", {2, 256, 4, 3}, 8, 1, {}, true, false, false, true, false},
+      {"1x1 stride 2", {1, 256, 7, 7}, 16, 1, {.stride = 2, .bias = false}, true, false, false, true, true},
+      {"too many pixels", {2, 32, 48, 48}, 8, 3, {.padding = 1}, false, false, false, false, false},
+      {"too shallow", {1, 16, 6, 6}, 8, 3, {.padding = 1}, false, false, false, false, false},
+      {"groups", {1, 64, 6, 6}, 16, 3, {.padding = 1, .groups = 2}, false, false, false, false, false},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    const BuildFn build = [&](const kg::SymTensor& v) {
+      kg::SymTensor y = kg::nn::conv2d(v, c.out, c.kernel, c.o, "conv");
+      if (c.bn) y = kg::nn::batch_norm2d(y, "bn");
+      if (c.residual) y = kg::add(y, kg::nn::conv2d(v, c.out, c.kernel, c.o, "side"), "add");
+      return c.relu ? kg::relu(y, "relu") : y;
+    };
+    const kg::Model model = one_op_model(c.x, build);
+    const kg::Tensor x = random_tensor(rng, kg::DType::F32, c.x);
+    kg::LoadedModel cpu = model.load(kg::Device::cpu(), {c.x});
+    std::map<std::string, kg::Tensor> params = cpu.state_dict();
+    for (auto& [name, p] : params)  // statistics and scales around their identity, the rest small
+      if (p.dtype() == kg::DType::F32)
+        p = name.ends_with("running_var") || name.ends_with("bn.weight")
+                ? random_tensor(rng, kg::DType::F32, p.shape(), 0.5, 1.5)
+                : random_tensor(rng, kg::DType::F32, p.shape(), -0.2, 0.2);
+    cpu.load_state_dict(params, false);
+    const kg::Tensor want = cpu.forward({x}).at(0);
+    int library_steps = 0;
+    const kg::Tensor got = kg::emu::run_model(model, {x}, params, /*checked=*/true, true, &library_steps).at(0);
+    EXPECT_EQ(library_steps, c.residual ? 2 : 1);
+    EXPECT_TRUE(kg_test::all_written(got));
+    EXPECT_TRUE(all_close(got, want, 1e-4, 1e-5));
+    if (!c.bn && !c.relu && !c.residual) {
+      const Described d = describe_and_run(model, x);
+      ASSERT_TRUE(d.call.has_value());
+      EXPECT_EQ(std::holds_alternative<kg::GemmCall>(d.call->call), c.gemm);
+      if (const auto* g = std::get_if<kg::GemmCall>(&d.call->call)) {
+        EXPECT_EQ(g->batch, c.x[0]);
+        EXPECT_EQ(g->stride_a, 0);  // one set of weights for every image
+        EXPECT_EQ(g->m, c.out);
+        EXPECT_EQ(g->k, c.x[1] * c.kernel.h * c.kernel.w);
+        EXPECT_EQ(d.call->prologue.size(), c.im2col ? 1u : 0u);
+        EXPECT_EQ(d.call->epilogue.size(), c.o.bias ? 1u : 0u);
+      }
+    }
+  }
+  // Turned off by the environment: the convolution call.
+  ::setenv("KG_CONV_GEMM_FORM", "0", 1);
+  const std::vector<std::int64_t> shape{1, 32, 6, 7};
+  const Described d = describe_and_run(
+      one_op_model(shape, [](const kg::SymTensor& v) { return kg::nn::conv2d(v, 16, 3, {.padding = 1}, "conv"); }),
+      random_tensor(rng, kg::DType::F32, shape));
+  ::unsetenv("KG_CONV_GEMM_FORM");
+  ASSERT_TRUE(d.call.has_value());
+  EXPECT_TRUE(std::holds_alternative<kg::Conv2dCall>(d.call->call));
 }
 
 // dL/dW from the CPU's backward and dL/dx by the adjoint identity <dx, v> = <dy, A v> (A the op

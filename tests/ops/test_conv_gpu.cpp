@@ -286,14 +286,16 @@ void check_fused(const FusedCase& fc, std::mt19937_64& rng) {
   const std::string stem =
       fc.act == Act::None ? "kg_conv2d_" + algo : "kg_fused_conv2d_" + algo + "_" + act_name(fc.act);
   EXPECT_EQ(lowered.entry_point, stem + (fc.dtype == kg::DType::F64 ? "_f64" : "_f32"));
-  // A module of its own holds its entry and the epilogue entry of its library call (not
-  // elementwise.cu's entries).
+  // A module of its own holds its entry and the epilogue entry of its library call, and in f32
+  // the im2col entry of its GEMM form (not elementwise.cu's entries).
   if ((fc.act != Act::None || fc.algo == kg::ops::ConvGpuAlgo::Tiled) && kg::compile::Compiler::available()) {
     const std::string ptx = kg::compile::Compiler::global().compile(lowered.name, lowered.source, 90).ptx;
     const auto entries = kg::compile::parse_ptx_entries(ptx);
-    ASSERT_EQ(entries.size(), 2u);
-    EXPECT_EQ(entries[0].name + entries[1].name,
-              lowered.entry_point + stem + "_epilogue" + (fc.dtype == kg::DType::F64 ? "_f64" : "_f32"));
+    const bool f32 = fc.dtype == kg::DType::F32;
+    ASSERT_EQ(entries.size(), f32 ? 3u : 2u);
+    const std::string suffix = f32 ? "_f32" : "_f64";
+    EXPECT_EQ(entries[0].name + entries[1].name + (f32 ? entries[2].name : ""),
+              lowered.entry_point + stem + "_epilogue" + suffix + (f32 ? stem + "_im2col" + suffix : ""));
   }
 
   const auto params = random_params(model, rng);
