@@ -101,8 +101,11 @@ TilePlan tile_plan(const ConvGpuConfig& cfg, const std::vector<std::int64_t>& ou
 
 // The NCHW GEMM form (ConvRuntime::nchw_gemm): a reduction at least this deep, and at most this
 // many output pixels over the batch (its columns then take at most K · this many elements).
+// Measured on an H100 at batch 1 (ResNet-18, f32): over 784, 196 and 49 pixels the GEMM form took
+// 0.032, 0.029 and 0.029 ms where cuDNN took 0.044, 0.079 and 0.164; over 3136 it took 0.041
+// against cuDNN's 0.028.
 constexpr std::int64_t kNchwGemmMinK = 256;
-constexpr std::int64_t kNchwGemmMaxPixels = 4096;
+constexpr std::int64_t kNchwGemmMaxPixels = 1024;
 
 // KG_CONV_GEMM_FORM=0 keeps every NCHW convolution on cuDNN (for comparison).
 bool nchw_gemm_disabled() {

@@ -190,7 +190,7 @@ TEST(LibraryCall, ConvolutionDescribesTheConvolutionAndLeavesTheBiasToItsEpilogu
   }
 }
 
-// An NCHW f32 convolution with one group, a small output (at most 4096 pixels over the batch) and
+// An NCHW f32 convolution with one group, a small output (at most 1024 pixels over the batch) and
 // a reduction of 256 or more (ResNet's later layers at batch 1) is described as a GEMM per image,
 // y[n] = w · cols[n], on the weights as they are and the columns an im2col prologue writes (the
 // input itself for a 1×1 convolution without stride or padding), with its bias, BatchNorm,
@@ -217,7 +217,8 @@ TEST(LibraryCall, SmallNchwConvolutionsAreAGemmOverTheirColumns) {
       {"5x3, uneven padding", {2, 20, 6, 9}, 12, {5, 3}, {.padding = {1, 2}}, false, true, false, true, true},
       {"1x1: the input as the columns", {2, 256, 4, 3}, 8, 1, {}, true, false, false, true, false},
       {"1x1 stride 2", {1, 256, 7, 7}, 16, 1, {.stride = 2, .bias = false}, true, false, false, true, true},
-      {"too many pixels", {2, 32, 48, 48}, 8, 3, {.padding = 1}, false, false, false, false, false},
+      {"1024 pixels, the most", {1, 32, 32, 32}, 8, 3, {.padding = 1}, false, false, false, true, true},
+      {"too many pixels", {1, 32, 33, 32}, 8, 3, {.padding = 1}, false, false, false, false, false},
       {"too shallow", {1, 16, 6, 6}, 8, 3, {.padding = 1}, false, false, false, false, false},
       {"groups", {1, 64, 6, 6}, 16, 3, {.padding = 1, .groups = 2}, false, false, false, false, false},
   };
