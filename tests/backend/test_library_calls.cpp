@@ -609,6 +609,57 @@ TEST(LibraryCallGpu, ForwardDeviceReadsAndReturnsDeviceBuffers) {
   EXPECT_GT(gpu.last_device_ms(), 0.0);
 }
 
+// On the GPU, a batch-1 model's deep convolutions over few pixels run as cuBLASLt GEMMs (the
+// profile's tactic says so), the shallow and the large ones on cuDNN, and the output matches the
+// CPU with the CUDA graph, eagerly and tuned; with KG_CONV_GEMM_FORM=0 every one runs on cuDNN.
+TEST(LibraryCallGpu, SmallNchwConvolutionsRunAsGemmsAndMatchTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(fresh_seed());
+  auto g = kg::Graph::create();
+  kg::Shape s{kg::Dim::named("batch"), 16, 40, 40};
+  kg::SymTensor x = g->input(kg::DType::F32, s, "x");
+  auto cbr = [](const kg::SymTensor& in, std::int64_t out, kg::nn::Conv2dOptions o, const std::string& name) {
+    return kg::relu(kg::nn::batch_norm2d(kg::nn::conv2d(in, out, 3, o, name + ".conv"), name + ".bn"), name + ".relu");
+  };
+  kg::SymTensor y = cbr(x, 32, {.padding = 1, .bias = false}, "a");                 // K 144, 1600 px: cuDNN
+  y = cbr(y, 64, {.stride = 2, .padding = 1, .bias = false}, "b");                  // K 288, 400 px: GEMM
+  kg::SymTensor r = cbr(y, 64, {.padding = 1, .bias = false}, "c");                 // K 576, 400 px: GEMM
+  y = kg::relu(kg::add(kg::nn::conv2d(r, 64, 3, {.padding = 1}, "d"), y, "add"), "out");  // bias + residual
+  y = kg::nn::conv2d(y, 8, 1, {}, "e");                                             // 1x1, K 64: cuDNN
+  const kg::Model model(g, {y});
+  const std::vector<std::int64_t> shape{1, 16, 40, 40};
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {shape});
+  const auto w = random_state(cpu, rng);
+  cpu.load_state_dict(w, false);
+  const kg::Tensor in = random_tensor(rng, kg::DType::F32, shape);
+  const kg::Tensor want = cpu.forward({in}).at(0);
+  for (int mode = 0; mode < 4; ++mode) {
+    const bool cudnn_only = mode == 3;
+    SCOPED_TRACE(mode == 0 ? "cuda graph" : mode == 1 ? "eager" : mode == 2 ? "tuned" : "KG_CONV_GEMM_FORM=0");
+    kg::LoadOptions o;
+    o.cuda_graph = mode != 1;
+    o.tune = mode == 2;
+    o.poison_buffers = true;
+    o.profile = true;
+    if (cudnn_only) ::setenv("KG_CONV_GEMM_FORM", "0", 1);
+    kg::LoadedModel gpu = model.load(kg::Device::cuda(), {shape}, o);
+    if (cudnn_only) ::unsetenv("KG_CONV_GEMM_FORM");
+    gpu.load_state_dict(w, false);
+    const kg::Tensor got = gpu.forward({in}).at(0);
+    EXPECT_TRUE(kg_test::all_written(got));
+    EXPECT_TRUE(all_close(got, want, 1e-4, 1e-5));
+    if (mode == 2) continue;  // a tuned load may keep the op's own kernels
+    std::map<std::string, std::string> tactic;
+    for (const auto& t : gpu.profile()) tactic[t.node] = t.kernel;
+    for (const char* node : {"a.conv", "b.conv", "c.conv", "d", "e"}) {
+      const bool gemm = !cudnn_only && (std::string(node) == "b.conv" || std::string(node) == "c.conv" ||
+                                        std::string(node) == "d");
+      const std::string found = tactic.count(node) ? tactic.at(node) : "(not profiled)";
+      EXPECT_NE(found.find(gemm ? "cublasLt" : "cudnn"), std::string::npos) << node << ": " << found;
+    }
+  }
+}
+
 TEST(LibraryCallGpu, TurnedOffByTheEnvironment) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(fresh_seed());
