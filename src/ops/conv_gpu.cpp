@@ -175,12 +175,13 @@ class ConvRuntime final : public RuntimeOp {
     const DevicePtr bias = op.bias ? t.params[1].ptr : 0;
     const DevicePtr residual = cfg_.residual ? t.inputs.at(1).ptr : 0;
     if (!last) {
-      if (const std::int64_t k = nchw_gemm(in, out); k && t.scratch) {
+      const std::int64_t k = nchw_gemm(in, out);
+      const bool cols_are_input = nchw_gemm_reads_input();
+      if (k && (cols_are_input || t.scratch)) {
         // Per image, y[n] [O, OH·OW] = w [O, K] · cols[n] [K, OH·OW]: the weights as they are,
-        // the columns written by the im2col prologue (or the input itself for a 1×1 convolution
-        // without stride or padding).
+        // the columns written by the im2col prologue into the scratch (or the input itself for a
+        // 1×1 convolution without stride or padding).
         const std::int64_t pixels = out[2] * out[3];
-        const bool cols_are_input = nchw_gemm_reads_input();
         GemmCall g;
         g.dtype = cfg_.dtype;
         g.a = t.params.at(0).ptr;
