@@ -175,12 +175,13 @@ class ConvRuntime final : public RuntimeOp {
     const DevicePtr bias = op.bias ? t.params[1].ptr : 0;
     const DevicePtr residual = cfg_.residual ? t.inputs.at(1).ptr : 0;
     if (!last) {
+      LibraryCall call{conv_call(t.inputs[0].ptr, t.params.at(0).ptr, t.output.ptr, in, out), {}};
       const std::int64_t k = nchw_gemm(in, out);
       const bool cols_are_input = nchw_gemm_reads_input();
       if (k && (cols_are_input || t.scratch)) {
-        // Per image, y[n] [O, OH·OW] = w [O, K] · cols[n] [K, OH·OW]: the weights as they are,
-        // the columns written by the im2col prologue into the scratch (or the input itself for a
-        // 1×1 convolution without stride or padding).
+        // The GEMM form instead. Per image, y[n] [O, OH·OW] = w [O, K] · cols[n] [K, OH·OW]: the
+        // weights as they are, the columns written by the im2col prologue into the scratch (or the
+        // input itself for a 1×1 convolution without stride or padding).
         const std::int64_t pixels = out[2] * out[3];
         GemmCall g;
         g.dtype = cfg_.dtype;
@@ -197,15 +198,10 @@ class ConvRuntime final : public RuntimeOp {
         g.stride_a = 0;
         g.stride_b = k * pixels;
         g.stride_c = out[1] * pixels;
-        LibraryCall call{g, {}};
+        call.call = g;
         if (!cols_are_input)
           call.prologue.push_back(launch(im2col_entry_, out[0] * k * pixels, t.inputs[0].ptr, 0, 0, false, 0, t.scratch));
-        if (epilogue)
-          call.epilogue.push_back(
-              launch(epilogue_entry_, numel_of(out), 0, 0, bias, cfg_.batch_norm, residual, t.output.ptr));
-        return call;
       }
-      LibraryCall call{conv_call(t.inputs[0].ptr, t.params.at(0).ptr, t.output.ptr, in, out), {}};
       if (epilogue)
         call.epilogue.push_back(
             launch(epilogue_entry_, numel_of(out), 0, 0, bias, cfg_.batch_norm, residual, t.output.ptr));

@@ -490,16 +490,31 @@ std::map<std::string, kg::Tensor> random_state(const kg::LoadedModel& m, std::mt
   return w;
 }
 
+// The CPU's output for a random f32 input of `shape`, with random weights (random_state) that the
+// GPU loads get too.
+struct CpuReference {
+  std::map<std::string, kg::Tensor> weights;
+  kg::Tensor input, output;
+};
+CpuReference cpu_reference(const kg::Model& model, const std::vector<std::int64_t>& shape, std::mt19937_64& rng) {
+  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {shape});
+  CpuReference r;
+  r.weights = random_state(cpu, rng);
+  cpu.load_state_dict(r.weights, false);
+  r.input = random_tensor(rng, kg::DType::F32, shape);
+  r.output = cpu.forward({r.input}).at(0);
+  return r;
+}
+
 TEST(LibraryCallGpu, CnnWithVendorLibrariesMatchesTheCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(fresh_seed());
   const kg::Model model = small_cnn();
   const std::vector<std::int64_t> shape{4, 3, 32, 32};
-  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {shape});
-  const auto w = random_state(cpu, rng);
-  cpu.load_state_dict(w, false);
-  const kg::Tensor x = random_tensor(rng, kg::DType::F32, shape);
-  const kg::Tensor want = cpu.forward({x}).at(0);
+  const CpuReference ref = cpu_reference(model, shape, rng);
+  const auto& w = ref.weights;
+  const kg::Tensor& x = ref.input;
+  const kg::Tensor& want = ref.output;
   struct Mode {
     const char* name;
     bool vendor, tf32, tune, graph;
@@ -633,11 +648,10 @@ TEST(LibraryCallGpu, SmallNchwConvolutionsRunAsGemmsAndMatchTheCpu) {
   y = kg::nn::conv2d(y, 8, 1, {}, "e");  // 1x1, K 256: a GEMM over the input itself
   const kg::Model model(g, {y});
   const std::vector<std::int64_t> shape{1, 16, 40, 40};
-  kg::LoadedModel cpu = model.load(kg::Device::cpu(), {shape});
-  const auto w = random_state(cpu, rng);
-  cpu.load_state_dict(w, false);
-  const kg::Tensor in = random_tensor(rng, kg::DType::F32, shape);
-  const kg::Tensor want = cpu.forward({in}).at(0);
+  const CpuReference ref = cpu_reference(model, shape, rng);
+  const auto& w = ref.weights;
+  const kg::Tensor& in = ref.input;
+  const kg::Tensor& want = ref.output;
   for (int mode = 0; mode < 4; ++mode) {
     const bool cudnn_only = mode == 3;
     SCOPED_TRACE(mode == 0 ? "cuda graph" : mode == 1 ? "eager" : mode == 2 ? "tuned" : "KG_CONV_GEMM_FORM=0");
