@@ -16,8 +16,10 @@ __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 // One entry for both modes, three phases (`phase`); `training` selects batch statistics.
 //   phase 0 (training only): each channel's M = N*H*W values are cut into `chunks` ranges, a
 //     block per (channel, range); each block writes the count, mean and sum of squared
-//     deviations of its range (two passes, block tree sums in double) to `partials`
-//     (KG_BN_FWD_PARTIALS doubles per block, channel-major).
+//     deviations of its range to `partials` (KG_BN_FWD_PARTIALS doubles per block,
+//     channel-major). One pass over the range: the sums of d = x - s and d^2 in double, s being
+//     the range's first value (shifted data keep d^2's sum from cancelling: the variance is
+//     Σd² - (Σd)²/n, exact in double for float data near s), block tree sums in fixed order.
 //   phase 1 (a thread per channel): the scale and shift, in double as the CPU computes them:
 //     scale = w / sqrt(var + eps), shift = b - mean * scale, stored as T in `scale_shift` (the C
 //     scales, then the C shifts). Inference takes the running statistics; training merges the
@@ -51,21 +53,24 @@ __device__ __forceinline__ void kg_batch_norm2d_partials(const T* __restrict__ x
   for (kg_index blk = blockIdx.x; blk < c * chunks; blk += gridDim.x) {
     const kg_index ch = blk / chunks, k = blk - ch * chunks;
     const KgBnRange r = kg_bn_range(m, chunks, k);
-    double s = 0;
-    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS)
-      s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
-    const double count = (double)(r.end - r.begin), mean = kg_block_sum(s, smem) / count;
-    double v = 0;
-    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS) {
-      const double d = (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)] - mean;
-      v += d * d;
-    }
-    const double m2 = kg_block_sum(v, smem);
+    // One pass: sums of x - s and (x - s)^2 in double, shifted by the range's first value s.
+    const double shift = (double)x[kg_bn_offset<Small>(r.begin, ch, c, hw_div)];
+    double s1 = 0, s2 = 0;
+    kg_bn_for_range<KG_BN_UNROLL>(
+        r.begin, r.end, [&](kg_index i) { return x[kg_bn_offset<Small>(i, ch, c, hw_div)]; },
+        [&](T v) {
+          const double d = (double)v - shift;
+          s1 += d;
+          s2 += d * d;
+        });
+    s1 = kg_block_sum(s1, smem);
+    s2 = kg_block_sum(s2, smem);
     if (threadIdx.x == 0) {
+      const double count = (double)(r.end - r.begin), dm = s1 / count;
       double* p = partials + KG_BN_FWD_PARTIALS * blk;
       p[0] = count;
-      p[1] = mean;
-      p[2] = m2;
+      p[1] = shift + dm;
+      p[2] = fmax(s2 - s1 * dm, 0.0);
     }
   }
 }

@@ -19,8 +19,8 @@ __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 //   phase 0: a block per (channel, range of its M values, `chunks` ranges) writes to `partials`
 //     (KG_BN_BWD_PARTIALS doubles per block, channel-major) its count, its centre (the range's
 //     own mean in training, the running mean in inference), the sum of squared deviations from
-//     the centre, Σ dy and Σ dy (x - centre); two passes over the range in training, one in
-//     inference, block tree sums in double;
+//     the centre, Σ dy and Σ dy (x - centre); one pass over the range (sums shifted by its first
+//     value in training, as the forward's), block tree sums in double;
 //   phase 1 (a thread per channel) merges the ranges in order (no atomics, the same result for
 //     any schedule), using Σ dy (x - mean) = Σ dy (x - centre) + (centre - mean) Σ dy, and writes
 //     dw, db and the coefficients of dx = A dy + B (x - mean) + C as T in `coef` (A, B, mean, C for
@@ -39,33 +39,40 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_partials(const T* __res
   for (kg_index blk = blockIdx.x; blk < c * chunks; blk += gridDim.x) {
     const kg_index ch = blk / chunks, k = blk - ch * chunks;
     const KgBnRange r = kg_bn_range(m, chunks, k);
-    const double count = (double)(r.end - r.begin);
-    double centre;
-    if (training) {
-      double s = 0;
-      for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS)
-        s += (double)x[kg_bn_offset<Small>(i, ch, c, hw_div)];
-      centre = kg_block_sum(s, smem) / count;
-    } else {
-      centre = (double)rmean[ch];
-    }
-    double v = 0, sdy = 0, sdyx = 0;
-    for (kg_index i = r.begin + threadIdx.x; i < r.end; i += KG_NORM_THREADS) {
-      const kg_index e = kg_bn_offset<Small>(i, ch, c, hw_div);
-      const double d = (double)x[e] - centre, g = (double)dy[e];
-      v += d * d;
-      sdy += g;
-      sdyx += g * d;
-    }
-    const double vs = training ? kg_block_sum(v, smem) : 0.0;
-    const double sdys = kg_block_sum(sdy, smem), sdyxs = kg_block_sum(sdyx, smem);
+    // One pass over x and dy, shifted by s: the range's first value in training, the running
+    // mean in inference. Sums of d = x - s, d^2, dy and dy d, in double.
+    const double shift =
+        training ? (double)x[kg_bn_offset<Small>(r.begin, ch, c, hw_div)] : (double)rmean[ch];
+    struct Pair {
+      T x, dy;
+    };
+    double s1 = 0, s2 = 0, sdy = 0, sdyx = 0;
+    kg_bn_for_range<KG_BN_UNROLL>(
+        r.begin, r.end,
+        [&](kg_index i) {
+          const kg_index e = kg_bn_offset<Small>(i, ch, c, hw_div);
+          return Pair{x[e], dy[e]};
+        },
+        [&](const Pair& v) {
+          const double d = (double)v.x - shift, g = (double)v.dy;
+          s1 += d;
+          s2 += d * d;
+          sdy += g;
+          sdyx += g * d;
+        });
+    s1 = training ? kg_block_sum(s1, smem) : 0.0;
+    s2 = training ? kg_block_sum(s2, smem) : 0.0;
+    sdy = kg_block_sum(sdy, smem);
+    sdyx = kg_block_sum(sdyx, smem);
     if (threadIdx.x == 0) {
+      // Re-centred on the range's own mean in training: Σ dy (x - mean) = Σ dy d - (mean - s) Σ dy.
+      const double count = (double)(r.end - r.begin), dm = training ? s1 / count : 0.0;
       double* p = partials + KG_BN_BWD_PARTIALS * blk;
       p[0] = count;
-      p[1] = centre;
-      p[2] = vs;
-      p[3] = sdys;
-      p[4] = sdyxs;
+      p[1] = shift + dm;
+      p[2] = training ? fmax(s2 - s1 * dm, 0.0) : 0.0;
+      p[3] = sdy;
+      p[4] = sdyx - dm * sdy;
     }
   }
 }

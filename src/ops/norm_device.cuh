@@ -1,9 +1,10 @@
 // What the batch-norm kernels (norm.cu, norm_backward.cu) share on the device: where element i of
 // a channel lies in [N, C, H, W], the ranges a channel is cut into for its per-block partial sums,
-// and the merge of two ranges' moments.
+// the loop that reads a range once, and the merge of two ranges' moments.
 #pragma once
 
 #include "index.cuh"
+#include "norm_shared.cuh"
 
 // Element i of channel ch's M = N*H*W values (batch-major).
 template <bool Small>
@@ -18,6 +19,26 @@ struct KgBnRange {
 };
 __device__ __forceinline__ KgBnRange kg_bn_range(kg_index m, kg_index chunks, kg_index k) {
   return {m * k / chunks, m * (k + 1) / chunks};
+}
+
+// For every i of [begin, end) taken by this thread (a block of KG_NORM_THREADS threads strides
+// through the range): add(load(i)). Each thread issues U loads before it adds, so that it keeps U
+// requests in flight: with one at a time a block's partial sums stall on memory latency, not on
+// bandwidth.
+template <int U, class Load, class Add>
+__device__ __forceinline__ void kg_bn_for_range(kg_index begin, kg_index end, const Load& load, const Add& add) {
+  using V = decltype(load(begin));
+  for (kg_index i0 = begin + threadIdx.x; i0 < end; i0 += U * KG_NORM_THREADS) {
+    V v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const kg_index i = i0 + u * KG_NORM_THREADS;
+      if (i < end) v[u] = load(i);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i0 + u * KG_NORM_THREADS < end) add(v[u]);
+  }
 }
 
 // Count, mean and sum of squared deviations from the mean of a range of values.
