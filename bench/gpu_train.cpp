@@ -221,19 +221,37 @@ struct DeviceBatch {
   }
 };
 
+// The host's time in each call of a device step, ms. forward_device returns when the forward is
+// done on the device, so the GPU idles through backward's host time (until its launches or
+// graph reach the stream).
+struct HostPhases {
+  double zero_grad = 0, forward = 0, backward = 0, step = 0;
+  double total() const { return zero_grad + forward + backward + step; }
+};
+
 // One training step on a batch already on the device; returns its device time in ms and leaves
 // the loss (on the device) in `loss`.
-// `host_ms` gets the host's time to issue the step (before waiting for the device): when it is
-// close to the device time, the host, not the GPU, sets the pace.
+// `host` gets the host's time to issue each part of the step (before waiting for the device):
+// when their sum is close to the device time, the host, not the GPU, sets the pace.
 double device_step(kg::LoadedModel& m, const DeviceBatch& b, kg_bench::StreamTimer& timer,
-                   kg::DeviceTensor& loss, double& host_ms) {
+                   kg::DeviceTensor& loss, HostPhases& host) {
+  using clock = std::chrono::steady_clock;
+  auto since = [](clock::time_point& t) {
+    const auto now = clock::now();
+    const double ms = std::chrono::duration<double, std::milli>(now - t).count();
+    t = now;
+    return ms;
+  };
   timer.start();
-  const auto t0 = std::chrono::steady_clock::now();
+  auto t = clock::now();
   m.zero_grad();
+  host.zero_grad = since(t);
   loss = m.forward_device(b.tensors).at(0);
+  host.forward = since(t);
   m.backward();
+  host.backward = since(t);
   m.step();
-  host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  host.step = since(t);
   return timer.stop_ms();
 }
 
@@ -305,17 +323,18 @@ int main(int argc, char** argv) {
       if (a.check_only) continue;
 
       double last = 0;
-      std::vector<double> ms, host_ms;
+      std::vector<double> ms;
+      std::vector<HostPhases> host;
       ms.reserve(static_cast<std::size_t>(a.runs));
       if (a.device_time) {
         const DeviceBatch db(b, device);
         kg_bench::StreamTimer timer(!a.cpu, a.device);
         kg::DeviceTensor loss;
-        double h = 0;
+        HostPhases h;
         for (int i = 0; i < a.warmup; ++i) device_step(m, db, timer, loss, h);
         for (int i = 0; i < a.runs; ++i) {
           ms.push_back(device_step(m, db, timer, loss, h));
-          host_ms.push_back(h);
+          host.push_back(h);
         }
         last = kg_bench::to_host(loss, !a.cpu, a.device).item(0);
       } else {
@@ -336,9 +355,24 @@ int main(int argc, char** argv) {
       std::printf("batch=%lld median_ms=%.4f min_ms=%.4f p90_ms=%.4f runs=%d load_ms=%.1f%s",
                   static_cast<long long>(batch), t.median, t.min, t.p90, a.runs, load_ms,
                   a.device_time ? " timing=device" : "");
-      if (!host_ms.empty()) std::printf(" host_issue_ms=%.4f", summarise(host_ms).median);
+      auto host_median = [&](double HostPhases::*part) {
+        std::vector<double> v;
+        for (const HostPhases& h : host) v.push_back(h.*part);
+        return summarise(v).median;
+      };
+      if (!host.empty()) {
+        std::vector<double> totals;
+        for (const HostPhases& h : host) totals.push_back(h.total());
+        std::printf(" host_issue_ms=%.4f", summarise(totals).median);
+      }
       std::printf(" cuda_graph_replays=%lld", static_cast<long long>(m.cuda_graph_replays()));
       std::printf("\n");
+      if (!host.empty())
+        std::printf("batch=%lld host ms (medians): zero_grad=%.4f forward_device=%.4f (until the device is done) "
+                    "backward=%.4f (the device idles) step=%.4f\n",
+                    static_cast<long long>(batch), host_median(&HostPhases::zero_grad),
+                    host_median(&HostPhases::forward), host_median(&HostPhases::backward),
+                    host_median(&HostPhases::step));
       if (a.profile) {
         // One more step on a model loaded with per-node timing (each node synchronised).
         kg::LoadOptions popt = lopt;

@@ -629,8 +629,8 @@ TEST(LibraryCallGpu, ForwardDeviceReadsAndReturnsDeviceBuffers) {
 
 // On the GPU, a batch-1 model's deep convolutions over few pixels run as cuBLASLt GEMMs (the
 // profile's tactic says so; a 1×1 one over its input as it is), a shallow one over many pixels on
-// cuDNN, and the output matches the
-// CPU with the CUDA graph, eagerly and tuned; with KG_CONV_GEMM_FORM=0 every one runs on cuDNN.
+// cuDNN, and the output matches the CPU with the CUDA graph, eagerly and tuned; with
+// KG_CONV_GEMM_FORM=0 every one runs on cuDNN.
 TEST(LibraryCallGpu, SmallNchwConvolutionsRunAsGemmsAndMatchTheCpu) {
   SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(fresh_seed());
@@ -647,27 +647,33 @@ TEST(LibraryCallGpu, SmallNchwConvolutionsRunAsGemmsAndMatchTheCpu) {
   y = cbr(y, 256, {.padding = 1, .bias = false}, "f");                             // K 576, 400 px: GEMM
   y = kg::nn::conv2d(y, 8, 1, {}, "e");  // 1x1, K 256: a GEMM over the input itself
   const kg::Model model(g, {y});
-  const std::vector<std::int64_t> shape{1, 16, 40, 40};
-  const CpuReference ref = cpu_reference(model, shape, rng);
-  const auto& w = ref.weights;
-  const kg::Tensor& in = ref.input;
-  const kg::Tensor& want = ref.output;
+  // A deep chain of convolutions: the error is measured against the output's scale.
+  auto close = [](const kg::Tensor& got, const kg::Tensor& want) {
+    double scale = 0;
+    for (std::int64_t i = 0; i < want.numel(); ++i) scale = std::max(scale, std::abs(want.item(i)));
+    return all_close(got, want, 1e-4, 1e-4 * scale);
+  };
   for (int mode = 0; mode < 4; ++mode) {
-    const bool cudnn_only = mode == 3;
-    SCOPED_TRACE(mode == 0 ? "cuda graph" : mode == 1 ? "eager" : mode == 2 ? "tuned" : "KG_CONV_GEMM_FORM=0");
+    const bool cudnn_only = mode == 2, tuned = mode == 3;
+    SCOPED_TRACE(mode == 0 ? "cuda graph" : mode == 1 ? "eager" : mode == 2 ? "KG_CONV_GEMM_FORM=0" : "tuned");
+    // The tuned load runs batch 2 (800 pixels: still GEMMs): what it keeps in the tuning cache is
+    // for other shapes than the batch-1 loads, whose tactics are checked (in this run or a later
+    // one with the same cache folder).
+    const std::vector<std::int64_t> shape{tuned ? 2 : 1, 16, 40, 40};
+    const CpuReference ref = cpu_reference(model, shape, rng);
     kg::LoadOptions o;
     o.cuda_graph = mode != 1;
-    o.tune = mode == 2;
+    o.tune = tuned;
     o.poison_buffers = true;
     o.profile = true;
     if (cudnn_only) ::setenv("KG_CONV_GEMM_FORM", "0", 1);
     kg::LoadedModel gpu = model.load(kg::Device::cuda(), {shape}, o);
     if (cudnn_only) ::unsetenv("KG_CONV_GEMM_FORM");
-    gpu.load_state_dict(w, false);
-    const kg::Tensor got = gpu.forward({in}).at(0);
+    gpu.load_state_dict(ref.weights, false);
+    const kg::Tensor got = gpu.forward({ref.input}).at(0);
     EXPECT_TRUE(kg_test::all_written(got));
-    EXPECT_TRUE(all_close(got, want, 1e-4, 1e-5));
-    if (mode == 2) continue;  // a tuned load may keep the op's own kernels
+    EXPECT_TRUE(close(got, ref.output));
+    if (tuned) continue;  // a tuned load may keep the op's own kernels
     std::map<std::string, std::string> tactic;
     for (const auto& t : gpu.profile()) tactic[t.node] = t.kernel;
     for (const std::string node : {"a.conv", "b.conv", "c.conv", "d", "f.conv", "e"}) {

@@ -618,6 +618,10 @@ void GpuExecutor::execute(bool training, std::uint64_t seed, std::vector<NodeTim
   }
   d.check(d.cuEventRecord(stop_, ctx_.stream()), "cuEventRecord");
   timed_ = true;
+  // While the GPU runs the forward, the host describes the backward that usually follows, which
+  // then only has to be launched: otherwise the GPU would idle through that work between the
+  // forward's end (run and run_device wait for it) and the backward's first launch.
+  if (trainer_ && !profile) trainer_->prepare(seed, training);
 }
 
 std::vector<Tensor> GpuExecutor::run(const std::vector<Tensor>& inputs, bool training, std::uint64_t seed,

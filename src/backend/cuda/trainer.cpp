@@ -203,10 +203,31 @@ std::vector<std::vector<lower::CheckedLaunch>> Trainer::describe(bool accumulate
   return out;
 }
 
+void Trainer::prepare(std::uint64_t seed, bool training) {
+  prepared_.reset();
+  Prepared p;
+  p.accumulate_params = last_accumulate_;
+  p.seed = seed;
+  p.training = training;
+  try {
+    p.launches = describe(p.accumulate_params, seed, training);
+  } catch (const Error&) {
+    return;  // backward() describes again and reports it
+  }
+  prepared_ = std::move(p);
+}
+
 void Trainer::backward(bool accumulate_params, std::uint64_t seed, bool training,
                        std::vector<NodeTime>* profile, comm::GradientSync* sync) {
   ctx_.make_current();
-  auto launches = describe(accumulate_params, seed, training);
+  last_accumulate_ = accumulate_params;
+  std::vector<std::vector<lower::CheckedLaunch>> launches;
+  if (prepared_ && prepared_->accumulate_params == accumulate_params && prepared_->seed == seed &&
+      prepared_->training == training)
+    launches = std::move(prepared_->launches);
+  else
+    launches = describe(accumulate_params, seed, training);
+  prepared_.reset();
   if (cuda_graph_ && !profile && !sync) {
     Captured& c = captured_[accumulate_params ? 1 : 0];
     bool same = c.described && c.launches.size() == launches.size();

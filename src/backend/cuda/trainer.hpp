@@ -34,6 +34,10 @@ class Trainer {
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
 
+  // Describes the next backward's launches ahead (for the seed and mode of the forward just
+  // enqueued, and the parameter-gradient mode of the last backward), so that backward() only
+  // compares and launches them: the executor calls it while the GPU runs the forward.
+  void prepare(std::uint64_t seed, bool training);
   // With `sync`, each step's parameter gradients are handed to it once their work is enqueued
   // (never from a CUDA graph).
   void backward(bool accumulate_params, std::uint64_t seed, bool training, std::vector<NodeTime>* profile,
@@ -103,6 +107,14 @@ class Trainer {
   bool checked_ = false;  // synchronise after each backward step, so a fault names its op
   bool cuda_graph_ = true;
   Captured captured_[2];  // by accumulate_params
+  // What prepare() described, and for which arguments.
+  struct Prepared {
+    bool accumulate_params = false, training = false;
+    std::uint64_t seed = 0;
+    std::vector<std::vector<lower::CheckedLaunch>> launches;
+  };
+  std::optional<Prepared> prepared_;
+  bool last_accumulate_ = false;  // the last backward's accumulate_params
   std::int64_t graph_replays_ = 0;
   CUfunction fill_ = nullptr, add_ = nullptr, sgd_ = nullptr, adamw_ = nullptr;
   DeviceBuffer workspace_;  // shared by the library calls
