@@ -43,9 +43,48 @@ __device__ __forceinline__ void kg_pool_windows(long long pos, long long n, long
 
 // Each window's pick as an index in its plane (iy * W + ix), or -1 for a window with no tap
 // inside the input: the first strictly larger value, or a NaN. A thread per output element.
+// The picks of 3×3 windows without dilation, every index below 2^30: the nine taps are loaded
+// (those outside the input skipped) before the first compare, in 32-bit arithmetic.
+template <class T>
+__device__ __forceinline__ void kg_max_pool2d_picks_3x3(const T* __restrict__ x, int* __restrict__ picks,
+                                                        const KgPoolShape& s) {
+  const int h = (int)s.h, w = (int)s.w, ho = (int)s.ho, wo = (int)s.wo;
+  const unsigned out_plane = (unsigned)(ho * wo), total = (unsigned)s.planes * out_plane;
+  for (unsigned i = (unsigned)kg_thread_index(); i < total; i += (unsigned)kg_grid_stride()) {
+    const unsigned pl = i / out_plane, opix = i - pl * out_plane;
+    const int oy = (int)(opix / (unsigned)wo), ox = (int)opix - oy * wo;
+    const T* src = x + (kg_index)pl * h * w;
+    // A window starts before h + ph + sh (and x alike): these fit in 32 bits.
+    const int y0 = (int)((long long)oy * s.sh - s.ph), x0 = (int)((long long)ox * s.sw - s.pw);
+    T v[9];
+    bool in[9];
+#pragma unroll
+    for (int k = 0; k < 9; ++k) {
+      const int yy = y0 + k / 3, xx = x0 + k % 3;
+      in[k] = yy >= 0 && yy < h && xx >= 0 && xx < w;
+      v[k] = in[k] ? src[yy * w + xx] : T(0);
+    }
+    int pick = -1;
+    T m = T(0);
+#pragma unroll
+    for (int k = 0; k < 9; ++k)
+      if (in[k] && (pick < 0 || v[k] > m || v[k] != v[k])) {
+        m = v[k];
+        pick = (y0 + k / 3) * w + x0 + k % 3;
+      }
+    picks[i] = pick;
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void kg_max_pool2d_picks(const T* __restrict__ x, int* __restrict__ picks,
                                                     const KgPoolShape& s) {
+  const long long big = 1LL << 30;
+  if (s.kh == 3 && s.kw == 3 && s.dh == 1 && s.dw == 1 && s.planes * s.h * s.w < big &&
+      s.planes * s.ho * s.wo < big && s.h + s.ph + s.sh < big && s.w + s.pw + s.sw < big) {
+    kg_max_pool2d_picks_3x3(x, picks, s);
+    return;
+  }
   kg_pool_launch(s.planes, s.ho, s.wo, [&](long long i, long long pl, long long oy, long long ox) {
     const T* src = x + pl * s.h * s.w;
     const long long y0 = oy * s.sh - s.ph, x0 = ox * s.sw - s.pw;
@@ -97,14 +136,31 @@ __device__ __forceinline__ void kg_max_pool2d_backward_fast(const int* __restric
     const int* pp = picks + (kg_index)pl * ho * wo;
     const T* gp = dy + (kg_index)pl * ho * wo;
     T acc = T(0);
-    // Both loads of a window issued before the compare, so that they overlap.
-    for (int oy = ys.hi; oy >= ys.lo; --oy)
-      for (int ox = xs.hi; ox >= xs.lo; --ox) {
-        const int o = oy * wo + ox;
-        const int pick = pp[o];
-        const T g = gp[o];
-        acc += pick == pix ? g : T(0);
+    if (ys.hi - ys.lo <= 1 && xs.hi - xs.lo <= 1) {
+      // At most 2 × 2 windows (a kernel no wider than twice its stride, as 3×3 stride 2): the
+      // eight loads are issued before any compare, so that they overlap; the sum keeps the loop's
+      // order below.
+      int pick[4];
+      T g[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int oy = ys.hi - (k >> 1), ox = xs.hi - (k & 1);
+        const bool in = oy >= ys.lo && ox >= xs.lo;
+        pick[k] = in ? pp[oy * wo + ox] : -1;
+        g[k] = in ? gp[oy * wo + ox] : T(0);
       }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) acc += pick[k] == pix ? g[k] : T(0);
+    } else {
+      // Both loads of a window issued before the compare, so that they overlap.
+      for (int oy = ys.hi; oy >= ys.lo; --oy)
+        for (int ox = xs.hi; ox >= xs.lo; --ox) {
+          const int o = oy * wo + ox;
+          const int pick = pp[o];
+          const T g = gp[o];
+          acc += pick == pix ? g : T(0);
+        }
+    }
     dx[i] = acc;
   }
 }
