@@ -115,15 +115,6 @@ __device__ __forceinline__ T kg_scalar_grad(T x, T dy, T s) {
 
 // ---- contiguous maps with 16-byte accesses ----
 
-template <class T>
-struct alignas(KG_EW_PACK_BYTES) KgPack {
-  T v[KG_EW_PACK_BYTES / sizeof(T)];
-};
-
-__device__ __forceinline__ bool kg_aligned16(const void* p) {
-  return ((unsigned long long)p & (KG_EW_PACK_BYTES - 1)) == 0;
-}
-
 // y[i] = f(x[i]) for i < n.
 template <class T, class Fn>
 __device__ __forceinline__ void kg_map1(const T* __restrict__ x, T* __restrict__ y, kg_index n, const Fn& f) {

@@ -6,7 +6,7 @@
 #include "index_shared.cuh"
 
 #define KG_EW_THREADS 256    // threads per block of every elementwise kernel
-#define KG_EW_PACK_BYTES 16  // contiguous maps load and store packs of this many bytes
+#define KG_EW_PACK_BYTES KG_PACK_BYTES  // contiguous maps load and store packs of this many bytes
 #define KG_EW_MAX_DIMS 8     // merged dims of a general broadcast or of a gradient reduction
 
 // ---- broadcasting ----

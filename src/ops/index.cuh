@@ -2,7 +2,8 @@
 //  - division by a divisor fixed for a launch through a precomputed multiplier (Granlund and
 //    Montgomery's round-up method); KgDivider is laid out in index_shared.cuh, which the host
 //    fills from ops/divider.hpp (16 bytes, passed by value);
-//  - a grid-stride loop that keeps KG_UNROLL loads in flight per thread.
+//  - a grid-stride loop that keeps KG_UNROLL loads in flight per thread;
+//  - 16-byte packs of contiguous values.
 #pragma once
 
 #include "index_shared.cuh"
@@ -17,6 +18,16 @@ __device__ __forceinline__ kg_index kg_div(const KgDivider& f, kg_index n) {
     return (kg_index)((__umulhi(u, f.mul) + u) >> f.shift);
   }
   return n / f.d;
+}
+
+// KG_PACK_BYTES / sizeof(T) contiguous values, moved by one 16-byte access.
+template <class T>
+struct alignas(KG_PACK_BYTES) KgPack {
+  T v[KG_PACK_BYTES / sizeof(T)];
+};
+
+__device__ __forceinline__ bool kg_aligned16(const void* p) {
+  return ((unsigned long long)p & (KG_PACK_BYTES - 1)) == 0;
 }
 
 // For every i in [0, total): v = load(i), then store(i, v). Each thread takes KG_UNROLL indices a

@@ -13,3 +13,5 @@ struct KgDivider {
 // Indices each thread takes per round of kg_for_each_unrolled: grids are sized for
 // total / KG_UNROLL threads.
 #define KG_UNROLL 4
+// Bytes of the packs (KgPack) in which memory-bound kernels move contiguous values.
+#define KG_PACK_BYTES 16

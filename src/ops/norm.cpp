@@ -123,9 +123,12 @@ class BatchNorm2dRuntime final : public RuntimeOp {
   Dim3 range_blocks(std::int64_t chunks) const {
     return {static_cast<unsigned>(std::clamp<std::int64_t>(c_ * chunks, 1, kMaxBlocks)), 1, 1};
   }
-  // kg_for_each_unrolled over every element.
-  static Dim3 elementwise_grid(const std::vector<std::int64_t>& shape) {
-    return grid_1d((numel_of(shape) + KG_UNROLL - 1) / KG_UNROLL, kNormThreads);
+  // kg_for_each_unrolled over every element, in 16-byte packs when H*W is a multiple of one (the
+  // kernels fall back to single values, with the same grid, on an unaligned buffer).
+  Dim3 elementwise_grid(const std::vector<std::int64_t>& shape) const {
+    const auto pack = static_cast<std::int64_t>(KG_PACK_BYTES / dtype_size(dtype_));
+    const std::int64_t per_thread = (shape.at(2) * shape.at(3) % pack == 0 ? pack : 1) * KG_UNROLL;
+    return grid_1d((numel_of(shape) + per_thread - 1) / per_thread, kNormThreads);
   }
   std::int64_t c_;
   double eps_, momentum_;

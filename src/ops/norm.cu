@@ -28,13 +28,30 @@ __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 //     PyTorch does: running = (1 - momentum) running + momentum batch (the unbiased variance),
 //     num_batches_tracked + 1.
 //   phase 2 applies y = x * scale[c] + shift[c] to every element, the channel of element i
-//     being (i / hw) % c.
+//     being (i / hw) % c; in 16-byte packs when H*W is a multiple of a pack (one channel per pack).
 
 template <class T, bool Small>
 __device__ __forceinline__ void kg_batch_norm2d_apply(const T* __restrict__ x,
                                                       const T* __restrict__ scale_shift, T* __restrict__ y,
                                                       kg_index total, kg_index c, const KgDivider& hw_div,
                                                       const KgDivider& c_div) {
+  constexpr int W = KG_PACK_BYTES / sizeof(T);
+  if (Small && hw_div.d % W == 0 && kg_aligned16(x) && kg_aligned16(y)) {
+    // 16-byte packs, each within one plane: one channel lookup per pack.
+    const KgPack<T>* xp = reinterpret_cast<const KgPack<T>*>(x);
+    KgPack<T>* yp = reinterpret_cast<KgPack<T>*>(y);
+    kg_for_each_unrolled<KgPack<T>>(
+        total / W, [&](kg_index j) { return xp[j]; },
+        [&](kg_index j, KgPack<T> p) {
+          const kg_index plane = kg_div<true>(hw_div, j * W);
+          const kg_index ch = plane - kg_div<true>(c_div, plane) * c;
+          const T sc = scale_shift[ch], sh = scale_shift[c + ch];
+#pragma unroll
+          for (int k = 0; k < W; ++k) p.v[k] = p.v[k] * sc + sh;
+          yp[j] = p;
+        });
+    return;
+  }
   kg_for_each_unrolled<T, Small ? KG_UNROLL : 1>(
       total, [&](kg_index i) { return x[i]; },
       [&](kg_index i, T v) {

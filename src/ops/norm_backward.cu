@@ -25,7 +25,8 @@ __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 //     any schedule), using Σ dy (x - mean) = Σ dy (x - centre) + (centre - mean) Σ dy, and writes
 //     dw, db and the coefficients of dx = A dy + B (x - mean) + C as T in `coef` (A, B, mean, C for
 //     each channel, channel-major);
-//   phase 2 (when dx is wanted) applies them elementwise.
+//   phase 2 (when dx is wanted) applies them elementwise (in 16-byte packs when H*W is a multiple
+//     of a pack).
 
 template <class T, bool Small>
 __device__ __forceinline__ void kg_batch_norm2d_backward_partials(const T* __restrict__ x,
@@ -111,6 +112,29 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_dx(const T* __restrict_
                                                             T* __restrict__ dx, const T* __restrict__ coef,
                                                             kg_index total, kg_index c,
                                                             const KgDivider& hw_div, const KgDivider& c_div) {
+  constexpr int W = KG_PACK_BYTES / sizeof(T);
+  if (Small && hw_div.d % W == 0 && kg_aligned16(x) && kg_aligned16(dy) && kg_aligned16(dx)) {
+    // 16-byte packs, each within one plane: one channel and one set of coefficients per pack.
+    struct Packs {
+      KgPack<T> x, dy;
+    };
+    const KgPack<T>* xp = reinterpret_cast<const KgPack<T>*>(x);
+    const KgPack<T>* gp = reinterpret_cast<const KgPack<T>*>(dy);
+    KgPack<T>* dp = reinterpret_cast<KgPack<T>*>(dx);
+    kg_for_each_unrolled<Packs>(
+        total / W, [&](kg_index j) { return Packs{xp[j], gp[j]}; },
+        [&](kg_index j, const Packs& v) {
+          const kg_index plane = kg_div<true>(hw_div, j * W);
+          const kg_index ch = plane - kg_div<true>(c_div, plane) * c;
+          const T* k = coef + KG_BN_COEFS * ch;
+          const T a = k[0], b = k[1], mean = k[2], cc = k[3];
+          KgPack<T> out;
+#pragma unroll
+          for (int e = 0; e < W; ++e) out.v[e] = a * v.dy.v[e] + b * (v.x.v[e] - mean) + cc;
+          dp[j] = out;
+        });
+    return;
+  }
   // The loads of a round only read x and dy; the channel and its coefficients come in the store.
   struct Pair {
     T x, dy;

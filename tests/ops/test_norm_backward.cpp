@@ -79,8 +79,9 @@ TEST(BatchNormBackward, F32AgainstTheClosedForm) {
   const auto seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
-  // One range per channel, and 4 (4650 values per channel: the kernels' partial sums merged).
-  for (const auto& shape : std::vector<std::vector<std::int64_t>>{{4, 3, 7, 9}, {5, 2, 30, 31}})
+  // One range per channel, and 4 (4650 values per channel: the kernels' partial sums merged);
+  // planes of 7×9 values, and of 6×8, whole 16-byte packs.
+  for (const auto& shape : std::vector<std::vector<std::int64_t>>{{4, 3, 7, 9}, {5, 2, 30, 31}, {3, 4, 6, 8}})
   for (const bool training : {true, false}) {
     SCOPED_TRACE(kg::sizes_to_string(shape) + (training ? " train" : " eval"));
     const bwd::Problem p = bn_problem(shape, kg::DType::F32, training, rng);

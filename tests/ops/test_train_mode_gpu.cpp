@@ -286,6 +286,9 @@ TEST(TrainMode, BatchNormTrainLaunchesTakeABlockPerChannelRange) {
     EXPECT_EQ(train[1].grid.x, static_cast<unsigned>((c + 255) / 256));  // a thread per channel
     EXPECT_EQ(eval[0].grid.x, train[1].grid.x);
     EXPECT_EQ(train[2].grid.x, eval[1].grid.x);
+    // y: 4 rounds of 16-byte packs per thread where a plane holds whole packs, else of values.
+    const std::int64_t numel = shape[0] * c * shape[2] * shape[3], per_thread = shape[2] == 5 ? 4 : 16;
+    EXPECT_EQ(train[2].grid.x, static_cast<unsigned>((numel / per_thread + 255) / 256));
     // Both modes pack the same argument list for the same phase; only `training` differs.
     const auto eval_args = as_text(eval[0].args), train_args = as_text(train[1].args);
     ASSERT_EQ(eval_args.size(), train_args.size());
