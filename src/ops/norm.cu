@@ -20,6 +20,7 @@ __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 //     channel-major). One pass over the range: the sums of d = x - s and d^2 in double, s being
 //     the range's first value (shifted data keep d^2's sum from cancelling: the variance is
 //     Σd² - (Σd)²/n, exact in double for float data near s), block tree sums in fixed order.
+//     Where a plane holds whole 16-byte packs, the ranges are of packs and read as packs.
 //   phase 1 (a thread per channel): the scale and shift, in double as the CPU computes them:
 //     scale = w / sqrt(var + eps), shift = b - mean * scale, stored as T in `scale_shift` (the C
 //     scales, then the C shifts). Inference takes the running statistics; training merges the
@@ -66,24 +67,37 @@ __device__ __forceinline__ void kg_batch_norm2d_partials(const T* __restrict__ x
                                                          kg_index total, kg_index c, kg_index chunks,
                                                          const KgDivider& hw_div) {
   __shared__ double smem[32];
+  constexpr int W = KG_PACK_BYTES / sizeof(T);
+  // Ranges of whole 16-byte packs where a plane holds whole packs (`unit` values each).
+  const int unit = Small && hw_div.d % W == 0 && kg_aligned16(x) ? W : 1;
   const kg_index m = total / c;
   for (kg_index blk = blockIdx.x; blk < c * chunks; blk += gridDim.x) {
     const kg_index ch = blk / chunks, k = blk - ch * chunks;
-    const KgBnRange r = kg_bn_range(m, chunks, k);
+    const KgBnRange r = kg_bn_range(m / unit, chunks, k);
     // One pass: sums of x - s and (x - s)^2 in double, shifted by the range's first value s.
-    const double shift = (double)x[kg_bn_offset<Small>(r.begin, ch, c, hw_div)];
+    const double shift = (double)x[kg_bn_offset<Small>(r.begin * unit, ch, c, hw_div)];
     double s1 = 0, s2 = 0;
-    kg_bn_for_range<KG_BN_UNROLL>(
-        r.begin, r.end, [&](kg_index i) { return x[kg_bn_offset<Small>(i, ch, c, hw_div)]; },
-        [&](T v) {
-          const double d = (double)v - shift;
-          s1 += d;
-          s2 += d * d;
-        });
+    auto add = [&](T v) {
+      const double d = (double)v - shift;
+      s1 += d;
+      s2 += d * d;
+    };
+    if (unit == W) {
+      const KgPack<T>* xp = reinterpret_cast<const KgPack<T>*>(x);
+      kg_bn_for_range<KG_BN_PACK_UNROLL>(
+          r.begin, r.end, [&](kg_index u) { return xp[kg_bn_offset<true>(u * W, ch, c, hw_div) / W]; },
+          [&](const KgPack<T>& p) {
+#pragma unroll
+            for (int e = 0; e < W; ++e) add(p.v[e]);
+          });
+    } else {
+      kg_bn_for_range<KG_BN_UNROLL>(
+          r.begin, r.end, [&](kg_index i) { return x[kg_bn_offset<Small>(i, ch, c, hw_div)]; }, add);
+    }
     s1 = kg_block_sum(s1, smem);
     s2 = kg_block_sum(s2, smem);
     if (threadIdx.x == 0) {
-      const double count = (double)(r.end - r.begin), dm = s1 / count;
+      const double count = (double)((r.end - r.begin) * unit), dm = s1 / count;
       double* p = partials + KG_BN_FWD_PARTIALS * blk;
       p[0] = count;
       p[1] = shift + dm;

@@ -20,7 +20,8 @@ __device__ __forceinline__ double kg_sqrt(double v) { return sqrt(v); }
 //     (KG_BN_BWD_PARTIALS doubles per block, channel-major) its count, its centre (the range's
 //     own mean in training, the running mean in inference), the sum of squared deviations from
 //     the centre, Σ dy and Σ dy (x - centre); one pass over the range (sums shifted by its first
-//     value in training, as the forward's), block tree sums in double;
+//     value in training, as the forward's; ranges of 16-byte packs where a plane holds whole
+//     packs), block tree sums in double;
 //   phase 1 (a thread per channel) merges the ranges in order (no atomics, the same result for
 //     any schedule), using Σ dy (x - mean) = Σ dy (x - centre) + (centre - mean) Σ dy, and writes
 //     dw, db and the coefficients of dx = A dy + B (x - mean) + C as T in `coef` (A, B, mean, C for
@@ -36,38 +37,60 @@ __device__ __forceinline__ void kg_batch_norm2d_backward_partials(const T* __res
                                                                   kg_index c, kg_index chunks,
                                                                   const KgDivider& hw_div, int training) {
   __shared__ double smem[32];
+  constexpr int W = KG_PACK_BYTES / sizeof(T);
+  // Ranges of whole 16-byte packs where a plane holds whole packs (`unit` values each).
+  const int unit = Small && hw_div.d % W == 0 && kg_aligned16(x) && kg_aligned16(dy) ? W : 1;
   const kg_index m = n * hw_div.d;
   for (kg_index blk = blockIdx.x; blk < c * chunks; blk += gridDim.x) {
     const kg_index ch = blk / chunks, k = blk - ch * chunks;
-    const KgBnRange r = kg_bn_range(m, chunks, k);
+    const KgBnRange r = kg_bn_range(m / unit, chunks, k);
     // One pass over x and dy, shifted by s: the range's first value in training, the running
     // mean in inference. Sums of d = x - s, d^2, dy and dy d, in double.
     const double shift =
-        training ? (double)x[kg_bn_offset<Small>(r.begin, ch, c, hw_div)] : (double)rmean[ch];
-    struct Pair {
-      T x, dy;
-    };
+        training ? (double)x[kg_bn_offset<Small>(r.begin * unit, ch, c, hw_div)] : (double)rmean[ch];
     double s1 = 0, s2 = 0, sdy = 0, sdyx = 0;
-    kg_bn_for_range<KG_BN_UNROLL>(
-        r.begin, r.end,
-        [&](kg_index i) {
-          const kg_index e = kg_bn_offset<Small>(i, ch, c, hw_div);
-          return Pair{x[e], dy[e]};
-        },
-        [&](const Pair& v) {
-          const double d = (double)v.x - shift, g = (double)v.dy;
-          s1 += d;
-          s2 += d * d;
-          sdy += g;
-          sdyx += g * d;
-        });
+    auto add = [&](T xv, T gv) {
+      const double d = (double)xv - shift, g = (double)gv;
+      s1 += d;
+      s2 += d * d;
+      sdy += g;
+      sdyx += g * d;
+    };
+    if (unit == W) {
+      struct Packs {
+        KgPack<T> x, dy;
+      };
+      const KgPack<T>* xp = reinterpret_cast<const KgPack<T>*>(x);
+      const KgPack<T>* gp = reinterpret_cast<const KgPack<T>*>(dy);
+      kg_bn_for_range<KG_BN_PACK_UNROLL>(
+          r.begin, r.end,
+          [&](kg_index u) {
+            const kg_index e = kg_bn_offset<true>(u * W, ch, c, hw_div) / W;
+            return Packs{xp[e], gp[e]};
+          },
+          [&](const Packs& v) {
+#pragma unroll
+            for (int e = 0; e < W; ++e) add(v.x.v[e], v.dy.v[e]);
+          });
+    } else {
+      struct Pair {
+        T x, dy;
+      };
+      kg_bn_for_range<KG_BN_UNROLL>(
+          r.begin, r.end,
+          [&](kg_index i) {
+            const kg_index e = kg_bn_offset<Small>(i, ch, c, hw_div);
+            return Pair{x[e], dy[e]};
+          },
+          [&](const Pair& v) { add(v.x, v.dy); });
+    }
     s1 = training ? kg_block_sum(s1, smem) : 0.0;
     s2 = training ? kg_block_sum(s2, smem) : 0.0;
     sdy = kg_block_sum(sdy, smem);
     sdyx = kg_block_sum(sdyx, smem);
     if (threadIdx.x == 0) {
       // Re-centred on the range's own mean in training: Σ dy (x - mean) = Σ dy d - (mean - s) Σ dy.
-      const double count = (double)(r.end - r.begin), dm = training ? s1 / count : 0.0;
+      const double count = (double)((r.end - r.begin) * unit), dm = training ? s1 / count : 0.0;
       double* p = partials + KG_BN_BWD_PARTIALS * blk;
       p[0] = count;
       p[1] = shift + dm;

@@ -16,8 +16,10 @@
 #define KG_BN_FWD_PARTIALS 3
 #define KG_BN_BWD_PARTIALS 5
 #define KG_BN_MIN_CHUNK 1024
-// Loads each thread issues before it adds them into a range's partial sums.
+// Loads each thread issues before it adds them into a range's partial sums: single values, or
+// 16-byte packs.
 #define KG_BN_UNROLL 8
+#define KG_BN_PACK_UNROLL 4
 #define KG_BN_TARGET_BLOCKS 1024
 
 // nn.layer_norm. Rows of up to KG_LN_WARP_MAX elements take a warp each (KG_NORM_THREADS / 32
