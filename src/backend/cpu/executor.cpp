@@ -648,7 +648,12 @@ class CpuModelExecutor final : public backend::Executor {
   std::unique_ptr<comm::GradientSync> make_gradient_sync(comm::Group& group, std::size_t bucket_bytes) override {
     return comm::make_host_sync(group, grads_, bucket_bytes);
   }
-  void zero_grad() override {}  // the host gradients are LoadedModel's, zeroed there
+  // The parameter gradients are LoadedModel's host tensors, which the backward adds into.
+  void zero_grad() override {
+    for (auto& row : grads_)
+      for (Tensor& g : row)
+        if (g.raw() != nullptr) std::memset(g.raw(), 0, g.nbytes());
+  }
   void step(const OptimizerOptions& options, std::int64_t step) override {
     for (std::size_t s = 0; s < plan_.steps.size(); ++s)
       for (std::size_t p = 0; p < plan_.steps[s].specs.size(); ++p)
