@@ -27,7 +27,10 @@
 // uploaded once, and a step is zero_grad(); forward_device({input, labels}); backward(); step()
 // with CUDA events recorded on the models' stream before and after it (kg_bench::StreamTimer;
 // the wall time on the cpu); the median of those times is printed, with "timing=device" and
-// "host_issue_ms=<m>" added: the median host time to issue a step, before waiting for it.
+// "host_issue_ms=<m>" added: the median host time to issue a step, before waiting for it; a
+// second line, "batch=<n> host ms (medians): zero_grad=... forward_device=... backward=...
+// step=...", splits that time by call (forward_device includes the wait for the forward; the GPU
+// idles through backward's share).
 // Inputs come from DIR/input_b<n>.safetensors (tensors "input" f32 and "labels" i64 or i32) when
 // --input-dir is given, else uniform in [-1, 1) with random labels; weights from --weights, else
 // the default initialisation (seed S). --tune loads with LoadOptions::tune: every cuDNN and
