@@ -55,6 +55,7 @@ class Executor {
   // NCCL on a GPU's.
   virtual std::unique_ptr<comm::GradientSync> make_gradient_sync(comm::Group& group,
                                                                  std::size_t bucket_bytes) = 0;
+  // Zeroes the parameter gradients where this backend keeps them (host tensors, device memory).
   virtual void zero_grad() = 0;
   // One optimiser update at step `step` (1-based); state starts at zero after reset_optimizer.
   virtual void step(const OptimizerOptions& options, std::int64_t step) = 0;

@@ -110,7 +110,7 @@ void LoadedModel::zero_grad() {
   require_training(m, "zero_grad");
   // The backend zeroes the gradients where they live: the host tensors on the CPU, device memory
   // on a GPU (whose host copies are only written by a download, so they are left alone: zeroing
-  // them cost milliseconds of host time per step while the GPU waited for the forward).
+  // them cost milliseconds of host time per step, with the GPU idle).
   m.exec->zero_grad();
   m.grads_fresh = true;
 }
