@@ -30,6 +30,27 @@ __device__ __forceinline__ bool kg_aligned16(const void* p) {
   return ((unsigned long long)p & (KG_PACK_BYTES - 1)) == 0;
 }
 
+// For every i = first, first + step, ... below end: v = load(i), then use(i, v). Each round
+// takes U indices and issues their loads before their uses, so that the thread keeps U memory
+// requests in flight.
+template <class V, int U, class Load, class Use>
+__device__ __forceinline__ void kg_strided_unrolled(kg_index first, kg_index end, kg_index step, const Load& load,
+                                                    const Use& use) {
+  for (kg_index i0 = first; i0 < end; i0 += U * step) {
+    V v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const kg_index i = i0 + u * step;
+      if (i < end) v[u] = load(i);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const kg_index i = i0 + u * step;
+      if (i < end) use(i, v[u]);
+    }
+  }
+}
+
 // For every i in [0, total): v = load(i), then store(i, v). Each thread takes KG_UNROLL indices a
 // grid stride apart per round and issues their loads before their stores, so that each thread
 // has several memory requests in flight; adjacent threads still touch adjacent indices. Size
@@ -37,18 +58,5 @@ __device__ __forceinline__ bool kg_aligned16(const void* p) {
 // index math) small.
 template <class V, int U = KG_UNROLL, class Load, class Store>
 __device__ __forceinline__ void kg_for_each_unrolled(kg_index total, Load load, Store store) {
-  const kg_index stride = kg_grid_stride();
-  for (kg_index i0 = kg_thread_index(); i0 < total; i0 += U * stride) {
-    V v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const kg_index i = i0 + u * stride;
-      if (i < total) v[u] = load(i);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const kg_index i = i0 + u * stride;
-      if (i < total) store(i, v[u]);
-    }
-  }
+  kg_strided_unrolled<V, U>(kg_thread_index(), total, kg_grid_stride(), load, store);
 }

@@ -28,17 +28,7 @@ __device__ __forceinline__ KgBnRange kg_bn_range(kg_index m, kg_index chunks, kg
 template <int U, class Load, class Add>
 __device__ __forceinline__ void kg_bn_for_range(kg_index begin, kg_index end, const Load& load, const Add& add) {
   using V = decltype(load(begin));
-  for (kg_index i0 = begin + threadIdx.x; i0 < end; i0 += U * KG_NORM_THREADS) {
-    V v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const kg_index i = i0 + u * KG_NORM_THREADS;
-      if (i < end) v[u] = load(i);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (i0 + u * KG_NORM_THREADS < end) add(v[u]);
-  }
+  kg_strided_unrolled<V, U>(begin + threadIdx.x, end, KG_NORM_THREADS, load, [&](kg_index, const V& v) { add(v); });
 }
 
 // Count, mean and sum of squared deviations from the mean of a range of values.
