@@ -23,6 +23,14 @@ template <class T>
 __device__ __forceinline__ void kg_max_pool2d(const T* __restrict__ x, T* __restrict__ y,
                                               const KgPoolShape& s) {
   typedef kg_compute_t<T> C;
+  if (kg_pool_is_small_3x3(s)) {  // the nine taps' loads in flight together (pool_device.cuh)
+    kg_pool_3x3_for_each(x, s, [&](unsigned i, const T* src, int y0, int x0) {
+      T value;
+      y[i] = kg_pool_pick_3x3(src, (int)s.h, (int)s.w, y0, x0, value) >= 0 ? value
+                                                                            : kg_from_compute<T>(kg_pool_lowest(C(0)));
+    });
+    return;
+  }
   kg_pool_launch(s.planes, s.ho, s.wo, [&](long long i, long long pl, long long oy, long long ox) {
     const T* src = x + pl * s.h * s.w;
     const long long iy0 = oy * s.sh - s.ph, ix0 = ox * s.sw - s.pw;

@@ -43,46 +43,14 @@ __device__ __forceinline__ void kg_pool_windows(long long pos, long long n, long
 
 // Each window's pick as an index in its plane (iy * W + ix), or -1 for a window with no tap
 // inside the input: the first strictly larger value, or a NaN. A thread per output element.
-// The picks of 3×3 windows without dilation, every index below 2^30: the nine taps are loaded
-// (those outside the input skipped) before the first compare, in 32-bit arithmetic.
-template <class T>
-__device__ __forceinline__ void kg_max_pool2d_picks_3x3(const T* __restrict__ x, int* __restrict__ picks,
-                                                        const KgPoolShape& s) {
-  const int h = (int)s.h, w = (int)s.w, ho = (int)s.ho, wo = (int)s.wo;
-  const unsigned out_plane = (unsigned)(ho * wo), total = (unsigned)s.planes * out_plane;
-  for (unsigned i = (unsigned)kg_thread_index(); i < total; i += (unsigned)kg_grid_stride()) {
-    const unsigned pl = i / out_plane, opix = i - pl * out_plane;
-    const int oy = (int)(opix / (unsigned)wo), ox = (int)opix - oy * wo;
-    const T* src = x + (kg_index)pl * h * w;
-    // A window starts before h + ph + sh (and x alike): these fit in 32 bits.
-    const int y0 = (int)((long long)oy * s.sh - s.ph), x0 = (int)((long long)ox * s.sw - s.pw);
-    T v[9];
-    bool in[9];
-#pragma unroll
-    for (int k = 0; k < 9; ++k) {
-      const int yy = y0 + k / 3, xx = x0 + k % 3;
-      in[k] = yy >= 0 && yy < h && xx >= 0 && xx < w;
-      v[k] = in[k] ? src[yy * w + xx] : T(0);
-    }
-    int pick = -1;
-    T m = T(0);
-#pragma unroll
-    for (int k = 0; k < 9; ++k)
-      if (in[k] && (pick < 0 || v[k] > m || v[k] != v[k])) {
-        m = v[k];
-        pick = (y0 + k / 3) * w + x0 + k % 3;
-      }
-    picks[i] = pick;
-  }
-}
-
 template <class T>
 __device__ __forceinline__ void kg_max_pool2d_picks(const T* __restrict__ x, int* __restrict__ picks,
                                                     const KgPoolShape& s) {
-  const long long big = 1LL << 30;
-  if (s.kh == 3 && s.kw == 3 && s.dh == 1 && s.dw == 1 && s.planes * s.h * s.w < big &&
-      s.planes * s.ho * s.wo < big && s.h + s.ph + s.sh < big && s.w + s.pw + s.sw < big) {
-    kg_max_pool2d_picks_3x3(x, picks, s);
+  if (kg_pool_is_small_3x3(s)) {
+    kg_pool_3x3_for_each(x, s, [&](unsigned i, const T* src, int y0, int x0) {
+      T value;
+      picks[i] = kg_pool_pick_3x3(src, (int)s.h, (int)s.w, y0, x0, value);
+    });
     return;
   }
   kg_pool_launch(s.planes, s.ho, s.wo, [&](long long i, long long pl, long long oy, long long ox) {

@@ -2,6 +2,7 @@
 #include <limits>
 #include <sstream>
 
+#include "backend/emu/executor.hpp"
 #include "compile/compiler.hpp"
 #include "lower/dry_run.hpp"
 #include "support/gpu_util.hpp"
@@ -350,6 +351,64 @@ TEST(Pool2d, GpuLoweringCompilesAndMatchesTheCpu) {
           {x}, 0, 1e-300);
     }
   }
+}
+
+// The GPU's 3×3 max-pool path (every tap loaded before the first compare) keeps PyTorch's rule:
+// the first of equal values (told apart here by the sign of zero), a NaN anywhere in the window,
+// -inf where every tap is -inf; in f32, f16 and bf16 (compared in float). Checked bit for bit
+// against a naive loop of that rule, through the emulator (and on a GPU where there is one).
+TEST(Pool2d, GpuMaxPool3x3PathKeepsTiesNaNAndInfinities) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> values = {0.0, -0.0, 1.0, -1.0, -inf, -inf, -inf, 0.5, nan};  // NaN last
+  const std::int64_t n = 2, c = 3, h = 9, w = 11;
+  // Without NaNs first, where an element never written (poisoned with NaN) shows.
+  for (bool with_nan : {false, true})
+    for (kg::DType dt : {kg::DType::F32, kg::DType::F16, kg::DType::BF16})
+      for (const PoolCfg& cfg : {PoolCfg{true, 3, 2, 1}, PoolCfg{true, 3, 1, 1}, PoolCfg{true, 3, 2, 0, 1, true}}) {
+        SCOPED_TRACE(cfg.text() + " " + std::string(kg::dtype_name(dt)) + (with_nan ? " with NaNs" : ""));
+        std::uniform_int_distribution<std::size_t> pick(0, values.size() - (with_nan ? 1 : 2));
+        std::vector<float> v(static_cast<std::size_t>(n * c * h * w));
+        for (float& e : v) e = static_cast<float>(values[pick(rng)]);
+        const kg::Tensor x = kg::Tensor::from_vector<float>({n, c, h, w}, v).to(dt);
+        auto g = kg::Graph::create();
+        kg::Model model(g, {cfg.record(g->input(dt, {kg::Dim::named("batch"), c, h, w}, "x"))});
+        // The rule, tap by tap in row-major order.
+        const std::int64_t s = cfg.stride.h, p = cfg.padding.h;
+        const std::int64_t ho = pool_out(h, 3, s, p, 1, cfg.ceil_mode), wo = pool_out(w, 3, s, p, 1, cfg.ceil_mode);
+        std::vector<double> want;
+        for (std::int64_t pl = 0; pl < n * c; ++pl)
+          for (std::int64_t oy = 0; oy < ho; ++oy)
+            for (std::int64_t ox = 0; ox < wo; ++ox) {
+              double m = -inf;
+              for (std::int64_t ky = 0; ky < 3; ++ky)
+                for (std::int64_t kx = 0; kx < 3; ++kx) {
+                  const std::int64_t iy = oy * s - p + ky, ix = ox * s - p + kx;
+                  if (iy < 0 || iy >= h || ix < 0 || ix >= w) continue;
+                  const double t = v[static_cast<std::size_t>((pl * h + iy) * w + ix)];
+                  if (t > m || std::isnan(t)) m = t;
+                }
+              want.push_back(m);
+            }
+        auto same_bits = [&](const kg::Tensor& got) {
+          ASSERT_EQ(got.numel(), static_cast<std::int64_t>(want.size()));
+          if (!with_nan) {
+            EXPECT_TRUE(kg_test::all_written(got));
+          }
+          for (std::int64_t i = 0; i < got.numel(); ++i) {
+            const double a = got.item(i), b = want[static_cast<std::size_t>(i)];
+            if (std::isnan(b)) {
+              EXPECT_TRUE(std::isnan(a)) << "element " << i;
+            } else {
+              EXPECT_TRUE(a == b && std::signbit(a) == std::signbit(b)) << "element " << i << ": " << a << " vs " << b;
+            }
+          }
+        };
+        same_bits(kg::emu::run_model(model, {x}, {}, /*checked=*/true).at(0));
+        if (kg::Device::cuda_available()) same_bits(model.load(kg::Device::cuda(), {x.shape()}).forward({x}).at(0));
+      }
 }
 
 TEST(Pool2d, GpuEntriesAndGrids) {
