@@ -41,6 +41,7 @@
 // same parameters as those below that calls kg_conv2d_direct, kg_conv2d_gemm or kg_conv2d_tiled
 // with an activation functor.
 #include "conv_shared.cuh"  // KG_CONV_* and KgConvShape, shared with ops/conv_gpu.cpp
+#include "index.cuh"        // KgPack, kg_strided_unrolled
 #include "kg_device.cuh"
 #include "mma.cuh"
 
@@ -1030,6 +1031,40 @@ __device__ __forceinline__ void kg_conv2d_epilogue(T* __restrict__ y, const KgCo
       }
       *reinterpret_cast<P*>(y + at) = v;
     }
+    return;
+  }
+  if (!s.nhwc && hwo % V == 0 && total / V < (1LL << 31) && kg_aligned16(y) &&
+      (!ep.residual || kg_aligned16(ep.residual))) {
+    // NCHW whose planes hold whole packs of V elements: a pack's channel, scale and shift once
+    // (a 32-bit division, where the general loop divides in 64 bits per element), y and the
+    // residual read 16 bytes at a time, two packs' loads in flight per thread. The host sizes the
+    // grid for total / V threads (ops/conv_gpu.cpp, epilogue_items).
+    typedef kg_compute_t<T> C;
+    struct Packs {
+      KgPack<T> v, r;
+    };
+    const unsigned plane_packs = (unsigned)(hwo / V), channels = (unsigned)s.o;
+    KgPack<T>* yp = reinterpret_cast<KgPack<T>*>(y);
+    const KgPack<T>* rp = reinterpret_cast<const KgPack<T>*>(ep.residual);
+    kg_strided_unrolled<Packs, 2>(
+        kg_thread_index(), total / V, kg_grid_stride(),
+        [&](kg_index p) {
+          Packs a;
+          a.v = yp[p];
+          if (rp) a.r = rp[p];
+          return a;
+        },
+        [&](kg_index p, Packs& a) {
+          C scale, shift;
+          kg_conv_affine(ep, ((unsigned)p / plane_packs) % channels, scale, shift);
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            C v = kg_ld(a.v.v, j) * scale + shift;  // as kg_conv_store
+            if (rp) v += kg_ld(a.r.v, j);
+            a.v.v[j] = kg_from_compute<T>(act(v));
+          }
+          yp[p] = a.v;
+        });
     return;
   }
   for (long long at = blockIdx.x * (long long)blockDim.x + threadIdx.x; at < total;

@@ -204,7 +204,7 @@ class ConvRuntime final : public RuntimeOp {
       }
       if (epilogue)
         call.epilogue.push_back(
-            launch(epilogue_entry_, numel_of(out), 0, 0, bias, cfg_.batch_norm, residual, t.output.ptr));
+            launch(epilogue_entry_, epilogue_items(out, last), 0, 0, bias, cfg_.batch_norm, residual, t.output.ptr));
       return call;
     }
     const LastScratch ls = last_scratch(t);
@@ -240,7 +240,7 @@ class ConvRuntime final : public RuntimeOp {
         call.prologue.push_back(launch(im2col_entry_, g.m * g.k / per_thread, t.inputs[0].ptr, 0, 0, false, 0, g.a));
       if (epilogue && !in_gemm)
         call.epilogue.push_back(
-            launch(epilogue_entry_, numel_of(out), 0, 0, t.scratch + ls.shift, false, residual, t.output.ptr));
+            launch(epilogue_entry_, epilogue_items(out, last), 0, 0, t.scratch + ls.shift, false, residual, t.output.ptr));
       return call;
     }
     std::vector<std::int64_t> padded = in;
@@ -257,8 +257,15 @@ class ConvRuntime final : public RuntimeOp {
       call.prologue.push_back(launch(pad_entry_, numel_of(padded), t.inputs[0].ptr, 0, 0, false, 0, t.scratch + ls.input));
     if (epilogue)
       call.epilogue.push_back(
-          launch(epilogue_entry_, numel_of(out), 0, 0, t.scratch + ls.shift, false, residual, t.output.ptr));
+          launch(epilogue_entry_, epilogue_items(out, last), 0, 0, t.scratch + ls.shift, false, residual, t.output.ptr));
     return call;
+  }
+  // Threads of the epilogue launch over `out` (NCHW sizes): one per 16-byte pack where
+  // kg_conv2d_epilogue moves packs (NCHW planes of whole packs; channels-last, whose scale the
+  // prologue folds, with whole packs of channels), one per element otherwise.
+  std::int64_t epilogue_items(const std::vector<std::int64_t>& out, bool channels_last) const {
+    const std::int64_t v = 16 / static_cast<std::int64_t>(dtype_size(cfg_.dtype)), n = numel_of(out);
+    return (channels_last ? out[1] % v : (out[2] * out[3]) % v) == 0 ? n / v : n;
   }
   // A launch of one of the module's entries over `items` threads (the epilogue, filter, pad and
   // im2col entries loop over their work): the pointers, with the BatchNorm's parameters where

@@ -489,8 +489,17 @@ TEST(Conv2dHalf, LibraryCallAndLaunchesIn16Bit) {
     EXPECT_EQ(conv->y, t.output.ptr);
     ASSERT_EQ(call->epilogue.size(), 1u);
     EXPECT_EQ(call->epilogue[0].entry, "kg_conv2d_epilogue" + suffix(dt));
+    // A thread per element: a 9 × 10 plane does not hold whole 16-byte packs.
+    EXPECT_EQ(call->epilogue[0].grid.x, (2u * 64 * 90 + 255) / 256);
     // No backward in 16-bit: neither the library's nor the kernels'.
     EXPECT_FALSE(l.runtime_op->backward_library_calls(t).has_value());
+
+    // A 12 × 12 plane holds 18 packs of 8: the epilogue takes a thread per pack.
+    const Geom packed{16, 12, 12, 64, 3, 1, 1};
+    call = kg::ops::lower_conv(packed.gpu_config(dt), "nn.conv2d").runtime_op->library_call(conv_tensors(packed, 2, dt));
+    ASSERT_TRUE(call.has_value());
+    ASSERT_EQ(call->epilogue.size(), 1u);
+    EXPECT_EQ(call->epilogue[0].grid.x, (2u * 64 * 144 / 8 + 255) / 256);
 
     // Without a bias or epilogue: the library call alone.
     const Geom nobias{16, 9, 10, 64, 3, 1, 1, 1, 1, false};
