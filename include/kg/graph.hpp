@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -107,6 +108,7 @@ class Graph : public std::enable_shared_from_this<Graph> {
   std::vector<Node> nodes_;
   std::vector<int> inputs_;
   std::vector<std::string> scope_;
+  std::unordered_map<std::string, int> by_name_;  // find() in constant time (node names never change)
 };
 
 // RAII name scope: nodes recorded while it lives get "<scope>." prefixed to their names.

@@ -67,9 +67,8 @@ void Graph::pop_scope() {
 }
 
 int Graph::find(const std::string& name) const {
-  for (const auto& n : nodes_)
-    if (n.name == name) return n.id;
-  return -1;
+  const auto it = by_name_.find(name);
+  return it == by_name_.end() ? -1 : it->second;
 }
 
 std::string Graph::unique_name(const std::string& wanted, const std::string& stem) {
@@ -98,6 +97,7 @@ SymTensor Graph::input(DType dtype, Shape shape, std::string name) {
   }
   n.dtype = dtype;
   n.shape = std::move(shape);
+  by_name_.emplace(n.name, n.id);
   nodes_.push_back(std::move(n));
   inputs_.push_back(nodes_.back().id);
   return SymTensor(shared_from_this(), nodes_.back().id);
@@ -159,6 +159,7 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
                               " bytes but ", sizes_to_string(p.shape), " × ", dtype_name(p.dtype), " needs ", want));
     }
   }
+  by_name_.emplace(n.name, n.id);
   nodes_.push_back(std::move(n));
   return SymTensor(shared_from_this(), nodes_.back().id);
 }
@@ -169,6 +170,7 @@ int Graph::add_node(Node n) {
   for (int in : n.inputs)
     if (in < 0 || in >= n.id) throw Error(util::cat(n.label(), " Graph::add_node: input ", in, " is not an earlier node"));
   if (find(n.name) >= 0) throw Error(util::cat(n.label(), " Graph::add_node: name already used"));
+  by_name_.emplace(n.name, n.id);
   nodes_.push_back(std::move(n));
   return nodes_.back().id;
 }
