@@ -3,6 +3,7 @@
 
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace kg::util {
@@ -28,5 +29,27 @@ template <class C> std::string join(const C& items, const std::string& sep) {
 
 // Human-readable byte count: "1.50 MiB".
 std::string format_bytes(std::size_t bytes);
+
+// `s` with its control characters (bytes below 0x20, and 0x7f) and backslashes written as
+// \xNN and \\, for quoting names read from a file in messages: an escape sequence in a name
+// never reaches the terminal raw. Other bytes (UTF-8 text) pass unchanged.
+inline std::string printable(std::string_view s) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(s.size());
+  for (const char ch : s) {
+    const auto b = static_cast<unsigned char>(ch);
+    if (b == '\\') {
+      out += "\\\\";
+    } else if (b < 0x20 || b == 0x7f) {
+      out += "\\x";
+      out += kHex[b >> 4];
+      out += kHex[b & 15];
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
 
 }  // namespace kg::util
