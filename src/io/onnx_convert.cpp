@@ -20,6 +20,39 @@
 #include "util/str.hpp"
 
 namespace kg::onnx::detail {
+
+// ---- checked arithmetic ----
+
+std::int64_t checked_add(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what) {
+  std::int64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) c.fail(util::cat(what, ": ", a, " + ", b, " does not fit in 64 bits"));
+  return r;
+}
+std::int64_t checked_sub(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what) {
+  std::int64_t r = 0;
+  if (__builtin_sub_overflow(a, b, &r)) c.fail(util::cat(what, ": ", a, " - ", b, " does not fit in 64 bits"));
+  return r;
+}
+std::int64_t checked_mul(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what) {
+  std::int64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) c.fail(util::cat(what, ": ", a, " × ", b, " does not fit in 64 bits"));
+  return r;
+}
+std::int64_t checked_div(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what) {
+  if (b == 0) c.fail(util::cat(what, ": ", a, " / 0 divides by zero"));
+  if (a == std::numeric_limits<std::int64_t>::min() && b == -1)
+    c.fail(util::cat(what, ": ", a, " / -1 does not fit in 64 bits"));
+  return a / b;
+}
+std::int64_t checked_int(const NodeContext& c, double v, const char* what) {
+  // 2^63 is exactly representable; every double below it converts.
+  if (!(v >= -9223372036854775808.0 && v < 9223372036854775808.0))
+    c.fail(util::cat(what, " ", v, " is not an integer of 64 bits"));
+  return static_cast<std::int64_t>(v);
+}
+
+std::string quoted(const std::string& name) { return "'" + util::printable(name) + "'"; }
+
 namespace {
 
 using ops::DimRef;
@@ -29,6 +62,7 @@ using ops::view;
 using Values = std::vector<Value>;
 
 constexpr std::int64_t kMaxI64 = std::numeric_limits<std::int64_t>::max();
+__extension__ using Int128 = __int128;  // exact spans of two i64s
 
 std::int64_t norm_axis(NodeContext& c, std::int64_t axis, std::size_t rank, const char* what = "axis") {
   const auto r = static_cast<std::int64_t>(rank);
@@ -42,19 +76,19 @@ bool is_float_type(DType t) { return t == DType::F32 || t == DType::F64; }
 // name; another constant gets "<node>.<what>"), converting floats to the parameter's dtype.
 void bind(NodeContext& c, const SymTensor& t, std::size_t index, Value& v, const char* what) {
   if (v.graph_input)
-    throw NeedsValue(util::cat(c.label, " needs its ", what, " (input '", v.name, "', a graph input) known at import; "
+    throw NeedsValue(util::cat(c.label, " needs its ", what, " (input ", quoted(v.name), ", a graph input) known at import; "
                                "give its value in ImportOptions::input_values"),
                      {v.name});
-  if (!v.is_constant()) c.fail(util::cat("needs its ", what, " (input '", v.name, "') to be an initializer"));
+  if (!v.is_constant()) c.fail(util::cat("needs its ", what, " (input ", quoted(v.name), ") to be an initializer"));
   const Node& n = c.graph().node(t.node());
   const ParamSpec& p = n.params.at(index);
   Tensor data = *v.constant;
   if (numel_of(data.shape()) != numel_of(p.shape))
-    c.fail(util::cat(what, " '", v.name, "' is ", sizes_to_string(data.shape()), " but the op needs ",
+    c.fail(util::cat(what, " ", quoted(v.name), " is ", sizes_to_string(data.shape()), " but the op needs ",
                      sizes_to_string(p.shape)));
   if (data.dtype() != p.dtype) {
     if (!is_floating(data.dtype()) || !is_floating(p.dtype))
-      c.fail(util::cat(what, " '", v.name, "' is ", dtype_name(data.dtype()), ", expected ", dtype_name(p.dtype)));
+      c.fail(util::cat(what, " ", quoted(v.name), " is ", dtype_name(data.dtype()), ", expected ", dtype_name(p.dtype)));
     data = data.to(p.dtype);
   }
   std::vector<std::byte> bytes(data.nbytes());
@@ -95,12 +129,12 @@ std::vector<DimRef> dims_of_x(const SymTensor& x, int input = 0) {
 }
 
 // Product of x's dims [b, e) as one DimRef: static, a single dim, or nullopt.
-std::optional<DimRef> dim_product(const SymTensor& x, std::size_t b, std::size_t e) {
+std::optional<DimRef> dim_product(NodeContext& c, const SymTensor& x, std::size_t b, std::size_t e) {
   std::int64_t known = 1;
   int dyn = -1, ndyn = 0;
   for (std::size_t i = b; i < e; ++i) {
     const Dim& d = x.shape()[i];
-    if (d.is_static()) known *= d.size();
+    if (d.is_static()) known = checked_mul(c, known, d.size(), "the product of the flattened dims");
     else dyn = static_cast<int>(i), ++ndyn;
   }
   if (ndyn == 0) return DimRef::constant(known);
@@ -133,7 +167,7 @@ Values size_op(NodeContext& c) {
   std::int64_t n = 1;
   for (const Dim& d : s) {
     if (d.is_dynamic()) return {dims_value({SymDim::unknown()}, true)};
-    n *= d.size();
+    n = checked_mul(c, n, d.size(), "the element count");
   }
   return {constant_value(Tensor::from_vector<std::int64_t>({}, {n}))};
 }
@@ -153,13 +187,10 @@ std::optional<Value> dims_arith(NodeContext& c, const char* op) {
     const SymDim& y = (*b)[b->size() == 1 ? 0 : i];
     if (x.is_known() && y.is_known()) {
       std::int64_t v = 0;
-      if (o == "Add") v = x.value + y.value;
-      else if (o == "Sub") v = x.value - y.value;
-      else if (o == "Mul") v = x.value * y.value;
-      else {
-        if (y.value == 0) c.fail("divides a size by zero");
-        v = x.value / y.value;
-      }
+      if (o == "Add") v = checked_add(c, x.value, y.value, "a size");
+      else if (o == "Sub") v = checked_sub(c, x.value, y.value, "a size");
+      else if (o == "Mul") v = checked_mul(c, x.value, y.value, "a size");
+      else v = checked_div(c, x.value, y.value, "a size");
       out.push_back(SymDim::known(v));
     } else if ((o == "Mul" || o == "Div") && y.is_known() && y.value == 1) {
       out.push_back(x);
@@ -202,7 +233,7 @@ Converter binary(PointwiseFn pf, const char* onnx) {
       SymTensor x = c.tensor(0), y = c.tensor(1);
       const auto ra = static_cast<std::int64_t>(x.rank()), rb = static_cast<std::int64_t>(y.rank());
       const std::int64_t axis = c.attrs.get_int("axis", ra - rb);
-      if (axis < 0 || axis + rb > ra) c.fail(util::cat("broadcast axis ", axis, " does not fit ", y.shape().to_string(), " into ", x.shape().to_string()));
+      if (axis < 0 || axis > ra - rb) c.fail(util::cat("broadcast axis ", axis, " does not fit ", y.shape().to_string(), " into ", x.shape().to_string()));
       std::vector<DimRef> refs = dims_of_x(y);
       for (std::int64_t i = axis + rb; i < ra; ++i) refs.push_back(DimRef::constant(1));
       y = view(y, refs, {}, c.node_name("aligned"));
@@ -263,8 +294,8 @@ Values clip_op(NodeContext& c) {
     lo = c.attrs.get_float("min", lo);
     hi = c.attrs.get_float("max", hi);
   } else {
-    if (c.has_input(1)) lo = c.constant(1, "the minimum").item(0);
-    if (c.has_input(2)) hi = c.constant(2, "the maximum").item(0);
+    if (c.has_input(1)) lo = c.scalar(1, "the minimum");
+    if (c.has_input(2)) hi = c.scalar(2, "the maximum");
   }
   SymTensor x = c.tensor(0);
   return {tensor_value(pw(c, PointwiseFn::Clip, {x}, {lo, hi}))};
@@ -296,8 +327,10 @@ Values where_op(NodeContext& c) {
   if (c.in(0).is_constant() && (c.in(1).dims || c.in(2).dims)) {
     auto x = c.dims(1), y = c.dims(2);
     const Tensor& cond = *c.in(0).constant;
-    if (x && y) {
-      const std::size_t n = std::max({x->size(), y->size(), static_cast<std::size_t>(cond.numel())});
+    const auto fits = [](std::size_t k, std::size_t n) { return k == n || k == 1; };
+    const std::size_t n = x && y ? std::max({x->size(), y->size(), static_cast<std::size_t>(cond.numel())}) : 0;
+    if (x && y && cond.rank() <= 1 && fits(x->size(), n) && fits(y->size(), n) &&
+        fits(static_cast<std::size_t>(cond.numel()), n)) {
       std::vector<SymDim> out;
       for (std::size_t i = 0; i < n; ++i) {
         const bool take = cond.item(static_cast<std::int64_t>(cond.numel() == 1 ? 0 : i)) != 0;
@@ -316,8 +349,8 @@ Converter compare(PointwiseFn pf) {
   return [pf](NodeContext& c) -> Values {
     if ((c.in(0).dims || c.in(1).dims) && pf == PointwiseFn::Equal) {
       auto a = c.dims(0), b = c.dims(1);
-      if (a && b) {
-        const std::size_t n = std::max(a->size(), b->size());
+      const std::size_t n = a && b ? std::max(a->size(), b->size()) : 0;
+      if (a && b && (a->size() == n || a->size() == 1) && (b->size() == n || b->size() == 1)) {
         std::vector<std::uint8_t> out;
         bool decided = true;
         for (std::size_t i = 0; i < n && decided; ++i) {
@@ -446,8 +479,8 @@ Values flatten_op(NodeContext& c) {
   std::int64_t axis = c.attrs.get_int("axis", 1);
   if (axis < 0) axis += static_cast<std::int64_t>(r);
   if (axis < 0 || axis > static_cast<std::int64_t>(r)) c.fail(util::cat("axis ", c.attrs.get_int("axis", 1), " is out of range for rank ", r));
-  auto a = dim_product(x, 0, static_cast<std::size_t>(axis));
-  auto b = dim_product(x, static_cast<std::size_t>(axis), r);
+  auto a = dim_product(c, x, 0, static_cast<std::size_t>(axis));
+  auto b = dim_product(c, x, static_cast<std::size_t>(axis), r);
   if (!a && !b) c.fail(util::cat("cannot flatten ", x.shape().to_string(), " at ", axis, ": both sides have several dynamic dims"));
   std::vector<DimRef> refs{a ? *a : DimRef::constant(-1), b ? *b : DimRef::constant(-1)};
   if (a && b && !a->is_constant() && !b->is_constant()) refs[1] = DimRef::constant(-1);
@@ -541,7 +574,7 @@ Values constant_of_shape_op(NodeContext& c) {
   double value = 0.0;
   if (c.attrs.has("value")) {
     Tensor v = c.attrs.get_tensor("value");
-    if (v.numel() != 1) c.fail("value must have one element");
+    if (v.numel() != 1) c.fail(util::cat("value must have one element, got ", sizes_to_string(v.shape())));
     dt = v.dtype();
     value = v.item(0);
   }
@@ -551,7 +584,15 @@ Values constant_of_shape_op(NodeContext& c) {
   if (!refs) c.fail("has a size known only at run time");
   if (sources.empty()) {
     std::vector<std::int64_t> sizes;
-    for (auto& r : *refs) sizes.push_back(r.value);
+    std::int64_t numel = 1;
+    for (auto& r : *refs) {
+      if (r.value < 0) c.fail(util::cat("has a negative size ", r.value));
+      numel = checked_mul(c, numel, r.value, "the element count");
+      sizes.push_back(r.value);
+    }
+    const std::int64_t nbytes = checked_mul(c, numel, static_cast<std::int64_t>(dtype_size(dt)), "the byte count");
+    check_memory(c.label, static_cast<std::uint64_t>(nbytes),
+                 util::cat("the constant ", sizes_to_string(sizes), " ", dtype_name(dt), " it makes at import"));
     Tensor t = Tensor::empty(dt, sizes);
     t.fill(value);
     return {constant_value(t)};
@@ -568,22 +609,40 @@ Values range_op(NodeContext& c) {
   }
   if (c.in(0).is_constant() && limit.is_constant() && c.in(2).is_constant()) {
     // Known at import: computed here, in the inputs' type.
-    const Tensor &s0 = *c.in(0).constant, &l0 = *limit.constant, &d0 = *c.in(2).constant;
-    const double s = s0.item(0), l = l0.item(0), d = d0.item(0);
+    const DType dt = c.in(0).dtype();
+    constexpr std::int64_t kMaxRange = std::int64_t{1} << 31;
+    std::int64_t n = 0;
+    if (!is_floating(dt)) {
+      // Integers exactly: n = ceil((limit - start) / delta) and start + i*delta in 128 bits
+      // (the span of two i64s does not fit in 64).
+      const auto si = c.ints(0, "the start"), li = c.ints(1, "the limit"), di = c.ints(2, "the delta");
+      if (si.size() != 1 || li.size() != 1 || di.size() != 1) c.fail("start, limit and delta must be scalars");
+      if (di[0] == 0) c.fail("has a zero delta");
+      const Int128 span = static_cast<Int128>(li[0]) - si[0], d = di[0];
+      const Int128 count = span == 0 || (span > 0) != (d > 0) ? 0 : (span + d - (d > 0 ? 1 : -1)) / d;
+      if (count > kMaxRange)
+        c.fail(util::cat("from ", si[0], " to ", li[0], " in steps of ", di[0], " would have more than ", kMaxRange,
+                         " elements"));
+      n = static_cast<std::int64_t>(count);
+      check_memory(c.label, static_cast<std::uint64_t>(n) * 8, util::cat("the range of ", n, " elements it makes at import"));
+      Tensor ti = Tensor::empty(DType::I64, {n});
+      for (std::int64_t i = 0; i < n; ++i)
+        ti.data<std::int64_t>()[i] = static_cast<std::int64_t>(si[0] + static_cast<Int128>(i) * di[0]);
+      return {constant_value(dt == DType::I64 ? ti : ti.to(dt))};
+    }
+    const double s = c.scalar(0, "the start"), l = c.scalar(1, "the limit"), d = c.scalar(2, "the delta");
     if (d == 0) c.fail("has a zero delta");
-    const auto n = static_cast<std::int64_t>(std::max(0.0, std::ceil((l - s) / d)));
-    if (n > (std::int64_t{1} << 31)) c.fail(util::cat("would have ", n, " elements"));
-    Tensor out = Tensor::empty(s0.dtype(), {n});
+    const double count = std::ceil((l - s) / d);
+    if (!(std::isfinite(s) && std::isfinite(l) && std::isfinite(d)) || std::isnan(count))
+      c.fail(util::cat("from ", s, " to ", l, " in steps of ", d, " has no finite length"));
+    if (count > static_cast<double>(kMaxRange))
+      c.fail(util::cat("from ", s, " to ", l, " in steps of ", d, " would have ", count, " elements, more than ",
+                       kMaxRange));
+    n = count > 0 ? static_cast<std::int64_t>(count) : 0;
+    check_memory(c.label, static_cast<std::uint64_t>(n) * 8, util::cat("the range of ", n, " elements it makes at import"));
     Tensor tmp = Tensor::empty(DType::F64, {n});
     for (std::int64_t i = 0; i < n; ++i) tmp.data<double>()[i] = s + static_cast<double>(i) * d;
-    if (!is_floating(s0.dtype())) {
-      // Integers exactly: start + i*delta in 64-bit.
-      const auto si = static_cast<std::int64_t>(s), di = static_cast<std::int64_t>(d);
-      Tensor ti = Tensor::empty(DType::I64, {n});
-      for (std::int64_t i = 0; i < n; ++i) ti.data<std::int64_t>()[i] = si + i * di;
-      return {constant_value(s0.dtype() == DType::I64 ? ti : ti.to(s0.dtype()))};
-    }
-    return {constant_value(s0.dtype() == DType::F64 ? tmp : tmp.to(s0.dtype()))};
+    return {constant_value(dt == DType::F64 ? tmp : tmp.to(dt))};
   }
   if (!limit.dims || limit.dims->size() != 1 || (*limit.dims)[0].kind != SymDim::Kind::DimOf)
     c.fail("has a limit that depends on the data: data-dependent output shapes are not supported");
@@ -591,8 +650,9 @@ Values range_op(NodeContext& c) {
   const Tensor& dl = c.constant(2, "the delta");
   const SymDim& l = (*limit.dims)[0];
   DType dt = c.in(0).dtype();
-  return {tensor_value(ops::range(dt, static_cast<std::int64_t>(s.item(0)), DimRef::of(0, l.axis),
-                                  static_cast<std::int64_t>(dl.item(0)), {l.src}, c.node_name()))};
+  if (s.numel() != 1 || dl.numel() != 1) c.fail("start and delta must be scalars");
+  return {tensor_value(ops::range(dt, checked_int(c, s.item(0), "the start"), DimRef::of(0, l.axis),
+                                  checked_int(c, dl.item(0), "the delta"), {l.src}, c.node_name()))};
 }
 
 Values transpose_op(NodeContext& c) {
@@ -641,12 +701,16 @@ Values gather_op(NodeContext& c) {
     const auto& d = *c.in(0).dims;
     const Tensor& idx = *c.in(1).constant;
     if (axis != 0) c.fail("gathers a shape value along an axis other than 0");
+    if (is_floating(idx.dtype()) || idx.rank() > 1)
+      c.fail(util::cat("gathers a shape value with ", dtype_name(idx.dtype()), " ", sizes_to_string(idx.shape()),
+                       " indices; they must be integers of rank 0 or 1"));
+    const std::vector<std::int64_t> ids = c.ints(1, "the indices");
     std::vector<SymDim> out;
     for (std::int64_t k = 0; k < idx.numel(); ++k) {
-      auto i = static_cast<std::int64_t>(idx.item(k));
+      auto i = ids[static_cast<std::size_t>(k)];
       if (i < 0) i += static_cast<std::int64_t>(d.size());
       if (i < 0 || i >= static_cast<std::int64_t>(d.size()))
-        c.fail(util::cat("index ", idx.item(k), " is out of range for a shape of ", d.size(), " dims"));
+        c.fail(util::cat("index ", ids[static_cast<std::size_t>(k)], " is out of range for a shape of ", d.size(), " dims"));
       out.push_back(d[static_cast<std::size_t>(i)]);
     }
     return {dims_value(std::move(out), idx.rank() == 0)};
@@ -676,11 +740,15 @@ Values slice_op(NodeContext& c) {
     axes = c.attrs.get_ints("axes", {});
   } else {
     starts = c.ints(1, "the starts");
-    // An end that is the sliced dim itself (x[:, :x.shape[1]]) means "to the end".
-    auto ed = c.dims(2);
-    if (!ed) c.constant(2, "the ends");
+    // An end that is the sliced dim itself (x[:, :x.shape[1]]) means "to the end". The ends are a
+    // 1-D integer tensor (shape_arg refuses floats and higher ranks, naming them).
+    const auto ed = std::optional<std::vector<SymDim>>(shape_arg(c, 2, "the ends"));
     axes = c.has_input(3) ? c.ints(3, "the axes") : std::vector<std::int64_t>{};
     if (c.has_input(4)) steps = c.ints(4, "the steps");
+    if (ed->size() != starts.size() || (!axes.empty() && axes.size() != starts.size()) ||
+        (!steps.empty() && steps.size() != starts.size()))
+      c.fail(util::cat("has ", starts.size(), " starts, ", ed->size(), " ends, ", axes.size(), " axes and ",
+                       steps.size(), " steps; they must agree"));
     for (std::size_t i = 0; i < ed->size(); ++i) {
       const SymDim& e = (*ed)[i];
       if (e.is_known()) {
@@ -717,6 +785,7 @@ Values slice_op(NodeContext& c) {
     const auto n = static_cast<std::int64_t>(d.size());
     std::int64_t st = steps[0], b = starts[0], e = ends[0];
     if (st == 0) c.fail("has a zero step");
+    if (st == std::numeric_limits<std::int64_t>::min()) st = -n - 1;  // the same slice, with -st representable
     auto clampi = [&](std::int64_t v, bool start) {
       if (v < 0) v += n;
       if (st > 0) return std::clamp<std::int64_t>(v, 0, n);
@@ -725,7 +794,10 @@ Values slice_op(NodeContext& c) {
     b = clampi(b, true);
     e = clampi(e, false);
     std::vector<SymDim> out;
-    for (std::int64_t i = b; st > 0 ? i < e : i > e; i += st) out.push_back(d[static_cast<std::size_t>(i)]);
+    for (std::int64_t i = b; st > 0 ? i < e : i > e;) {
+      out.push_back(d[static_cast<std::size_t>(i)]);
+      if (__builtin_add_overflow(i, st, &i)) break;  // past the end either way
+    }
     return {dims_value(std::move(out))};
   }
   SymTensor t = c.tensor(0);
@@ -744,15 +816,26 @@ Values split_op(NodeContext& c) {
   if (c.opset >= 13 && c.has_input(1)) sizes = c.ints(1, "the split sizes");
   else if (c.opset < 13) sizes = c.attrs.get_ints("split", {});
   const auto n = static_cast<std::int64_t>(c.node.output_size());
+  if (n == 0) c.fail("has no outputs");
   const Dim& D = x.shape()[axis];
   if (sizes.empty()) {
     if (D.is_dynamic()) c.fail(util::cat("splits the dynamic dim ", D.to_string(), " into equal parts"));
     const std::int64_t parts = c.attrs.get_int("num_outputs", n);
-    const std::int64_t chunk = (D.size() + parts - 1) / parts;
-    for (std::int64_t i = 0, left = D.size(); i < parts; ++i, left -= chunk) sizes.push_back(std::min(chunk, left));
+    if (parts != n) c.fail(util::cat("has num_outputs ", parts, " but ", n, " outputs"));
+    // ceil(D / parts) parts, the last one smaller when D does not divide.
+    const std::int64_t chunk = D.size() / parts + (D.size() % parts != 0 ? 1 : 0);
+    for (std::int64_t i = 0, left = D.size(); i < parts; ++i, left -= std::min(chunk, left))
+      sizes.push_back(std::min(chunk, left));
   }
   if (static_cast<std::int64_t>(sizes.size()) != n)
     c.fail(util::cat("has ", n, " outputs but ", sizes.size(), " split sizes"));
+  std::int64_t total = 0;
+  for (std::int64_t s : sizes) {
+    if (s < 0) c.fail(util::cat("has a negative split size in ", sizes_to_string(sizes)));
+    total = checked_add(c, total, s, "the sum of the split sizes");
+  }
+  if (D.is_static() && total != D.size())
+    c.fail(util::cat("split sizes ", sizes_to_string(sizes), " add up to ", total, " but the dim is ", D.size()));
   Values out;
   std::int64_t at = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -760,13 +843,19 @@ Values split_op(NodeContext& c) {
                                                c.node_name(util::cat("out", i)))));
     at += sizes[i];
   }
-  if (D.is_static() && at != D.size()) c.fail(util::cat("split sizes add up to ", at, " but the dim is ", D.size()));
   return out;
 }
 
 Values tile_op(NodeContext& c) {
   SymTensor x = c.tensor(0);
-  return {tensor_value(ops::tile(x, c.ints(1, "the repeats"), c.node_name()))};
+  const auto repeats = c.ints(1, "the repeats");
+  if (repeats.size() != x.rank())
+    c.fail(util::cat("has ", repeats.size(), " repeats for an input of rank ", x.rank(), " ", x.shape().to_string()));
+  for (std::size_t i = 0; i < repeats.size(); ++i) {
+    if (repeats[i] < 0) c.fail(util::cat("has a negative repeat in ", sizes_to_string(repeats)));
+    if (x.shape()[i].is_static()) (void)checked_mul(c, x.shape()[i].size(), repeats[i], "a tiled dim");
+  }
+  return {tensor_value(ops::tile(x, repeats, c.node_name()))};
 }
 
 Values pad_op(NodeContext& c) {
@@ -779,7 +868,7 @@ Values pad_op(NodeContext& c) {
     value = c.attrs.get_float("value", 0.0);
   } else {
     pads = c.ints(1, "the pads");
-    if (c.has_input(2)) value = c.constant(2, "the constant value").item(0);
+    if (c.has_input(2)) value = c.scalar(2, "the constant value");
   }
   std::vector<std::int64_t> axes;
   if (c.has_input(3)) axes = c.ints(3, "the axes");
@@ -797,8 +886,13 @@ Values pad_op(NodeContext& c) {
   if (mode == "reflect") m = ops::PadMode::Reflect;
   else if (mode == "edge") m = ops::PadMode::Edge;
   else if (mode == "wrap") m = ops::PadMode::Wrap;
-  else if (mode != "constant") c.fail("has an unknown mode '" + mode + "'");
+  else if (mode != "constant") c.fail("has an unknown mode " + quoted(mode));
   SymTensor x = c.tensor(0);
+  for (std::size_t i = 0; i < r; ++i) {
+    const std::int64_t total = checked_add(c, begin[i], end[i], "the pads of a dim");
+    if (x.shape()[i].is_static() && checked_add(c, x.shape()[i].size(), total, "a padded dim") < 0)
+      c.fail(util::cat("pads ", sizes_to_string(pads), " remove more than dim ", i, " of ", x.shape().to_string(), " holds"));
+  }
   return {tensor_value(ops::pad(x, begin, end, m, value, c.node_name()))};
 }
 
@@ -849,7 +943,7 @@ Values einsum_op(NodeContext& c) {
   const auto arrow = eq.find("->");
   const auto comma = eq.find(',');
   if (comma == std::string::npos || arrow == std::string::npos || c.num_inputs() != 2)
-    c.fail("equation '" + eq + "' is not supported (two operands with an explicit output, one matrix product)");
+    c.fail("equation " + quoted(eq) + " is not supported (two operands with an explicit output, one matrix product)");
   const std::string A = eq.substr(0, comma), B = eq.substr(comma + 1, arrow - comma - 1), O = eq.substr(arrow + 2);
   std::string batch, m, n, k;
   for (char ch : O) {
@@ -862,7 +956,7 @@ Values einsum_op(NodeContext& c) {
     if (B.find(ch) != std::string::npos && O.find(ch) == std::string::npos) k += ch;
   if (m.size() > 1 || n.size() > 1 || k.size() != 1 || A.size() != batch.size() + m.size() + 1 ||
       B.size() != batch.size() + n.size() + 1 || O.size() != batch.size() + m.size() + n.size())
-    c.fail("equation '" + eq + "' is not supported (two operands with an explicit output, one matrix product)");
+    c.fail("equation " + quoted(eq) + " is not supported (two operands with an explicit output, one matrix product)");
   auto perm_for = [](const std::string& from, const std::string& to) {
     std::vector<std::int64_t> p;
     for (char ch : to) p.push_back(static_cast<std::int64_t>(from.find(ch)));
@@ -893,6 +987,37 @@ struct Window {
 
 // Kernel, strides, dilations and pads of a Conv/Pool node over `spatial` dims, auto_pad applied
 // to the input's static spatial sizes.
+// The kernel, strides, dilations and pads of a window over the spatial dims of `x` ([N, C,
+// spatial...]): one entry per spatial dim (two for pads), kernel, strides and dilations positive,
+// pads not negative. Checked before any of them is used as an index or a divisor.
+void check_window(NodeContext& c, const Shape& x, const std::vector<std::int64_t>& kernel,
+                  const std::vector<std::int64_t>& strides, const std::vector<std::int64_t>& dilations,
+                  const std::vector<std::int64_t>& pads) {
+  if (x.rank() < 3) c.fail(util::cat("expects an input [N, C, spatial...], got ", x.to_string()));
+  const std::size_t sp = x.rank() - 2;
+  if (kernel.size() != sp)
+    c.fail(util::cat("kernel_shape ", sizes_to_string(kernel), " has ", kernel.size(), " dims for the ", sp,
+                     " spatial dims of the input ", x.to_string()));
+  if (strides.size() != sp || dilations.size() != sp || pads.size() != 2 * sp)
+    c.fail(util::cat("strides ", sizes_to_string(strides), ", dilations ", sizes_to_string(dilations), " and pads ",
+                     sizes_to_string(pads), " must have ", sp, ", ", sp, " and ", 2 * sp, " entries for the input ",
+                     x.to_string()));
+  auto positive = [&](const std::vector<std::int64_t>& v, const char* what) {
+    for (std::int64_t k : v)
+      if (k < 1) c.fail(util::cat(what, " ", sizes_to_string(v), " must be positive"));
+  };
+  positive(kernel, "kernel_shape");
+  positive(strides, "strides");
+  positive(dilations, "dilations");
+  for (std::int64_t p : pads)
+    if (p < 0) c.fail(util::cat("pads ", sizes_to_string(pads), " must not be negative"));
+  // The extent of a dilated kernel, (kernel - 1) * dilation + 1, must fit.
+  for (std::size_t i = 0; i < sp; ++i)
+    (void)checked_add(c, checked_mul(c, kernel[i] - 1, dilations[i], "a dilated kernel"), 1, "a dilated kernel");
+}
+
+// Kernel, strides, dilations and pads of a Conv/Pool node over `spatial` dims, auto_pad applied
+// to the input's static spatial sizes.
 Window window(NodeContext& c, const Shape& x, std::vector<std::int64_t> kernel) {
   const std::size_t sp = kernel.size();
   Window w;
@@ -900,8 +1025,7 @@ Window window(NodeContext& c, const Shape& x, std::vector<std::int64_t> kernel) 
   w.strides = c.attrs.get_ints("strides", std::vector<std::int64_t>(sp, 1));
   w.dilations = c.attrs.get_ints("dilations", std::vector<std::int64_t>(sp, 1));
   auto pads = c.attrs.get_ints("pads", std::vector<std::int64_t>(2 * sp, 0));
-  if (w.strides.size() != sp || w.dilations.size() != sp || pads.size() != 2 * sp)
-    c.fail(util::cat("strides, dilations and pads must have ", sp, ", ", sp, " and ", 2 * sp, " entries"));
+  check_window(c, x, kernel, w.strides, w.dilations, pads);
   w.pads_begin.assign(pads.begin(), pads.begin() + static_cast<std::ptrdiff_t>(sp));
   w.pads_end.assign(pads.begin() + static_cast<std::ptrdiff_t>(sp), pads.end());
   const std::string ap = c.attrs.get_string("auto_pad", "NOTSET");
@@ -909,9 +1033,13 @@ Window window(NodeContext& c, const Shape& x, std::vector<std::int64_t> kernel) 
     for (std::size_t i = 0; i < sp; ++i) {
       const Dim& d = x[2 + i];
       if (d.is_dynamic()) c.fail(util::cat("auto_pad ", ap, " needs static spatial dims, got ", x.to_string()));
-      const std::int64_t out = (d.size() + w.strides[i] - 1) / w.strides[i];
-      const std::int64_t total =
-          std::max<std::int64_t>(0, (out - 1) * w.strides[i] + (kernel[i] - 1) * w.dilations[i] + 1 - d.size());
+      // out = ceil(d / stride); total = max(0, (out - 1) * stride + (kernel - 1) * dilation + 1 - d).
+      const std::int64_t out = d.size() / w.strides[i] + (d.size() % w.strides[i] != 0 ? 1 : 0);
+      const std::int64_t extent = (kernel[i] - 1) * w.dilations[i] + 1;  // checked by check_window
+      const std::int64_t covered =
+          checked_add(c, checked_mul(c, std::max<std::int64_t>(out - 1, 0), w.strides[i], "the SAME padding"), extent,
+                      "the SAME padding");
+      const std::int64_t total = std::max<std::int64_t>(0, covered - d.size());
       const std::int64_t small = total / 2, big = total - small;
       w.pads_begin[i] = ap == "SAME_UPPER" ? small : big;
       w.pads_end[i] = ap == "SAME_UPPER" ? big : small;
@@ -920,7 +1048,7 @@ Window window(NodeContext& c, const Shape& x, std::vector<std::int64_t> kernel) 
     std::fill(w.pads_begin.begin(), w.pads_begin.end(), 0);
     std::fill(w.pads_end.begin(), w.pads_end.end(), 0);
   } else if (ap != "NOTSET") {
-    c.fail("has an unknown auto_pad '" + ap + "'");
+    c.fail("has an unknown auto_pad " + quoted(ap));
   }
   return w;
 }
@@ -963,10 +1091,12 @@ Values conv_op(NodeContext& c) {
   SymTensor x0 = c.tensor(0);
   Value& wv = c.in(1);
   if (wv.graph_input) c.constant(1, "its weight");
-  if (!wv.is_constant()) c.fail("needs its weight (input '" + wv.name + "') to be an initializer");
+  if (!wv.is_constant()) c.fail("needs its weight (input " + quoted(wv.name) + ") to be an initializer");
   const Tensor& W = *wv.constant;
-  if (W.rank() != x0.rank()) c.fail(util::cat("weight ", sizes_to_string(W.shape()), " does not match the input ", x0.shape().to_string()));
+  if (W.rank() != x0.rank() || W.rank() < 3)
+    c.fail(util::cat("weight ", sizes_to_string(W.shape()), " does not match the input ", x0.shape().to_string()));
   std::vector<std::int64_t> k(W.shape().begin() + 2, W.shape().end());
+  if (c.attrs.get_int("group", 1) < 1) c.fail(util::cat("group ", c.attrs.get_int("group", 1), " must be positive"));
   if (c.attrs.has("kernel_shape") && c.attrs.get_ints("kernel_shape") != k)
     c.fail(util::cat("kernel_shape ", sizes_to_string(c.attrs.get_ints("kernel_shape")), " differs from the weight's ", sizes_to_string(k)));
   Window w = window(c, x0.shape(), k);
@@ -988,10 +1118,12 @@ Values conv_transpose_op(NodeContext& c) {
   SymTensor x0 = c.tensor(0);
   Value& wv = c.in(1);
   if (wv.graph_input) c.constant(1, "its weight");
-  if (!wv.is_constant()) c.fail("needs its weight (input '" + wv.name + "') to be an initializer");
+  if (!wv.is_constant()) c.fail("needs its weight (input " + quoted(wv.name) + ") to be an initializer");
   const Tensor& W = *wv.constant;
-  if (W.rank() != x0.rank()) c.fail(util::cat("weight ", sizes_to_string(W.shape()), " does not match the input ", x0.shape().to_string()));
+  if (W.rank() != x0.rank() || W.rank() < 3)
+    c.fail(util::cat("weight ", sizes_to_string(W.shape()), " does not match the input ", x0.shape().to_string()));
   const std::int64_t groups = c.attrs.get_int("group", 1);
+  if (groups < 1) c.fail(util::cat("group ", groups, " must be positive"));
   std::vector<std::int64_t> k(W.shape().begin() + 2, W.shape().end());
   const std::size_t sp = k.size();
   Window w;
@@ -1000,8 +1132,11 @@ Values conv_transpose_op(NodeContext& c) {
   w.dilations = c.attrs.get_ints("dilations", std::vector<std::int64_t>(sp, 1));
   auto pads = c.attrs.get_ints("pads", std::vector<std::int64_t>(2 * sp, 0));
   auto outpad = c.attrs.get_ints("output_padding", std::vector<std::int64_t>(sp, 0));
-  if (w.strides.size() != sp || w.dilations.size() != sp || pads.size() != 2 * sp || outpad.size() != sp)
-    c.fail("strides, dilations, pads and output_padding do not match the kernel's rank");
+  if (outpad.size() != sp)
+    c.fail(util::cat("output_padding ", sizes_to_string(outpad), " must have ", sp, " entries"));
+  check_window(c, x0.shape(), k, w.strides, w.dilations, pads);
+  for (std::int64_t p : outpad)
+    if (p < 0) c.fail(util::cat("output_padding ", sizes_to_string(outpad), " must not be negative"));
   w.pads_begin.assign(pads.begin(), pads.begin() + static_cast<std::ptrdiff_t>(sp));
   w.pads_end.assign(pads.begin() + static_cast<std::ptrdiff_t>(sp), pads.end());
   const std::string ap = c.attrs.get_string("auto_pad", "NOTSET");
@@ -1009,12 +1144,22 @@ Values conv_transpose_op(NodeContext& c) {
   if (!out_shape.empty() || ap == "SAME_UPPER" || ap == "SAME_LOWER") {
     // Pads that give the asked output size (output_shape, or in*stride for SAME).
     if (out_shape.size() > sp) out_shape.erase(out_shape.begin(), out_shape.end() - static_cast<std::ptrdiff_t>(sp));
+    if (!out_shape.empty() && out_shape.size() != sp)
+      c.fail(util::cat("output_shape ", sizes_to_string(c.attrs.get_ints("output_shape")), " has fewer than the ", sp,
+                       " spatial dims"));
+    for (std::int64_t o : out_shape)
+      if (o < 0) c.fail(util::cat("output_shape ", sizes_to_string(out_shape), " must not be negative"));
     for (std::size_t i = 0; i < sp; ++i) {
       const Dim& d = x0.shape()[2 + i];
       if (d.is_dynamic()) c.fail("output_shape and auto_pad need static spatial dims");
-      const std::int64_t want = out_shape.empty() ? d.size() * w.strides[i] : out_shape[i];
-      std::int64_t total = w.strides[i] * (d.size() - 1) + outpad[i] + (k[i] - 1) * w.dilations[i] + 1 - want;
-      if (total < 0) outpad[i] -= total, total = 0;  // a larger output than the kernel covers: extra zeros
+      const char* what = "the output size";
+      const std::int64_t want = out_shape.empty() ? checked_mul(c, d.size(), w.strides[i], what) : out_shape[i];
+      // stride * (d - 1) + output_padding + (kernel - 1) * dilation + 1 - want
+      const std::int64_t full = checked_add(
+          c, checked_add(c, checked_mul(c, w.strides[i], std::max<std::int64_t>(d.size() - 1, 0), what), outpad[i], what),
+          (k[i] - 1) * w.dilations[i] + 1, what);
+      std::int64_t total = checked_sub(c, full, want, what);
+      if (total < 0) outpad[i] = checked_sub(c, outpad[i], total, what), total = 0;  // a larger output than the kernel covers: extra zeros
       const std::int64_t small = total / 2, big = total - small;
       const bool upper = ap != "SAME_LOWER";
       w.pads_begin[i] = upper ? small : big;
@@ -1033,7 +1178,7 @@ Values conv_transpose_op(NodeContext& c) {
   o.dilation_h = w.dilations[0], o.dilation_w = w.dilations[1];
   o.groups = groups;
   o.bias = c.has_input(2);
-  SymTensor y = ops::conv_transpose2d(x, W.dim(1) * groups, w.kernel[0], w.kernel[1], o,
+  SymTensor y = ops::conv_transpose2d(x, checked_mul(c, W.dim(1), groups, "the output channels"), w.kernel[0], w.kernel[1], o,
                                       c.node_name(x0.rank() == 4 ? "" : "convt"));
   bind(c, y, 0, wv, "weight");
   if (o.bias) bind(c, y, 1, c.in(2), "bias");
@@ -1179,8 +1324,8 @@ Converter softmax_like(bool log) {
       return {tensor_value(log ? log_softmax(x, axis, c.node_name()) : softmax(x, axis, c.node_name()))};
     }
     // Before opset 13: over the flattened dims [axis, rank).
-    auto a = dim_product(x, 0, static_cast<std::size_t>(axis));
-    auto b = dim_product(x, static_cast<std::size_t>(axis), x.rank());
+    auto a = dim_product(c, x, 0, static_cast<std::size_t>(axis));
+    auto b = dim_product(c, x, static_cast<std::size_t>(axis), x.rank());
     if (!b || !b->is_constant()) c.fail("softmax over flattened dynamic dims is not supported");
     SymTensor f = view(x, {a ? *a : DimRef::constant(-1), *b}, {}, c.node_name("2d"));
     SymTensor y = log ? log_softmax(f, -1, c.node_name("sm")) : softmax(f, -1, c.node_name("sm"));
@@ -1199,7 +1344,7 @@ Converter reduce(ReduceFn fn, int axes_input_since) {
       std::int64_t p = 1;
       for (const auto& d : *c.in(0).dims) {
         if (!d.is_known()) return {dims_value({SymDim::unknown()}, !keep)};
-        p *= d.value;
+        p = checked_mul(c, p, d.value, "the product of the sizes");
       }
       return {dims_value({SymDim::known(p)}, !keep)};
     }
@@ -1234,7 +1379,7 @@ Values resize_op(NodeContext& c) {
   if (mode == "nearest") spec.mode = ops::ResizeSpec::Mode::Nearest;
   else if (mode == "linear" || mode == "bilinear") spec.mode = ops::ResizeSpec::Mode::Linear;
   else if (mode == "cubic" || mode == "bicubic") spec.mode = ops::ResizeSpec::Mode::Cubic;
-  else c.fail("has an unknown mode '" + mode + "'");
+  else c.fail("has an unknown mode " + quoted(mode));
   const bool upsample = c.node.op_type() == "Upsample";
   spec.coordinate_transformation_mode =
       upsample || c.opset < 11 ? "asymmetric" : c.attrs.get_string("coordinate_transformation_mode", "half_pixel");
@@ -1274,12 +1419,22 @@ Values trilu_op(NodeContext& c) {
   if (x.rank() < 2) c.fail(util::cat("needs rank >= 2, got ", x.shape().to_string()));
   const Dim &M = x.shape()[x.rank() - 2], &N = x.shape()[x.rank() - 1];
   if (M.is_dynamic() || N.is_dynamic()) c.fail("dynamic matrix dims are not supported");
-  const std::int64_t k = c.has_input(1) ? c.ints(1, "k").at(0) : 0;
+  std::int64_t k = 0;
+  if (c.has_input(1)) {
+    const auto ks = c.ints(1, "k");
+    if (ks.size() != 1) c.fail(util::cat("k must be one integer, got ", ks.size()));
+    k = ks[0];
+  }
   const bool upper = c.attrs.get_int("upper", 1) != 0;
+  const std::int64_t cells = checked_mul(c, M.size(), N.size(), "the mask's size");
+  check_memory(c.label, static_cast<std::uint64_t>(cells), util::cat("the ", M.size(), " × ", N.size(), " mask it makes at import"));
   Tensor mask = Tensor::empty(DType::Bool, {M.size(), N.size()});
   auto* m = static_cast<std::uint8_t*>(mask.raw());
   for (std::int64_t i = 0; i < M.size(); ++i)
-    for (std::int64_t j = 0; j < N.size(); ++j) m[i * N.size() + j] = upper ? (j - i >= k) : (j - i <= k);
+    for (std::int64_t j = 0; j < N.size(); ++j) {
+      const std::int64_t diag = j - i;  // both in [0, 2^63): no overflow
+      m[i * N.size() + j] = upper ? (diag >= k) : (diag <= k);
+    }
   Value mv = constant_value(mask), zv = constant_value(Tensor::zeros(x.dtype(), {}));
   SymTensor mt = materialize_value(c, mv, "mask"), zt = materialize_value(c, zv, "zero");
   return {tensor_value(ops::pointwise(PointwiseFn::Where, {mt, x, zt}, {}, c.node_name()))};
@@ -1293,8 +1448,8 @@ Values hardmax_op(NodeContext& c) {
   std::int64_t axis = norm_axis(c, c.attrs.get_int("axis", def), x0.rank());
   SymTensor x = x0;
   if (c.opset < 13) {
-    auto a = dim_product(x0, 0, static_cast<std::size_t>(axis));
-    auto b = dim_product(x0, static_cast<std::size_t>(axis), x0.rank());
+    auto a = dim_product(c, x0, 0, static_cast<std::size_t>(axis));
+    auto b = dim_product(c, x0, static_cast<std::size_t>(axis), x0.rank());
     if (!b || !b->is_constant()) c.fail("over flattened dynamic dims is not supported");
     x = view(x0, {a ? *a : DimRef::constant(-1), *b}, {}, c.node_name("2d"));
     axis = 1;
@@ -1302,6 +1457,8 @@ Values hardmax_op(NodeContext& c) {
   const Dim& n = x.shape()[static_cast<std::size_t>(axis)];
   if (n.is_dynamic()) c.fail("a dynamic reduced dim is not supported");
   SymTensor am = ops::arg_reduce(true, x, axis, true, false, c.node_name("argmax"));
+  check_memory(c.label, static_cast<std::uint64_t>(checked_mul(c, n.size(), 8, "the index's bytes")),
+               util::cat("the index of ", n.size(), " elements it makes at import"));
   std::vector<std::int64_t> idx(static_cast<std::size_t>(n.size()));
   std::iota(idx.begin(), idx.end(), 0);
   std::vector<std::int64_t> shape(x.rank(), 1);
@@ -1349,7 +1506,7 @@ SymTensor nll(NodeContext& c, const SymTensor& logp, const SymTensor& target, st
   for (std::size_t i = 0; i < loss.rank(); ++i) all.push_back(static_cast<std::int64_t>(i));
   SymTensor total = ops::reduce(ReduceFn::Sum, loss, all, false, c.node_name(reduction == "sum" ? suffix : "total"));
   if (reduction == "sum") return total;
-  if (reduction != "mean") c.fail("has an unknown reduction '" + reduction + "'");
+  if (reduction != "mean") c.fail("has an unknown reduction " + quoted(reduction));
   if (!w) return ops::reduce(ReduceFn::Mean, loss, all, false, c.node_name(suffix));
   SymTensor wsum = ops::reduce(ReduceFn::Sum, *w, all, false, c.node_name("weight_sum"));
   return div(total, wsum, c.node_name(suffix));
@@ -1379,7 +1536,7 @@ Values softmax_cross_entropy_op(NodeContext& c) {
 
 Values dropout_op(NodeContext& c) {
   if (c.node.output_size() > 1 && !c.node.output(1).empty()) c.fail("returns its mask, which is not supported");
-  if (c.has_input(2) && c.constant(2, "training_mode").item(0) != 0)
+  if (c.has_input(2) && c.scalar(2, "training_mode") != 0)
     c.fail("training_mode true is not supported (import for inference)");
   SymTensor x = c.tensor(0);
   return {tensor_value(view(x, dims_of_x(x), {}, c.node_name()))};

@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <limits>
+#include <new>
 #include <queue>
+#include <stdexcept>
 
 #include "io/onnx_importer.hpp"
 #include "io/onnx_tensor.hpp"
@@ -16,6 +19,12 @@
 #include "util/str.hpp"
 
 namespace kg::onnx {
+
+using detail::quoted;
+
+// The largest ir_version accepted: ONNX's newest is 11 (ONNX 1.18); this leaves room for later
+// ones while refusing numbers no release has (a damaged or hostile file).
+constexpr std::int64_t kMaxIrVersion = 64;
 
 // ---- Attributes ----
 
@@ -37,9 +46,9 @@ const char* kind_name(Attribute::Kind k) {
 
 const Attribute& Attributes::find(const std::string& name, Attribute::Kind kind) const {
   auto it = attrs_.find(name);
-  if (it == attrs_.end()) throw Error(util::cat(label_, " has no attribute '", name, "'"));
+  if (it == attrs_.end()) throw Error(util::cat(label_, " has no attribute ", quoted(name)));
   if (it->second.kind != kind)
-    throw Error(util::cat(label_, " attribute '", name, "' is ", kind_name(it->second.kind), ", expected ",
+    throw Error(util::cat(label_, " attribute ", quoted(name), " is ", kind_name(it->second.kind), ", expected ",
                           kind_name(kind)));
   return it->second;
 }
@@ -136,10 +145,9 @@ Value dims_value(std::vector<SymDim> d, bool scalar) {
 
 class Importer {
  public:
-  Importer(std::shared_ptr<Graph> graph, const ImportOptions& options, std::string file, std::string base_dir,
+  Importer(std::shared_ptr<Graph> graph, const ImportOptions& options, std::string file, ExternalFiles& external,
            bool folding)
-      : graph_(std::move(graph)), options_(options), file_(std::move(file)), base_dir_(std::move(base_dir)),
-        folding_(folding) {}
+      : graph_(std::move(graph)), options_(options), file_(std::move(file)), external_(external), folding_(folding) {}
 
   Graph& graph() { return *graph_; }
   const std::shared_ptr<Graph>& graph_ptr() { return graph_; }
@@ -172,7 +180,8 @@ class Importer {
 
   std::shared_ptr<Graph> graph_;
   const ImportOptions& options_;
-  std::string file_, base_dir_;
+  std::string file_;
+  ExternalFiles& external_;
   bool folding_;
   std::map<std::string, int> opsets_;
   std::set<std::string> used_names_;
@@ -186,7 +195,8 @@ std::string Importer::node_label(const ::onnx::NodeProto& node) const {
   const std::string op = node.domain().empty() || node.domain() == "ai.onnx"
                              ? node.op_type()
                              : node.domain() + "." + node.op_type();
-  return util::cat("[onnx ", op, " @ ", node.name().empty() ? "(unnamed)" : node.name(), "]");
+  return util::cat("[onnx ", util::printable(op), " @ ", node.name().empty() ? "(unnamed)" : util::printable(node.name()),
+                   "]");
 }
 
 Attributes Importer::read_attributes(const ::onnx::NodeProto& node, const std::string& label) {
@@ -200,7 +210,8 @@ Attributes Importer::read_attributes(const ::onnx::NodeProto& node, const std::s
       case A::STRING: x.kind = Attribute::Kind::String; x.s = a.s(); break;
       case A::TENSOR:
         x.kind = Attribute::Kind::Tensor;
-        x.t = to_tensor(a.t(), util::cat("ONNX file '", file_, "': ", label, " attribute '", a.name(), "'"), base_dir_);
+        x.t = to_tensor(a.t(), util::cat("ONNX file ", quoted(file_), ": ", label, " attribute ", quoted(a.name())),
+                        external_);
         break;
       case A::INTS: x.kind = Attribute::Kind::Ints; x.ints.assign(a.ints().begin(), a.ints().end()); break;
       case A::FLOATS: x.kind = Attribute::Kind::Floats; x.floats.assign(a.floats().begin(), a.floats().end()); break;
@@ -259,12 +270,12 @@ std::vector<Value> Importer::convert_custom(const OpFactory& factory, NodeContex
     const ParamSpec& p = n.params[k];
     Tensor t = *v.constant;
     if (t.shape() != p.shape)
-      ctx.fail(util::cat("initializer '", v.name, "' is ", sizes_to_string(t.shape()), " but parameter '", p.name,
-                         "' is declared ", sizes_to_string(p.shape)));
+      ctx.fail(util::cat("initializer ", quoted(v.name), " is ", sizes_to_string(t.shape()), " but parameter ", quoted(p.name),
+                         " is declared ", sizes_to_string(p.shape)));
     if (t.dtype() != p.dtype) {
       if (!is_floating(t.dtype()) || !is_floating(p.dtype))
-        ctx.fail(util::cat("initializer '", v.name, "' is ", dtype_name(t.dtype()), " but parameter '", p.name,
-                           "' is declared ", dtype_name(p.dtype)));
+        ctx.fail(util::cat("initializer ", quoted(v.name), " is ", dtype_name(t.dtype()), " but parameter ", quoted(p.name),
+                           " is declared ", dtype_name(p.dtype)));
       t = t.to(p.dtype);
     }
     std::vector<std::byte> bytes(t.nbytes());
@@ -291,7 +302,7 @@ std::optional<std::vector<Value>> Importer::try_fold(const ::onnx::NodeProto& no
                                              "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"};
   if (kRandom.count(node.op_type())) return std::nullopt;
 
-  Importer sub(Graph::create(), options_, file_, base_dir_, /*folding=*/true);
+  Importer sub(Graph::create(), options_, file_, external_, /*folding=*/true);
   sub.opsets_ = opsets_;
   // Copies of the inputs (the sub-importer materialises them as its graph inputs).
   std::vector<Value> local;
@@ -342,10 +353,10 @@ std::vector<Value> Importer::convert_node(const ::onnx::NodeProto& node, std::ve
   const auto& table = standard_converters();
   auto c = table.find(node.op_type());
   if (c == table.end()) ctx.fail("is not supported");
-  if (!folding_) {
-    if (auto folded = try_fold(node, ctx.inputs)) return *folded;
-  }
   try {
+    if (!folding_) {
+      if (auto folded = try_fold(node, ctx.inputs)) return *folded;
+    }
     return c->second(ctx);
   } catch (const NeedsValue&) {
     throw;
@@ -420,7 +431,7 @@ SymTensor materialize(Importer& imp, Value& v, const std::string& hint) {
         }
         refs.push_back(ops::DimRef::of(idx, d.axis));
       } else {
-        throw Error(util::cat("the shape value '", v.name, "' has a size known only at run time (a product of "
+        throw Error(util::cat("the shape value ", quoted(v.name), " has a size known only at run time (a product of "
                                                           "dynamic dims); it cannot be made a tensor"));
       }
     }
@@ -429,7 +440,7 @@ SymTensor materialize(Importer& imp, Value& v, const std::string& hint) {
     v.tensor = t;
     return t;
   }
-  throw Error(util::cat("value '", v.name, "' has no data"));
+  throw Error(util::cat("value ", quoted(v.name), " has no data"));
 }
 
 SymTensor NodeContext::tensor(std::size_t i) { return materialize(imp_, in(i), node_name("in" + std::to_string(i))); }
@@ -438,22 +449,31 @@ const Tensor& NodeContext::constant(std::size_t i, const char* what) {
   Value& v = in(i);
   if (v.constant) return *v.constant;
   if (v.graph_input)
-    throw NeedsValue(util::cat(label, " needs ", what, " (input '", v.name, "', a graph input) known at import; give "
+    throw NeedsValue(util::cat(label, " needs ", what, " (input ", quoted(v.name), ", a graph input) known at import; give "
                                "its value in ImportOptions::input_values"),
                      {v.name});
-  fail(util::cat("needs ", what, " (input '", v.name, "') known at import, but it is computed at run time",
+  fail(util::cat("needs ", what, " (input ", quoted(v.name), ") known at import, but it is computed at run time",
                  v.dims ? util::cat(" (", v.dims->size(), " sizes, not all static)") : std::string()));
 }
 
 std::vector<std::int64_t> NodeContext::ints(std::size_t i, const char* what) {
   const Tensor& t = constant(i, what);
-  if (is_floating(t.dtype())) fail(util::cat(what, " must be integers, got ", dtype_name(t.dtype())));
+  if (is_floating(t.dtype()) || t.rank() > 1)
+    fail(util::cat(what, " must be integers of rank 0 or 1, got ", dtype_name(t.dtype()), " ",
+                   sizes_to_string(t.shape())));
   std::vector<std::int64_t> out;
   for (std::int64_t k = 0; k < t.numel(); ++k) out.push_back(static_cast<std::int64_t>(t.item(k)));
   // Exact i64 values (item() goes through a double). An empty constant has no storage to copy:
   // memcpy with a null pointer is undefined even for 0 bytes.
   if (t.dtype() == DType::I64 && !out.empty()) std::memcpy(out.data(), t.raw(), out.size() * sizeof(std::int64_t));
   return out;
+}
+
+double NodeContext::scalar(std::size_t i, const char* what) {
+  const Tensor& t = constant(i, what);
+  if (t.numel() != 1)
+    fail(util::cat(what, " must have one element, got ", dtype_name(t.dtype()), " ", sizes_to_string(t.shape())));
+  return t.item(0);
 }
 
 std::optional<std::vector<SymDim>> NodeContext::dims(std::size_t i) const {
@@ -515,8 +535,19 @@ Shape shape_of_type(const ::onnx::TypeProto& type) {
 }  // namespace
 
 void Importer::convert_model(const ::onnx::ModelProto& model) {
-  const std::string where = util::cat("ONNX file '", file_, "'");
-  for (const auto& o : model.opset_import()) opsets_[canonical_domain(o.domain())] = static_cast<int>(o.version());
+  const std::string where = util::cat("ONNX file ", quoted(file_));
+  for (const auto& o : model.opset_import()) {
+    // A version outside 1..2^31-1 is no opset (it was read modulo 2^32: 2^32 + 17 as 17).
+    const std::int64_t v = o.version();
+    const std::string domain = canonical_domain(o.domain());
+    if (v < 1 || v > std::numeric_limits<int>::max())
+      throw Error(util::cat(where, ": imports opset version ", v, " of the ",
+                            domain.empty() ? std::string("standard domain") : "domain " + quoted(domain),
+                            "; opset versions are 1 to ", std::numeric_limits<int>::max()));
+    if (!opsets_.emplace(domain, static_cast<int>(v)).second)
+      throw Error(util::cat(where, ": imports the ",
+                            domain.empty() ? std::string("standard domain") : "domain " + quoted(domain), " twice"));
+  }
   if (!opsets_.count("")) {
     if (model.ir_version() < 3) opsets_[""] = 1;  // before opset_import existed
   }
@@ -529,24 +560,24 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
   std::set<std::string> init_names;
   for (const auto& t : g.initializer()) {
     if (t.name().empty()) throw Error(where + ": an initializer has no name");
-    if (!init_names.insert(t.name()).second) throw Error(util::cat(where, ": initializer '", t.name(), "' is defined twice"));
-    Value v = constant_value(to_tensor(t, util::cat(where, ": initializer '", t.name(), "'"), base_dir_));
+    if (!init_names.insert(t.name()).second) throw Error(util::cat(where, ": initializer ", quoted(t.name()), " is defined twice"));
+    Value v = constant_value(to_tensor(t, util::cat(where, ": initializer ", quoted(t.name())), external_));
     v.name = t.name();
     v.initializer = true;
     values[t.name()] = std::move(v);
   }
   for (const auto& t : g.sparse_initializer())
-    throw Error(util::cat(where, ": sparse initializer '", t.values().name(), "' is not supported"));
+    throw Error(util::cat(where, ": sparse initializer ", quoted(t.values().name()), " is not supported"));
   // Graph inputs (those that are also initializers are defaults in old files: the initializer wins).
   for (const auto& in : g.input()) {
     if (init_names.count(in.name())) continue;
     if (in.name().empty()) throw Error(where + ": a graph input has no name");
-    if (values.count(in.name())) throw Error(util::cat(where, ": graph input '", in.name(), "' is defined twice"));
+    if (values.count(in.name())) throw Error(util::cat(where, ": graph input ", quoted(in.name()), " is defined twice"));
     if (!in.type().has_tensor_type())
-      throw Error(util::cat(where, ": graph input '", in.name(), "' is not a tensor (sequences and maps are not supported)"));
+      throw Error(util::cat(where, ": graph input ", quoted(in.name()), " is not a tensor (sequences and maps are not supported)"));
     const auto dt = dtype_of(in.type().tensor_type().elem_type());
     if (!dt)
-      throw Error(util::cat(where, ": graph input '", in.name(), "' has element type ",
+      throw Error(util::cat(where, ": graph input ", quoted(in.name()), " has element type ",
                             onnx_type_name(in.type().tensor_type().elem_type()), ", which is not supported"));
     auto given = options_.input_values.find(in.name());
     if (given != options_.input_values.end()) {
@@ -559,10 +590,10 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     try {
       s = shape_of_type(in.type());
     } catch (const Error& e) {
-      throw Error(util::cat(where, ": graph input '", in.name(), "': ", e.what()));
+      throw Error(util::cat(where, ": graph input ", quoted(in.name()), ": ", e.what()));
     }
     if (!in.type().tensor_type().has_shape())
-      throw Error(util::cat(where, ": graph input '", in.name(), "' has no shape (its rank must be known)"));
+      throw Error(util::cat(where, ": graph input ", quoted(in.name()), " has no shape (its rank must be known)"));
     Value v = tensor_value(graph_->input(*dt, s, in.name()));
     v.name = in.name();
     v.graph_input = true;
@@ -572,7 +603,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     (void)t;
     bool found = false;
     for (const auto& in : g.input()) found = found || in.name() == name;
-    if (!found) throw Error(util::cat(where, ": ImportOptions::input_values names '", name, "', which is not a graph input"));
+    if (!found) throw Error(util::cat(where, ": ImportOptions::input_values names ", quoted(name), ", which is not a graph input"));
   }
 
   // Order the nodes: every input defined before use; a cycle or an undefined value is an error.
@@ -582,7 +613,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     for (const auto& o : g.node(i).output()) {
       if (o.empty()) continue;
       if (values.count(o) || producer.count(o))
-        throw Error(util::cat(where, ": value '", o, "' is produced twice (by node '", g.node(i).name(), "')"));
+        throw Error(util::cat(where, ": value ", quoted(o), " is produced twice (by node ", quoted(g.node(i).name()), ")"));
       producer[o] = i;
     }
   std::vector<int> pending(static_cast<std::size_t>(n), 0);
@@ -592,15 +623,15 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
       if (in.empty() || values.count(in)) continue;
       auto p = producer.find(in);
       if (p == producer.end())
-        throw Error(util::cat(where, ": node '", g.node(i).name(), "' (", g.node(i).op_type(), ") reads '", in,
-                              "', which no node, input or initializer defines"));
+        throw Error(util::cat(where, ": node ", quoted(g.node(i).name()), " (", util::printable(g.node(i).op_type()), ") reads ", quoted(in),
+                              ", which no node, input or initializer defines"));
       ++pending[static_cast<std::size_t>(i)];
       users[static_cast<std::size_t>(p->second)].push_back(i);
     }
     for (const auto& a : g.node(i).attribute())
       if (a.type() == ::onnx::AttributeProto::GRAPH || a.type() == ::onnx::AttributeProto::GRAPHS)
-        throw Error(util::cat(where, ": node '", g.node(i).name(), "' (", g.node(i).op_type(),
-                              ") has a subgraph attribute '", a.name(), "'; control flow (If, Loop, Scan) is not supported"));
+        throw Error(util::cat(where, ": node ", quoted(g.node(i).name()), " (", util::printable(g.node(i).op_type()),
+                              ") has a subgraph attribute ", quoted(a.name()), "; control flow (If, Loop, Scan) is not supported"));
   }
   std::vector<int> order;
   std::queue<int> ready;
@@ -616,7 +647,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
   if (static_cast<int>(order.size()) != n) {
     std::vector<std::string> stuck;
     for (int i = 0; i < n && stuck.size() < 5; ++i)
-      if (pending[static_cast<std::size_t>(i)] > 0) stuck.push_back(util::cat("'", g.node(i).name(), "' (", g.node(i).op_type(), ")"));
+      if (pending[static_cast<std::size_t>(i)] > 0) stuck.push_back(util::cat(quoted(g.node(i).name()), " (", util::printable(g.node(i).op_type()), ")"));
     throw Error(util::cat(where, ": the graph has a cycle; nodes on or after it: ", util::join(stuck, ", ")));
   }
 
@@ -638,8 +669,8 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
   if (!missing.empty()) {
     std::string msg = util::cat(where, ": ", missing.size(), " op type(s) cannot be imported:");
     for (const auto& [key, m] : missing)
-      msg += util::cat("\n  ", key.first.empty() ? "ai.onnx" : key.first, " ", key.second, ": ", m.count,
-                       " node(s), first '", m.first, "'",
+      msg += util::cat("\n  ", key.first.empty() ? "ai.onnx" : util::printable(key.first), " ",
+                       util::printable(key.second), ": ", m.count, " node(s), first ", quoted(m.first),
                        key.first.empty() ? "" : " (register a CustomOp for it in kg::onnx::OpRegistry)");
     throw Error(msg);
   }
@@ -660,7 +691,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
       const std::string& o = node.output(k);
       if (o.empty()) continue;
       if (static_cast<std::size_t>(k) >= outs.size()) {
-        throw Error(util::cat(where, ": ", node_label(node), " output ", k, " ('", o, "') is not supported"));
+        throw Error(util::cat(where, ": ", node_label(node), " output ", k, " (", quoted(o), ") is not supported"));
       }
       outs[static_cast<std::size_t>(k)].name = o;
       outs[static_cast<std::size_t>(k)].initializer = false;
@@ -671,17 +702,17 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
 }
 
 ImportedGraph Importer::finish(const ::onnx::GraphProto& g) {
-  const std::string where = util::cat("ONNX file '", file_, "'");
+  const std::string where = util::cat("ONNX file ", quoted(file_));
   std::vector<std::pair<std::string, SymTensor>> outs;
   if (g.output_size() == 0) throw Error(where + ": the graph has no outputs");
   for (const auto& o : g.output()) {
     auto it = values.find(o.name());
-    if (it == values.end()) throw Error(util::cat(where, ": graph output '", o.name(), "' is not defined by any node"));
+    if (it == values.end()) throw Error(util::cat(where, ": graph output ", quoted(o.name()), " is not defined by any node"));
     SymTensor t;
     try {
       t = materialize(*this, it->second, o.name());
     } catch (const Error& e) {
-      throw Error(util::cat(where, ": graph output '", o.name(), "': ", e.what()));
+      throw Error(util::cat(where, ": graph output ", quoted(o.name()), ": ", e.what()));
     }
     outs.push_back({o.name(), t});
   }
@@ -690,7 +721,7 @@ ImportedGraph Importer::finish(const ::onnx::GraphProto& g) {
 
 ImportedGraph import_proto(const std::string& bytes, const std::string& name, const ImportOptions& options,
                    const std::string& base_dir) {
-  const std::string where = util::cat("ONNX file '", name, "'");
+  const std::string where = util::cat("ONNX file ", quoted(name));
   ::onnx::ModelProto model;
   if (bytes.empty()) throw Error(where + ": empty file");
   if (bytes.size() > static_cast<std::size_t>(std::numeric_limits<int>::max()))
@@ -700,7 +731,11 @@ ImportedGraph import_proto(const std::string& bytes, const std::string& name, co
   if (model.ir_version() <= 0 || !model.has_graph())
     throw Error(util::cat(where, ": not an ONNX model (ir_version ", model.ir_version(), ", ",
                           model.has_graph() ? "a graph" : "no graph", ")"));
-  Importer imp(Graph::create(), options, name, base_dir, false);
+  if (model.ir_version() > kMaxIrVersion)
+    throw Error(util::cat(where, ": ir_version ", model.ir_version(), " is not an ONNX IR version (this importer reads 1 to ",
+                          kMaxIrVersion, ")"));
+  ExternalFiles external(base_dir);
+  Importer imp(Graph::create(), options, name, external, false);
   imp.convert_model(model);
   try {
     return imp.finish(model.graph());
@@ -711,17 +746,31 @@ ImportedGraph import_proto(const std::string& bytes, const std::string& name, co
   }
 }
 
+// import_proto, with the standard library's allocation failures (a size the checks let through
+// that the machine cannot hold) named as the file's error rather than "std::bad_alloc".
+ImportedGraph import_checked(const std::string& bytes, const std::string& name, const ImportOptions& options,
+                             const std::string& base_dir) {
+  try {
+    return import_proto(bytes, name, options, base_dir);
+  } catch (const std::bad_alloc&) {
+    throw Error(util::cat("ONNX file ", quoted(name), ": out of memory while importing (",
+                          util::format_bytes(bytes.size()), " file); a size in it is larger than this machine holds"));
+  } catch (const std::length_error&) {
+    throw Error(util::cat("ONNX file ", quoted(name), ": a size in it is larger than this machine holds"));
+  }
+}
+
 }  // namespace detail
 
 ImportedGraph import_graph(const std::string& path, const ImportOptions& options) {
   const std::string bytes = detail::read_file(path, std::uint64_t{1} << 31, "ONNX file");
   const std::string dir = std::filesystem::path(path).parent_path().string();
-  return detail::import_proto(bytes, path, options, dir.empty() ? "." : dir);
+  return detail::import_checked(bytes, path, options, dir.empty() ? "." : dir);
 }
 
 ImportedGraph import_graph_bytes(const std::string& bytes, const std::string& name, const ImportOptions& options,
                                  const std::string& base_dir) {
-  return detail::import_proto(bytes, name, options, base_dir);
+  return detail::import_checked(bytes, name, options, base_dir);
 }
 
 Model import(const std::string& path, const ImportOptions& options) {
@@ -741,7 +790,7 @@ SymTensor ImportedGraph::output(const std::string& name) const {
     if (n == name) return t;
     names.push_back(n);
   }
-  throw Error(util::cat("the imported graph has no output '", name, "' (outputs: ", util::join(names, ", "), ")"));
+  throw Error(util::cat("the imported graph has no output ", quoted(name), " (outputs: ", util::join(names, ", "), ")"));
 }
 
 std::vector<std::string> supported_ops() {
@@ -762,9 +811,14 @@ std::vector<InputInfo> model_inputs(const Model& model) {
 Tensor read_tensor_file(const std::string& path) {
   const std::string bytes = detail::read_file(path, std::uint64_t{1} << 31, "ONNX tensor file");
   ::onnx::TensorProto t;
-  if (!t.ParseFromString(bytes)) throw Error(util::cat("ONNX tensor file '", path, "': not a valid TensorProto"));
+  if (!t.ParseFromString(bytes)) throw Error(util::cat("ONNX tensor file ", quoted(path), ": not a valid TensorProto"));
   const std::string dir = std::filesystem::path(path).parent_path().string();
-  return detail::to_tensor(t, util::cat("ONNX tensor file '", path, "'"), dir.empty() ? "." : dir);
+  detail::ExternalFiles external(dir.empty() ? "." : dir);
+  try {
+    return detail::to_tensor(t, util::cat("ONNX tensor file ", quoted(path)), external);
+  } catch (const std::bad_alloc&) {
+    throw Error(util::cat("ONNX tensor file ", quoted(path), ": out of memory while reading it"));
+  }
 }
 
 }  // namespace kg::onnx

@@ -71,8 +71,10 @@ class NodeContext {
   SymTensor tensor(std::size_t i);
   // Input i's value, which must be known at import; `what` says what it is for.
   const Tensor& constant(std::size_t i, const char* what);
-  // Input i as integers (known at import), e.g. axes or pads.
+  // Input i as integers (known at import), e.g. axes or pads: an integer tensor of rank 0 or 1.
   std::vector<std::int64_t> ints(std::size_t i, const char* what);
+  // Input i's one value (known at import), e.g. Clip's minimum: a tensor of one element.
+  double scalar(std::size_t i, const char* what);
   // Input i as a shape value: known, or symbolic dims; nullopt when neither.
   std::optional<std::vector<SymDim>> dims(std::size_t i) const;
   // A unique node name for the graph, derived from the ONNX node's name and `suffix`.
@@ -90,6 +92,19 @@ class NodeContext {
  private:
   Importer& imp_;
 };
+
+// Checked integer arithmetic for converters: the result, or the node's error naming `what` and
+// the numbers when it does not fit in 64 bits (or divides by zero). Every size or attribute a
+// file gives goes through these before it is combined with another.
+std::int64_t checked_add(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what);
+std::int64_t checked_sub(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what);
+std::int64_t checked_mul(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what);
+std::int64_t checked_div(const NodeContext& c, std::int64_t a, std::int64_t b, const char* what);
+// A double from the file as an integer: the node's error when it is not finite or out of range.
+std::int64_t checked_int(const NodeContext& c, double v, const char* what);
+
+// `name` quoted for a message, its control characters escaped: 'name'.
+std::string quoted(const std::string& name);
 
 using Converter = std::function<std::vector<Value>(NodeContext&)>;
 

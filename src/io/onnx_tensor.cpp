@@ -4,13 +4,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 
 #include "kg/error.hpp"
 #include "util/half.hpp"
+#include "util/memory.hpp"
 #include "util/str.hpp"
 
 namespace kg::onnx::detail {
@@ -42,6 +45,85 @@ std::string read_file(const std::string& path, std::uint64_t max_bytes, const st
   }
   ::close(fd);
   return bytes;
+}
+
+// ---- external data ----
+
+ExternalFiles::ExternalFiles(std::string base_dir) : base_dir_(base_dir.empty() ? "." : std::move(base_dir)) {}
+
+ExternalFiles::~ExternalFiles() {
+  for (auto& [name, f] : files_)
+    if (f.fd >= 0) ::close(f.fd);
+}
+
+const ExternalFiles::File& ExternalFiles::open(const std::string& location, const std::string& context) {
+  if (auto it = files_.find(location); it != files_.end()) return it->second;
+  namespace fs = std::filesystem;
+  const std::string shown = util::printable(location);
+  auto refuse = [&](const std::string& why) -> Error {
+    return Error(util::cat(context, ": external data location '", shown, "' ", why));
+  };
+  // A relative path with no ".." component (a file named "a..b.bin" is fine).
+  const fs::path rel(location);
+  if (rel.is_absolute() || location.find('\0') != std::string::npos)
+    throw refuse("must be a relative path inside the model's folder");
+  for (const auto& part : rel)
+    if (part == "..") throw refuse("must be a relative path inside the model's folder (it has a '..' component)");
+  // Symbolic links are resolved, and the file must still be inside the model's folder.
+  std::error_code ec;
+  const fs::path base = fs::canonical(base_dir_, ec);
+  if (ec) throw refuse(util::cat("cannot be read: the model's folder '", util::printable(base_dir_), "': ", ec.message()));
+  const fs::path real = fs::canonical(base / rel, ec);
+  if (ec) throw refuse(util::cat("cannot be opened: ", ec.message()));
+  const auto [b_end, r_at] = std::mismatch(base.begin(), base.end(), real.begin(), real.end());
+  if (b_end != base.end() || r_at == real.end())
+    throw refuse(util::cat("resolves to '", util::printable(real.string()),
+                           "', outside the model's folder (symbolic links out of it are refused)"));
+  // O_NONBLOCK: a FIFO never blocks the open; O_NOFOLLOW: the resolved path is not swapped for a
+  // link; the type is checked before a byte is read.
+  const int fd = ::open(real.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
+  if (fd < 0) throw refuse(util::cat("cannot be opened: ", std::strerror(errno)));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw refuse(S_ISDIR(st.st_mode)    ? "is a folder, not a file"
+                 : S_ISFIFO(st.st_mode) ? "is a FIFO, not a regular file"
+                 : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "is a device, not a regular file"
+                                                              : "is not a regular file");
+  }
+  File f;
+  f.fd = fd;
+  f.size = static_cast<std::uint64_t>(st.st_size);
+  f.path = real.string();
+  return files_.emplace(location, std::move(f)).first->second;
+}
+
+void ExternalFiles::read(const std::string& location, std::uint64_t offset, std::uint64_t length, void* out,
+                         const std::string& context) {
+  const File& f = open(location, context);
+  if (offset > f.size || f.size - offset < length)
+    throw Error(util::cat(context, ": external data file '", util::printable(f.path), "' has ", f.size, " bytes; ",
+                          length, " are needed at offset ", offset));
+  auto* p = static_cast<char*>(out);
+  std::uint64_t got = 0;
+  while (got < length) {
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(length - got, std::uint64_t{1} << 30));
+    const ssize_t r = ::pread(f.fd, p + got, want, static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      throw Error(util::cat(context, ": external data file '", util::printable(f.path), "': read failed after ", got,
+                            " of ", length, " bytes at offset ", offset, r < 0 ? util::cat(": ", std::strerror(errno)) : ""));
+    got += static_cast<std::uint64_t>(r);
+  }
+}
+
+void check_memory(const std::string& who, std::uint64_t bytes, const std::string& what) {
+  if (util::memory_check_disabled()) return;
+  const auto avail = util::available_memory();
+  if (!avail || bytes <= avail->bytes) return;
+  throw Error(util::cat(who, ": ", what, " needs ", bytes, " bytes (", util::format_bytes(bytes), ") but ",
+                        avail->bytes, " bytes (", util::format_bytes(avail->bytes), ") are available (", avail->source,
+                        "); set KG_NO_MEMORY_CHECK=1 to allocate anyway"));
 }
 
 std::optional<DType> dtype_of(int t) {
@@ -78,7 +160,7 @@ void copy_field(const Field& f, Tensor& out) {
 
 }  // namespace
 
-Tensor to_tensor(const ::onnx::TensorProto& t, const std::string& context, const std::string& base_dir) {
+Tensor to_tensor(const ::onnx::TensorProto& t, const std::string& context, ExternalFiles& external) {
   using T = ::onnx::TensorProto;
   const auto dtype = dtype_of(t.data_type());
   if (!dtype) throw Error(util::cat(context, ": element type ", onnx_type_name(t.data_type()), " is not supported"));
@@ -102,28 +184,26 @@ Tensor to_tensor(const ::onnx::TensorProto& t, const std::string& context, const
     std::uint64_t offset = 0, length = nbytes;
     bool has_length = false;
     for (const auto& kv : t.external_data()) {
-      try {
-        if (kv.key() == "location") location = kv.value();
-        if (kv.key() == "offset") offset = std::stoull(kv.value());
-        if (kv.key() == "length") length = std::stoull(kv.value()), has_length = true;
-      } catch (const std::exception&) {
-        throw Error(util::cat(context, ": external data ", kv.key(), " '", kv.value(), "' is not a number"));
-      }
+      auto number = [&] {
+        const std::string& v = kv.value();
+        std::uint64_t x = 0;
+        const bool digits = !v.empty() && v.size() <= 20 &&
+                            std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+        if (!digits || std::from_chars(v.data(), v.data() + v.size(), x).ec != std::errc())
+          throw Error(util::cat(context, ": external data ", util::printable(kv.key()), " '", util::printable(v),
+                                "' is not a number of bytes"));
+        return x;
+      };
+      if (kv.key() == "location") location = kv.value();
+      if (kv.key() == "offset") offset = number();
+      if (kv.key() == "length") length = number(), has_length = true;
     }
     if (location.empty()) throw Error(context + ": external data without a location");
-    const std::filesystem::path rel(location);
-    if (rel.is_absolute() || location.find("..") != std::string::npos)
-      throw Error(util::cat(context, ": external data location '", location,
-                            "' must be a relative path inside the model's folder"));
     if (has_length && length != nbytes)
       throw Error(util::cat(context, ": external data length ", length, " but ", shape_text(), " needs ", nbytes));
-    const std::string file = (std::filesystem::path(base_dir) / rel).string();
-    const std::string bytes = read_file(file, std::numeric_limits<std::uint64_t>::max(), context + " external data");
-    if (offset > bytes.size() || bytes.size() - offset < nbytes)
-      throw Error(util::cat(context, ": external data file '", file, "' has ", bytes.size(), " bytes; ", nbytes,
-                            " are needed at offset ", offset));
+    check_memory(context, nbytes, util::cat("its external data (", shape_text(), ")"));
     Tensor out = Tensor::empty(*dtype, shape);
-    if (nbytes) std::memcpy(out.raw(), bytes.data() + offset, nbytes);
+    external.read(location, offset, nbytes, out.raw(), context);
     return out;
   }
 
@@ -147,6 +227,7 @@ Tensor to_tensor(const ::onnx::TensorProto& t, const std::string& context, const
   }
   if (have != numel)
     throw Error(util::cat(context, ": holds ", have, " values, but ", shape_text(), " has ", numel, " elements"));
+  check_memory(context, nbytes, shape_text());
   Tensor out = Tensor::empty(*dtype, shape);
   switch (t.data_type()) {
     case T::FLOAT: copy_field<float>(t.float_data(), out); break;
