@@ -250,3 +250,6 @@ inline int fuzz_cli(const std::uint8_t* data, std::size_t size) {
 }
 
 }  // namespace kg::fuzz
+
+// ---- ONNX converters: a one-node model from the bytes, imported, loaded and run on the CPU ----
+#include "onnx_convert_target.hpp"  // NOLINT(build/include_order): kg::fuzz::fuzz_onnx_convert

@@ -59,6 +59,7 @@ TEST(FuzzRegressions, Idx) { EXPECT_GT(replay("idx", kg::fuzz::fuzz_idx), 0u); }
 TEST(FuzzRegressions, Ptx) { EXPECT_GT(replay("ptx", kg::fuzz::fuzz_ptx), 0u); }
 TEST(FuzzRegressions, CudaSource) { EXPECT_GT(replay("cuda_source", kg::fuzz::fuzz_cuda_source), 0u); }
 TEST(FuzzRegressions, Onnx) { EXPECT_GT(replay("onnx", kg::fuzz::fuzz_onnx), 0u); }
+TEST(FuzzRegressions, OnnxConvert) { EXPECT_GT(replay("onnx_convert", kg::fuzz::fuzz_onnx_convert), 0u); }
 TEST(FuzzRegressions, Cli) { EXPECT_GT(replay("cli", kg::fuzz::fuzz_cli), 0u); }
 TEST(FuzzRegressions, TuningCache) { EXPECT_GT(replay("tuning_cache", kg::fuzz::fuzz_tuning_cache), 0u); }
 
