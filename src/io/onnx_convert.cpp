@@ -1011,6 +1011,12 @@ void check_window(NodeContext& c, const Shape& x, const std::vector<std::int64_t
   positive(dilations, "dilations");
   for (std::int64_t p : pads)
     if (p < 0) c.fail(util::cat("pads ", sizes_to_string(pads), " must not be negative"));
+  // A padded static dim, with either pad taken twice (the ops pad symmetrically), must fit.
+  for (std::size_t i = 0; i < sp; ++i) {
+    if (!x[2 + i].is_static()) continue;
+    const std::int64_t most = std::max(pads[i], pads[i + sp]);
+    (void)checked_add(c, checked_add(c, x[2 + i].size(), most, "a padded dim"), most, "a padded dim");
+  }
   // The extent of a dilated kernel, (kernel - 1) * dilation + 1, must fit.
   for (std::size_t i = 0; i < sp; ++i)
     (void)checked_add(c, checked_mul(c, kernel[i] - 1, dilations[i], "a dilated kernel"), 1, "a dilated kernel");
@@ -1074,7 +1080,7 @@ SymTensor pad_asymmetric(NodeContext& c, SymTensor x, Window& w, double value, b
   bool sym = true;
   for (std::size_t i = 0; i < w.pads_begin.size(); ++i) {
     sym = sym && w.pads_begin[i] == w.pads_end[i];
-    if (pool && w.pads_begin[i] * 2 > w.kernel[i]) sym = false;
+    if (pool && w.pads_begin[i] > w.kernel[i] / 2) sym = false;  // pad * 2 > kernel, without overflow
   }
   if (sym) return x;
   std::vector<std::int64_t> b(x.rank(), 0), e(x.rank(), 0);
@@ -1205,7 +1211,7 @@ Converter pool(bool is_max) {
         if (d != 1) c.fail("AveragePool with dilations is not supported");
       bool sym = true;
       for (std::size_t i = 0; i < w.pads_begin.size(); ++i)
-        sym = sym && w.pads_begin[i] == w.pads_end[i] && w.pads_begin[i] * 2 <= w.kernel[i];
+        sym = sym && w.pads_begin[i] == w.pads_end[i] && w.pads_begin[i] <= w.kernel[i] / 2;
       if (!sym && !include)
         c.fail("pads that differ at both ends or exceed half the kernel, with count_include_pad 0, are not supported");
       x = pad_asymmetric(c, x, w, 0.0, true);
