@@ -544,9 +544,12 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
       throw Error(util::cat(where, ": imports opset version ", v, " of the ",
                             domain.empty() ? std::string("standard domain") : "domain " + quoted(domain),
                             "; opset versions are 1 to ", std::numeric_limits<int>::max()));
-    if (!opsets_.emplace(domain, static_cast<int>(v)).second)
+    // "ai.onnx" and "" are the same domain; naming it twice is fine when the versions agree.
+    const auto [at, added] = opsets_.emplace(domain, static_cast<int>(v));
+    if (!added && at->second != static_cast<int>(v))
       throw Error(util::cat(where, ": imports the ",
-                            domain.empty() ? std::string("standard domain") : "domain " + quoted(domain), " twice"));
+                            domain.empty() ? std::string("standard domain") : "domain " + quoted(domain),
+                            " at two versions, ", at->second, " and ", v));
   }
   if (!opsets_.count("")) {
     if (model.ir_version() < 3) opsets_[""] = 1;  // before opset_import existed
