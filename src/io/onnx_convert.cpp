@@ -51,7 +51,7 @@ std::int64_t checked_int(const NodeContext& c, double v, const char* what) {
   return static_cast<std::int64_t>(v);
 }
 
-std::string quoted(const std::string& name) { return "'" + util::printable(name) + "'"; }
+std::string quote_name(const std::string& name) { return "'" + util::printable(name) + "'"; }
 
 namespace {
 
@@ -76,19 +76,19 @@ bool is_float_type(DType t) { return t == DType::F32 || t == DType::F64; }
 // name; another constant gets "<node>.<what>"), converting floats to the parameter's dtype.
 void bind(NodeContext& c, const SymTensor& t, std::size_t index, Value& v, const char* what) {
   if (v.graph_input)
-    throw NeedsValue(util::cat(c.label, " needs its ", what, " (input ", quoted(v.name), ", a graph input) known at import; "
+    throw NeedsValue(util::cat(c.label, " needs its ", what, " (input ", quote_name(v.name), ", a graph input) known at import; "
                                "give its value in ImportOptions::input_values"),
                      {v.name});
-  if (!v.is_constant()) c.fail(util::cat("needs its ", what, " (input ", quoted(v.name), ") to be an initializer"));
+  if (!v.is_constant()) c.fail(util::cat("needs its ", what, " (input ", quote_name(v.name), ") to be an initializer"));
   const Node& n = c.graph().node(t.node());
   const ParamSpec& p = n.params.at(index);
   Tensor data = *v.constant;
   if (numel_of(data.shape()) != numel_of(p.shape))
-    c.fail(util::cat(what, " ", quoted(v.name), " is ", sizes_to_string(data.shape()), " but the op needs ",
+    c.fail(util::cat(what, " ", quote_name(v.name), " is ", sizes_to_string(data.shape()), " but the op needs ",
                      sizes_to_string(p.shape)));
   if (data.dtype() != p.dtype) {
     if (!is_floating(data.dtype()) || !is_floating(p.dtype))
-      c.fail(util::cat(what, " ", quoted(v.name), " is ", dtype_name(data.dtype()), ", expected ", dtype_name(p.dtype)));
+      c.fail(util::cat(what, " ", quote_name(v.name), " is ", dtype_name(data.dtype()), ", expected ", dtype_name(p.dtype)));
     data = data.to(p.dtype);
   }
   std::vector<std::byte> bytes(data.nbytes());
@@ -886,7 +886,7 @@ Values pad_op(NodeContext& c) {
   if (mode == "reflect") m = ops::PadMode::Reflect;
   else if (mode == "edge") m = ops::PadMode::Edge;
   else if (mode == "wrap") m = ops::PadMode::Wrap;
-  else if (mode != "constant") c.fail("has an unknown mode " + quoted(mode));
+  else if (mode != "constant") c.fail("has an unknown mode " + quote_name(mode));
   SymTensor x = c.tensor(0);
   for (std::size_t i = 0; i < r; ++i) {
     const std::int64_t total = checked_add(c, begin[i], end[i], "the pads of a dim");
@@ -943,7 +943,7 @@ Values einsum_op(NodeContext& c) {
   const auto arrow = eq.find("->");
   const auto comma = eq.find(',');
   if (comma == std::string::npos || arrow == std::string::npos || c.num_inputs() != 2)
-    c.fail("equation " + quoted(eq) + " is not supported (two operands with an explicit output, one matrix product)");
+    c.fail("equation " + quote_name(eq) + " is not supported (two operands with an explicit output, one matrix product)");
   const std::string A = eq.substr(0, comma), B = eq.substr(comma + 1, arrow - comma - 1), O = eq.substr(arrow + 2);
   std::string batch, m, n, k;
   for (char ch : O) {
@@ -956,7 +956,7 @@ Values einsum_op(NodeContext& c) {
     if (B.find(ch) != std::string::npos && O.find(ch) == std::string::npos) k += ch;
   if (m.size() > 1 || n.size() > 1 || k.size() != 1 || A.size() != batch.size() + m.size() + 1 ||
       B.size() != batch.size() + n.size() + 1 || O.size() != batch.size() + m.size() + n.size())
-    c.fail("equation " + quoted(eq) + " is not supported (two operands with an explicit output, one matrix product)");
+    c.fail("equation " + quote_name(eq) + " is not supported (two operands with an explicit output, one matrix product)");
   auto perm_for = [](const std::string& from, const std::string& to) {
     std::vector<std::int64_t> p;
     for (char ch : to) p.push_back(static_cast<std::int64_t>(from.find(ch)));
@@ -1054,7 +1054,7 @@ Window window(NodeContext& c, const Shape& x, std::vector<std::int64_t> kernel) 
     std::fill(w.pads_begin.begin(), w.pads_begin.end(), 0);
     std::fill(w.pads_end.begin(), w.pads_end.end(), 0);
   } else if (ap != "NOTSET") {
-    c.fail("has an unknown auto_pad " + quoted(ap));
+    c.fail("has an unknown auto_pad " + quote_name(ap));
   }
   return w;
 }
@@ -1097,7 +1097,7 @@ Values conv_op(NodeContext& c) {
   SymTensor x0 = c.tensor(0);
   Value& wv = c.in(1);
   if (wv.graph_input) c.constant(1, "its weight");
-  if (!wv.is_constant()) c.fail("needs its weight (input " + quoted(wv.name) + ") to be an initializer");
+  if (!wv.is_constant()) c.fail("needs its weight (input " + quote_name(wv.name) + ") to be an initializer");
   const Tensor& W = *wv.constant;
   if (W.rank() != x0.rank() || W.rank() < 3)
     c.fail(util::cat("weight ", sizes_to_string(W.shape()), " does not match the input ", x0.shape().to_string()));
@@ -1124,7 +1124,7 @@ Values conv_transpose_op(NodeContext& c) {
   SymTensor x0 = c.tensor(0);
   Value& wv = c.in(1);
   if (wv.graph_input) c.constant(1, "its weight");
-  if (!wv.is_constant()) c.fail("needs its weight (input " + quoted(wv.name) + ") to be an initializer");
+  if (!wv.is_constant()) c.fail("needs its weight (input " + quote_name(wv.name) + ") to be an initializer");
   const Tensor& W = *wv.constant;
   if (W.rank() != x0.rank() || W.rank() < 3)
     c.fail(util::cat("weight ", sizes_to_string(W.shape()), " does not match the input ", x0.shape().to_string()));
@@ -1385,7 +1385,7 @@ Values resize_op(NodeContext& c) {
   if (mode == "nearest") spec.mode = ops::ResizeSpec::Mode::Nearest;
   else if (mode == "linear" || mode == "bilinear") spec.mode = ops::ResizeSpec::Mode::Linear;
   else if (mode == "cubic" || mode == "bicubic") spec.mode = ops::ResizeSpec::Mode::Cubic;
-  else c.fail("has an unknown mode " + quoted(mode));
+  else c.fail("has an unknown mode " + quote_name(mode));
   const bool upsample = c.node.op_type() == "Upsample";
   spec.coordinate_transformation_mode =
       upsample || c.opset < 11 ? "asymmetric" : c.attrs.get_string("coordinate_transformation_mode", "half_pixel");
@@ -1512,7 +1512,7 @@ SymTensor nll(NodeContext& c, const SymTensor& logp, const SymTensor& target, st
   for (std::size_t i = 0; i < loss.rank(); ++i) all.push_back(static_cast<std::int64_t>(i));
   SymTensor total = ops::reduce(ReduceFn::Sum, loss, all, false, c.node_name(reduction == "sum" ? suffix : "total"));
   if (reduction == "sum") return total;
-  if (reduction != "mean") c.fail("has an unknown reduction " + quoted(reduction));
+  if (reduction != "mean") c.fail("has an unknown reduction " + quote_name(reduction));
   if (!w) return ops::reduce(ReduceFn::Mean, loss, all, false, c.node_name(suffix));
   SymTensor wsum = ops::reduce(ReduceFn::Sum, *w, all, false, c.node_name("weight_sum"));
   return div(total, wsum, c.node_name(suffix));

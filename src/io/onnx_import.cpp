@@ -20,7 +20,7 @@
 
 namespace kg::onnx {
 
-using detail::quoted;
+using detail::quote_name;
 
 // The largest ir_version accepted: ONNX's newest is 11 (ONNX 1.18); this leaves room for later
 // ones while refusing numbers no release has (a damaged or hostile file).
@@ -46,9 +46,9 @@ const char* kind_name(Attribute::Kind k) {
 
 const Attribute& Attributes::find(const std::string& name, Attribute::Kind kind) const {
   auto it = attrs_.find(name);
-  if (it == attrs_.end()) throw Error(util::cat(label_, " has no attribute ", quoted(name)));
+  if (it == attrs_.end()) throw Error(util::cat(label_, " has no attribute ", quote_name(name)));
   if (it->second.kind != kind)
-    throw Error(util::cat(label_, " attribute ", quoted(name), " is ", kind_name(it->second.kind), ", expected ",
+    throw Error(util::cat(label_, " attribute ", quote_name(name), " is ", kind_name(it->second.kind), ", expected ",
                           kind_name(kind)));
   return it->second;
 }
@@ -210,7 +210,7 @@ Attributes Importer::read_attributes(const ::onnx::NodeProto& node, const std::s
       case A::STRING: x.kind = Attribute::Kind::String; x.s = a.s(); break;
       case A::TENSOR:
         x.kind = Attribute::Kind::Tensor;
-        x.t = to_tensor(a.t(), util::cat("ONNX file ", quoted(file_), ": ", label, " attribute ", quoted(a.name())),
+        x.t = to_tensor(a.t(), util::cat("ONNX file ", quote_name(file_), ": ", label, " attribute ", quote_name(a.name())),
                         external_);
         break;
       case A::INTS: x.kind = Attribute::Kind::Ints; x.ints.assign(a.ints().begin(), a.ints().end()); break;
@@ -270,11 +270,11 @@ std::vector<Value> Importer::convert_custom(const OpFactory& factory, NodeContex
     const ParamSpec& p = n.params[k];
     Tensor t = *v.constant;
     if (t.shape() != p.shape)
-      ctx.fail(util::cat("initializer ", quoted(v.name), " is ", sizes_to_string(t.shape()), " but parameter ", quoted(p.name),
+      ctx.fail(util::cat("initializer ", quote_name(v.name), " is ", sizes_to_string(t.shape()), " but parameter ", quote_name(p.name),
                          " is declared ", sizes_to_string(p.shape)));
     if (t.dtype() != p.dtype) {
       if (!is_floating(t.dtype()) || !is_floating(p.dtype))
-        ctx.fail(util::cat("initializer ", quoted(v.name), " is ", dtype_name(t.dtype()), " but parameter ", quoted(p.name),
+        ctx.fail(util::cat("initializer ", quote_name(v.name), " is ", dtype_name(t.dtype()), " but parameter ", quote_name(p.name),
                            " is declared ", dtype_name(p.dtype)));
       t = t.to(p.dtype);
     }
@@ -431,7 +431,7 @@ SymTensor materialize(Importer& imp, Value& v, const std::string& hint) {
         }
         refs.push_back(ops::DimRef::of(idx, d.axis));
       } else {
-        throw Error(util::cat("the shape value ", quoted(v.name), " has a size known only at run time (a product of "
+        throw Error(util::cat("the shape value ", quote_name(v.name), " has a size known only at run time (a product of "
                                                           "dynamic dims); it cannot be made a tensor"));
       }
     }
@@ -440,7 +440,7 @@ SymTensor materialize(Importer& imp, Value& v, const std::string& hint) {
     v.tensor = t;
     return t;
   }
-  throw Error(util::cat("value ", quoted(v.name), " has no data"));
+  throw Error(util::cat("value ", quote_name(v.name), " has no data"));
 }
 
 SymTensor NodeContext::tensor(std::size_t i) { return materialize(imp_, in(i), node_name("in" + std::to_string(i))); }
@@ -449,10 +449,10 @@ const Tensor& NodeContext::constant(std::size_t i, const char* what) {
   Value& v = in(i);
   if (v.constant) return *v.constant;
   if (v.graph_input)
-    throw NeedsValue(util::cat(label, " needs ", what, " (input ", quoted(v.name), ", a graph input) known at import; give "
+    throw NeedsValue(util::cat(label, " needs ", what, " (input ", quote_name(v.name), ", a graph input) known at import; give "
                                "its value in ImportOptions::input_values"),
                      {v.name});
-  fail(util::cat("needs ", what, " (input ", quoted(v.name), ") known at import, but it is computed at run time",
+  fail(util::cat("needs ", what, " (input ", quote_name(v.name), ") known at import, but it is computed at run time",
                  v.dims ? util::cat(" (", v.dims->size(), " sizes, not all static)") : std::string()));
 }
 
@@ -535,20 +535,20 @@ Shape shape_of_type(const ::onnx::TypeProto& type) {
 }  // namespace
 
 void Importer::convert_model(const ::onnx::ModelProto& model) {
-  const std::string where = util::cat("ONNX file ", quoted(file_));
+  const std::string where = util::cat("ONNX file ", quote_name(file_));
   for (const auto& o : model.opset_import()) {
     // A version outside 1..2^31-1 is no opset (it was read modulo 2^32: 2^32 + 17 as 17).
     const std::int64_t v = o.version();
     const std::string domain = canonical_domain(o.domain());
     if (v < 1 || v > std::numeric_limits<int>::max())
       throw Error(util::cat(where, ": imports opset version ", v, " of the ",
-                            domain.empty() ? std::string("standard domain") : "domain " + quoted(domain),
+                            domain.empty() ? std::string("standard domain") : "domain " + quote_name(domain),
                             "; opset versions are 1 to ", std::numeric_limits<int>::max()));
     // "ai.onnx" and "" are the same domain; naming it twice is fine when the versions agree.
     const auto [at, added] = opsets_.emplace(domain, static_cast<int>(v));
     if (!added && at->second != static_cast<int>(v))
       throw Error(util::cat(where, ": imports the ",
-                            domain.empty() ? std::string("standard domain") : "domain " + quoted(domain),
+                            domain.empty() ? std::string("standard domain") : "domain " + quote_name(domain),
                             " at two versions, ", at->second, " and ", v));
   }
   if (!opsets_.count("")) {
@@ -563,24 +563,24 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
   std::set<std::string> init_names;
   for (const auto& t : g.initializer()) {
     if (t.name().empty()) throw Error(where + ": an initializer has no name");
-    if (!init_names.insert(t.name()).second) throw Error(util::cat(where, ": initializer ", quoted(t.name()), " is defined twice"));
-    Value v = constant_value(to_tensor(t, util::cat(where, ": initializer ", quoted(t.name())), external_));
+    if (!init_names.insert(t.name()).second) throw Error(util::cat(where, ": initializer ", quote_name(t.name()), " is defined twice"));
+    Value v = constant_value(to_tensor(t, util::cat(where, ": initializer ", quote_name(t.name())), external_));
     v.name = t.name();
     v.initializer = true;
     values[t.name()] = std::move(v);
   }
   for (const auto& t : g.sparse_initializer())
-    throw Error(util::cat(where, ": sparse initializer ", quoted(t.values().name()), " is not supported"));
+    throw Error(util::cat(where, ": sparse initializer ", quote_name(t.values().name()), " is not supported"));
   // Graph inputs (those that are also initializers are defaults in old files: the initializer wins).
   for (const auto& in : g.input()) {
     if (init_names.count(in.name())) continue;
     if (in.name().empty()) throw Error(where + ": a graph input has no name");
-    if (values.count(in.name())) throw Error(util::cat(where, ": graph input ", quoted(in.name()), " is defined twice"));
+    if (values.count(in.name())) throw Error(util::cat(where, ": graph input ", quote_name(in.name()), " is defined twice"));
     if (!in.type().has_tensor_type())
-      throw Error(util::cat(where, ": graph input ", quoted(in.name()), " is not a tensor (sequences and maps are not supported)"));
+      throw Error(util::cat(where, ": graph input ", quote_name(in.name()), " is not a tensor (sequences and maps are not supported)"));
     const auto dt = dtype_of(in.type().tensor_type().elem_type());
     if (!dt)
-      throw Error(util::cat(where, ": graph input ", quoted(in.name()), " has element type ",
+      throw Error(util::cat(where, ": graph input ", quote_name(in.name()), " has element type ",
                             onnx_type_name(in.type().tensor_type().elem_type()), ", which is not supported"));
     auto given = options_.input_values.find(in.name());
     if (given != options_.input_values.end()) {
@@ -593,10 +593,10 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     try {
       s = shape_of_type(in.type());
     } catch (const Error& e) {
-      throw Error(util::cat(where, ": graph input ", quoted(in.name()), ": ", e.what()));
+      throw Error(util::cat(where, ": graph input ", quote_name(in.name()), ": ", e.what()));
     }
     if (!in.type().tensor_type().has_shape())
-      throw Error(util::cat(where, ": graph input ", quoted(in.name()), " has no shape (its rank must be known)"));
+      throw Error(util::cat(where, ": graph input ", quote_name(in.name()), " has no shape (its rank must be known)"));
     Value v = tensor_value(graph_->input(*dt, s, in.name()));
     v.name = in.name();
     v.graph_input = true;
@@ -606,7 +606,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     (void)t;
     bool found = false;
     for (const auto& in : g.input()) found = found || in.name() == name;
-    if (!found) throw Error(util::cat(where, ": ImportOptions::input_values names ", quoted(name), ", which is not a graph input"));
+    if (!found) throw Error(util::cat(where, ": ImportOptions::input_values names ", quote_name(name), ", which is not a graph input"));
   }
 
   // Order the nodes: every input defined before use; a cycle or an undefined value is an error.
@@ -616,7 +616,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     for (const auto& o : g.node(i).output()) {
       if (o.empty()) continue;
       if (values.count(o) || producer.count(o))
-        throw Error(util::cat(where, ": value ", quoted(o), " is produced twice (by node ", quoted(g.node(i).name()), ")"));
+        throw Error(util::cat(where, ": value ", quote_name(o), " is produced twice (by node ", quote_name(g.node(i).name()), ")"));
       producer[o] = i;
     }
   std::vector<int> pending(static_cast<std::size_t>(n), 0);
@@ -626,15 +626,15 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
       if (in.empty() || values.count(in)) continue;
       auto p = producer.find(in);
       if (p == producer.end())
-        throw Error(util::cat(where, ": node ", quoted(g.node(i).name()), " (", util::printable(g.node(i).op_type()), ") reads ", quoted(in),
+        throw Error(util::cat(where, ": node ", quote_name(g.node(i).name()), " (", util::printable(g.node(i).op_type()), ") reads ", quote_name(in),
                               ", which no node, input or initializer defines"));
       ++pending[static_cast<std::size_t>(i)];
       users[static_cast<std::size_t>(p->second)].push_back(i);
     }
     for (const auto& a : g.node(i).attribute())
       if (a.type() == ::onnx::AttributeProto::GRAPH || a.type() == ::onnx::AttributeProto::GRAPHS)
-        throw Error(util::cat(where, ": node ", quoted(g.node(i).name()), " (", util::printable(g.node(i).op_type()),
-                              ") has a subgraph attribute ", quoted(a.name()), "; control flow (If, Loop, Scan) is not supported"));
+        throw Error(util::cat(where, ": node ", quote_name(g.node(i).name()), " (", util::printable(g.node(i).op_type()),
+                              ") has a subgraph attribute ", quote_name(a.name()), "; control flow (If, Loop, Scan) is not supported"));
   }
   std::vector<int> order;
   std::queue<int> ready;
@@ -650,7 +650,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
   if (static_cast<int>(order.size()) != n) {
     std::vector<std::string> stuck;
     for (int i = 0; i < n && stuck.size() < 5; ++i)
-      if (pending[static_cast<std::size_t>(i)] > 0) stuck.push_back(util::cat(quoted(g.node(i).name()), " (", util::printable(g.node(i).op_type()), ")"));
+      if (pending[static_cast<std::size_t>(i)] > 0) stuck.push_back(util::cat(quote_name(g.node(i).name()), " (", util::printable(g.node(i).op_type()), ")"));
     throw Error(util::cat(where, ": the graph has a cycle; nodes on or after it: ", util::join(stuck, ", ")));
   }
 
@@ -673,7 +673,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     std::string msg = util::cat(where, ": ", missing.size(), " op type(s) cannot be imported:");
     for (const auto& [key, m] : missing)
       msg += util::cat("\n  ", key.first.empty() ? "ai.onnx" : util::printable(key.first), " ",
-                       util::printable(key.second), ": ", m.count, " node(s), first ", quoted(m.first),
+                       util::printable(key.second), ": ", m.count, " node(s), first ", quote_name(m.first),
                        key.first.empty() ? "" : " (register a CustomOp for it in kg::onnx::OpRegistry)");
     throw Error(msg);
   }
@@ -694,7 +694,7 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
       const std::string& o = node.output(k);
       if (o.empty()) continue;
       if (static_cast<std::size_t>(k) >= outs.size()) {
-        throw Error(util::cat(where, ": ", node_label(node), " output ", k, " (", quoted(o), ") is not supported"));
+        throw Error(util::cat(where, ": ", node_label(node), " output ", k, " (", quote_name(o), ") is not supported"));
       }
       outs[static_cast<std::size_t>(k)].name = o;
       outs[static_cast<std::size_t>(k)].initializer = false;
@@ -705,17 +705,17 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
 }
 
 ImportedGraph Importer::finish(const ::onnx::GraphProto& g) {
-  const std::string where = util::cat("ONNX file ", quoted(file_));
+  const std::string where = util::cat("ONNX file ", quote_name(file_));
   std::vector<std::pair<std::string, SymTensor>> outs;
   if (g.output_size() == 0) throw Error(where + ": the graph has no outputs");
   for (const auto& o : g.output()) {
     auto it = values.find(o.name());
-    if (it == values.end()) throw Error(util::cat(where, ": graph output ", quoted(o.name()), " is not defined by any node"));
+    if (it == values.end()) throw Error(util::cat(where, ": graph output ", quote_name(o.name()), " is not defined by any node"));
     SymTensor t;
     try {
       t = materialize(*this, it->second, o.name());
     } catch (const Error& e) {
-      throw Error(util::cat(where, ": graph output ", quoted(o.name()), ": ", e.what()));
+      throw Error(util::cat(where, ": graph output ", quote_name(o.name()), ": ", e.what()));
     }
     outs.push_back({o.name(), t});
   }
@@ -724,7 +724,7 @@ ImportedGraph Importer::finish(const ::onnx::GraphProto& g) {
 
 ImportedGraph import_proto(const std::string& bytes, const std::string& name, const ImportOptions& options,
                    const std::string& base_dir) {
-  const std::string where = util::cat("ONNX file ", quoted(name));
+  const std::string where = util::cat("ONNX file ", quote_name(name));
   ::onnx::ModelProto model;
   if (bytes.empty()) throw Error(where + ": empty file");
   if (bytes.size() > static_cast<std::size_t>(std::numeric_limits<int>::max()))
@@ -756,10 +756,10 @@ ImportedGraph import_checked(const std::string& bytes, const std::string& name, 
   try {
     return import_proto(bytes, name, options, base_dir);
   } catch (const std::bad_alloc&) {
-    throw Error(util::cat("ONNX file ", quoted(name), ": out of memory while importing (",
+    throw Error(util::cat("ONNX file ", quote_name(name), ": out of memory while importing (",
                           util::format_bytes(bytes.size()), " file); a size in it is larger than this machine holds"));
   } catch (const std::length_error&) {
-    throw Error(util::cat("ONNX file ", quoted(name), ": a size in it is larger than this machine holds"));
+    throw Error(util::cat("ONNX file ", quote_name(name), ": a size in it is larger than this machine holds"));
   }
 }
 
@@ -793,7 +793,7 @@ SymTensor ImportedGraph::output(const std::string& name) const {
     if (n == name) return t;
     names.push_back(n);
   }
-  throw Error(util::cat("the imported graph has no output ", quoted(name), " (outputs: ", util::join(names, ", "), ")"));
+  throw Error(util::cat("the imported graph has no output ", quote_name(name), " (outputs: ", util::join(names, ", "), ")"));
 }
 
 std::vector<std::string> supported_ops() {
@@ -814,13 +814,13 @@ std::vector<InputInfo> model_inputs(const Model& model) {
 Tensor read_tensor_file(const std::string& path) {
   const std::string bytes = detail::read_file(path, std::uint64_t{1} << 31, "ONNX tensor file");
   ::onnx::TensorProto t;
-  if (!t.ParseFromString(bytes)) throw Error(util::cat("ONNX tensor file ", quoted(path), ": not a valid TensorProto"));
+  if (!t.ParseFromString(bytes)) throw Error(util::cat("ONNX tensor file ", quote_name(path), ": not a valid TensorProto"));
   const std::string dir = std::filesystem::path(path).parent_path().string();
   detail::ExternalFiles external(dir.empty() ? "." : dir);
   try {
-    return detail::to_tensor(t, util::cat("ONNX tensor file ", quoted(path)), external);
+    return detail::to_tensor(t, util::cat("ONNX tensor file ", quote_name(path)), external);
   } catch (const std::bad_alloc&) {
-    throw Error(util::cat("ONNX tensor file ", quoted(path), ": out of memory while reading it"));
+    throw Error(util::cat("ONNX tensor file ", quote_name(path), ": out of memory while reading it"));
   }
 }
 

@@ -104,7 +104,7 @@ std::int64_t checked_div(const NodeContext& c, std::int64_t a, std::int64_t b, c
 std::int64_t checked_int(const NodeContext& c, double v, const char* what);
 
 // `name` quoted for a message, its control characters escaped: 'name'.
-std::string quoted(const std::string& name);
+std::string quote_name(const std::string& name);
 
 using Converter = std::function<std::vector<Value>(NodeContext&)>;
 
