@@ -20,4 +20,27 @@ std::string format_bytes(std::size_t bytes) {
   return buf;
 }
 
+std::string escape_control(std::string_view text, std::string_view keep) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if ((u >= 32 && u != 127) || keep.find(c) != std::string_view::npos) {
+      out += c;
+      continue;
+    }
+    switch (c) {
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default: {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\x%02x", u);
+        out += buf;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace kg::util

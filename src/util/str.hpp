@@ -4,6 +4,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <string_view>
 #include <vector>
 
 namespace kg::util {
@@ -29,6 +30,11 @@ template <class C> std::string join(const C& items, const std::string& sep) {
 
 // Human-readable byte count: "1.50 MiB".
 std::string format_bytes(std::size_t bytes);
+
+// `text` safe to print on a terminal: every control character (bytes 0-31 and 127, so ESC, BEL
+// and CR included) becomes a visible escape ("\x1b", "\r"), except the characters in `keep`
+// (by default line feeds and tabs). Bytes of 128 and above pass unchanged (UTF-8).
+std::string escape_control(std::string_view text, std::string_view keep = "\n\t");
 
 // `s` with its control characters (bytes below 0x20, and 0x7f) and backslashes written as
 // \xNN and \\, for quoting names read from a file in messages: an escape sequence in a name
