@@ -84,62 +84,33 @@ std::optional<std::string> unseal_cache_file(const std::string& file) {
   return file.substr(0, n);
 }
 
-bool read_cache_file(const fs::path& p, std::string& out) {
-  const int fd = ::open(p.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  if (fd < 0) return false;
-  struct stat st {};
-  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  std::string text;
-  char buf[65536];
-  while (ok) {
-    const ssize_t got = ::read(fd, buf, sizeof buf);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) ok = false;
-    if (got <= 0) break;
-    text.append(buf, static_cast<std::size_t>(got));
-  }
-  ::close(fd);
-  if (ok) out = std::move(text);
-  return ok;
+bool read_cache_file(const fs::path& p, std::string& out, std::uint64_t max_bytes) {
+  // A FIFO or device planted in the folder is refused without blocking, a link is not followed,
+  // and a file larger than any cache entry is not read at all.
+  return util::try_read_file(p, {max_bytes, /*follow_links=*/false}, out);
 }
 
-bool private_cache_dir(const fs::path& dir, std::string& why) {
-  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    why = util::cat("it cannot be created: ", std::strerror(errno));
-    return false;
-  }
-  struct stat st {};
-  if (::lstat(dir.c_str(), &st) != 0) {
-    why = util::cat("it cannot be read: ", std::strerror(errno));
-    return false;
-  }
-  if (!S_ISDIR(st.st_mode)) {
-    why = S_ISLNK(st.st_mode) ? "it is a symbolic link, not a folder" : "it is not a folder";
-    return false;
-  }
-  if (st.st_uid != ::geteuid()) {
-    why = util::cat("it is owned by uid ", st.st_uid, ", not by this user (uid ", ::geteuid(), ")");
-    return false;
-  }
-  if ((st.st_mode & 022) != 0) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-    why = util::cat("it is writable by group or others (mode ", mode, ")");
-    return false;
-  }
-  return true;
-}
+bool private_cache_dir(const fs::path& dir, std::string& why) { return util::private_dir(dir, why); }
 
 fs::path Compiler::default_cache_dir() {
-  if (const char* d = std::getenv("KG_CACHE_DIR"); d && *d) return d;
-  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return fs::path(x) / "kernelgraph";
-  if (const char* h = std::getenv("HOME"); h && *h) return fs::path(h) / ".cache" / "kernelgraph";
-  // A folder every local user can reach: one per user, and only when nobody else can write to it
-  // (the CUDA emulator loads shared objects from it).
+  fs::path dir;
+  if (const char* d = std::getenv("KG_CACHE_DIR"); d && *d) {
+    dir = d;
+  } else if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) {
+    dir = fs::path(x) / "kernelgraph";
+  } else if (const char* h = std::getenv("HOME"); h && *h) {
+    dir = fs::path(h) / ".cache" / "kernelgraph";
+  } else {
+    // A folder every local user can reach: one per user.
+    std::error_code ec;
+    fs::path tmp = fs::temp_directory_path(ec);
+    if (ec) tmp = "/tmp";
+    dir = tmp / util::cat("kernelgraph-cache-", ::geteuid());
+  }
+  // Whichever folder it is, the CUDA emulator loads shared objects from it and the GPU runs what
+  // is in it: it is used only when nobody else can write to it, before any file in it is opened.
   std::error_code ec;
-  fs::path tmp = fs::temp_directory_path(ec);
-  if (ec) tmp = "/tmp";
-  const fs::path dir = tmp / util::cat("kernelgraph-cache-", ::geteuid());
+  if (dir.has_parent_path() && !fs::exists(dir, ec)) fs::create_directories(dir.parent_path(), ec);
   std::string why;
   if (private_cache_dir(dir, why)) return dir;
   static std::atomic<bool> told{false};
@@ -213,9 +184,13 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
       return r;
     }
   }
-  const fs::path ptx_path = dir_.empty() ? fs::path() : dir_ / (r.key + ".ptx");
+  // The folder is checked before anything in it is read (it may have changed hands since the
+  // compiler was made): a PTX planted by someone else is never served.
+  std::string untrusted;
+  const bool disk = !dir_.empty() && private_cache_dir(dir_, untrusted);
+  const fs::path ptx_path = disk ? dir_ / (r.key + ".ptx") : fs::path();
   std::string cached;
-  if (!dir_.empty() && read_cache_file(ptx_path, cached)) {
+  if (disk && read_cache_file(ptx_path, cached)) {
     if (auto ptx = unseal_cache_file(cached); ptx && looks_like_ptx(*ptx)) {
       r.ptx = std::move(*ptx);
       r.from_disk = true;
@@ -254,11 +229,9 @@ CompileResult Compiler::compile(const std::string& name, const std::string& sour
     nv.nvrtcGetPTX(prog, r.ptx.data());
     nv.nvrtcDestroyProgram(&prog);
     while (!r.ptx.empty() && r.ptx.back() == '\0') r.ptx.pop_back();
-    if (!dir_.empty()) {
-      std::error_code ec;
-      fs::create_directories(dir_, ec);
-      util::write_file_atomic(dir_ / (r.key + ".cu"), source);
-      util::write_file_atomic(ptx_path, seal_cache_file(r.ptx));
+    if (disk) {
+      util::write_file_atomic(dir_ / (r.key + ".cu"), source, 0600);
+      util::write_file_atomic(ptx_path, seal_cache_file(r.ptx), 0600);
     }
 #endif
   }

@@ -68,12 +68,17 @@ std::string content_hash(const std::string& text);
 std::string seal_cache_file(const std::string& bytes);
 // The bytes of a sealed file, or nullopt when the trailer is missing or does not match them.
 std::optional<std::string> unseal_cache_file(const std::string& file);
-// Reads a cache file, opened with O_NOFOLLOW: false when it is missing, a symbolic link or not a
-// regular file.
-bool read_cache_file(const std::filesystem::path& p, std::string& out);
-// Creates `dir` (mode 0700) when it is missing, and says whether it is safe to keep files in that
-// are later loaded as code: a folder (not a symbolic link) owned by this user and not writable by
-// group or others. `why` gets the reason when it is not.
+// The largest file a disk cache reads (a PTX, a CUBIN, an emulator module): anything larger in a
+// cache folder was not written by kernelgraph and is ignored unread.
+constexpr std::uint64_t kMaxCacheFileBytes = std::uint64_t(512) << 20;
+// Reads a cache file through util::try_read_file (O_NOFOLLOW, a regular file only, never blocking
+// on a FIFO or device): false when it is missing, a symbolic link, not a regular file or larger
+// than `max_bytes`.
+bool read_cache_file(const std::filesystem::path& p, std::string& out,
+                     std::uint64_t max_bytes = kMaxCacheFileBytes);
+// util::private_dir(): creates `dir` (mode 0700) when it is missing, and says whether it is safe to
+// keep files in that are later loaded as code: a folder (not a symbolic link) owned by this user and
+// not writable by group or others. `why` gets the reason when it is not.
 bool private_cache_dir(const std::filesystem::path& dir, std::string& why);
 
 // Machine code beside the PTX: the CUBIN the driver's linker made from a PTX for one device

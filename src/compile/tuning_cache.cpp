@@ -1,6 +1,7 @@
 #include "compile/tuning_cache.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -44,13 +45,22 @@ void check_text(const std::string& s, const char* what) {
 // Appends `text` to `p` in one write (O_APPEND: whole lines from several processes do not
 // interleave); false when the file cannot be written.
 bool append(const fs::path& p, const std::string& text) {
-  const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
+  // O_NONBLOCK: a FIFO planted in place of the file never blocks the open; anything but a regular
+  // file is left alone.
+  const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY, 0600);
   if (fd < 0) return false;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return false;
+  }
   const ssize_t n = ::write(fd, text.data(), text.size());
   ::close(fd);
   return n == static_cast<ssize_t>(text.size());
 }
 
+// The largest tuning file read: a scope holds a few thousand short lines at most.
+constexpr std::uint64_t kMaxTuningFileBytes = std::uint64_t(64) << 20;
 
 bool disabled_by_env() {
   const char* v = std::getenv("KG_TUNING_CACHE");
@@ -68,7 +78,13 @@ TuningCache::TuningCache(fs::path dir) : dir_(std::move(dir)) {
 TuningCache& TuningCache::global() {
   static TuningCache cache = [] {
     const fs::path base = cubin_cache_dir();
-    return TuningCache(disabled_by_env() || base.empty() ? fs::path() : base / "tuning");
+    if (disabled_by_env() || base.empty()) return TuningCache(fs::path());
+    // The kernel folder and tuning/ in it are both checked: a tuning/ that is a link elsewhere or
+    // another user's folder leaves the cache in memory only.
+    std::string why;
+    fs::path dir;
+    if (!util::private_subdir(base, "tuning", why, &dir)) return TuningCache(fs::path());
+    return TuningCache(dir);
   }();
   return cache;
 }
@@ -82,7 +98,7 @@ std::map<std::string, std::string>& TuningCache::entries(const std::string& scop
   if (it != scopes_.end()) return it->second;
   std::map<std::string, std::string>& e = scopes_[scope];
   std::string text;
-  if (dir_.empty() || !read_cache_file(file(scope), text)) return e;
+  if (dir_.empty() || !read_cache_file(file(scope), text, kMaxTuningFileBytes)) return e;
   std::size_t pos = text.find('\n');
   if (pos == std::string::npos || text.compare(0, pos, std::string(kHeader) + scope) != 0) {
     unreadable_.insert(scope);  // another scope's file under the same name, or damaged: ignored

@@ -262,3 +262,58 @@ TEST(Hardening, SharedFallbackCacheFolderIsPerUserAndPrivate) {
   }
   fs::remove_all(tmp);
 }
+
+// The finding: only the /tmp fallback was checked; a KG_CACHE_DIR (or XDG/home cache) that was
+// world-writable or another user's was used as is, so a PTX planted there was served by compile
+// (and a shared object loaded by the emulator). Every choice of folder is checked now.
+TEST(Hardening, EveryCacheFolderChoiceIsCheckedBeforeUse) {
+  const fs::path root = fresh_dir("choice");
+  fs::create_directories(root);
+  const fs::path kg_dir = root / "kg";
+  fs::create_directories(kg_dir);
+  {
+    EnvVar kg("KG_CACHE_DIR", kg_dir.string());
+    EXPECT_EQ(Compiler::default_cache_dir(), kg_dir);
+    fs::permissions(kg_dir, fs::perms::all);
+    EXPECT_EQ(Compiler::default_cache_dir(), fs::path()) << "a world-writable KG_CACHE_DIR is not used";
+    fs::permissions(kg_dir, fs::perms::owner_all);
+  }
+  {
+    EnvVar no_kg("KG_CACHE_DIR", std::nullopt), xdg("XDG_CACHE_HOME", (root / "xdg").string());
+    EXPECT_EQ(Compiler::default_cache_dir(), root / "xdg" / "kernelgraph") << "created, private";
+    fs::permissions(root / "xdg" / "kernelgraph", fs::perms::all);
+    EXPECT_EQ(Compiler::default_cache_dir(), fs::path());
+  }
+  fs::remove_all(root);
+}
+
+// The same for a Compiler made with a folder: the folder is checked before a cached PTX is read.
+TEST(Hardening, PlantedPtxInAWorldWritableFolderIsNotServed) {
+  if (!Compiler::available()) GTEST_SKIP() << Compiler::unavailable_reason();
+  const fs::path dir = fresh_dir("planted-ptx");
+  fs::create_directories(dir);
+  const auto honest = Compiler(dir).compile("test.saxpy", kSaxpy, 90);
+  const fs::path file = dir / (honest.key + ".ptx");
+  const std::string planted = ptx_module("// planted\n.visible .entry saxpy() { ret; }\n");
+  { std::ofstream(file, std::ios::binary | std::ios::trunc) << kg::compile::seal_cache_file(planted); }
+  fs::permissions(dir, fs::perms::all);
+  const auto got = Compiler(dir).compile("test.saxpy", kSaxpy, 90);
+  EXPECT_FALSE(got.from_disk);
+  EXPECT_EQ(got.ptx.find("// planted"), std::string::npos);
+  fs::permissions(dir, fs::perms::owner_all);
+  fs::remove_all(dir);
+}
+
+// The finding: a FIFO in place of a cache file blocked its open forever (no O_NONBLOCK).
+TEST(Hardening, FifoInPlaceOfACacheFileDoesNotBlock) {
+  const fs::path dir = fresh_dir("fifo");
+  fs::create_directories(dir);
+  ASSERT_EQ(::mkfifo((dir / "x.ptx").c_str(), 0600), 0);
+  std::string out;
+  EXPECT_FALSE(kg::compile::read_cache_file(dir / "x.ptx", out));
+  // A file larger than the bound is not read.
+  { std::ofstream(dir / "big.ptx") << std::string(4096, 'x'); }
+  EXPECT_FALSE(kg::compile::read_cache_file(dir / "big.ptx", out, 4095));
+  EXPECT_TRUE(kg::compile::read_cache_file(dir / "big.ptx", out, 4096));
+  fs::remove_all(dir);
+}

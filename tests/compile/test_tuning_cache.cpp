@@ -129,4 +129,22 @@ TEST(TuningCache, AFolderOthersCanWriteKeepsItInMemory) {
   EXPECT_TRUE(fs::is_empty(dir));
 }
 
+// The finding: a FIFO in place of a .tune file blocked its open forever, for reading and for
+// appending. Both are skipped now (the cache stays in memory for that scope).
+TEST(TuningCache, AFifoInPlaceOfTheFileDoesNotBlock) {
+  const fs::path dir = fresh_dir("tuning_fifo");
+  fs::create_directories(dir);
+  TuningCache probe(dir);
+  ASSERT_FALSE(probe.dir().empty());
+  const fs::path file = probe.file("s");
+  ASSERT_EQ(::mkfifo(file.c_str(), 0600), 0);
+  TuningCache c(dir);
+  EXPECT_EQ(c.find("s", "k"), std::nullopt);
+  c.store("s", "k", "1");  // appending to a FIFO without a reader would block too
+  EXPECT_EQ(c.find("s", "k"), "1");
+  struct stat st {};
+  ASSERT_EQ(::lstat(file.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+}
+
 }  // namespace

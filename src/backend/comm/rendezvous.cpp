@@ -2,23 +2,31 @@
 // every rank publishes its bytes as "<generation>.<rank>" (written aside, then renamed, so a
 // reader never sees half a file) and reads everybody's. Enough for small messages: a NCCL
 // unique id, a barrier, a loss to average. Gradients go over NCCL, never through here.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <thread>
 #include <vector>
 
 #include "backend/comm/group.hpp"
 #include "kg/error.hpp"
+#include "util/file.hpp"
 #include "util/str.hpp"
 
 namespace kg::comm {
 namespace {
 
 namespace fs = std::filesystem;
+
+// The largest message a rank reads from another: the collectives here carry ids, flags and a few
+// numbers (gradients go over NCCL or MPI).
+constexpr std::uint64_t kMaxMessageBytes = std::uint64_t(64) << 20;
 
 class RendezvousGroup final : public Group {
  public:
@@ -77,11 +85,24 @@ class RendezvousGroup final : public Group {
 
   std::vector<std::string> exchange(const std::string& mine, const char* what) {
     const std::uint64_t gen = gen_++;
-    const std::string final_path = path(gen, rank_), tmp = final_path + ".part";
+    const std::string final_path = path(gen, rank_), tmp = util::cat(final_path, ".part.", ::getpid());
     {
-      std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-      f.write(mine.data(), static_cast<std::streamsize>(mine.size()));
-      if (!f) throw Error(util::cat("rendezvous: cannot write '", tmp, "'"));
+      // Created new (O_EXCL | O_NOFOLLOW): a file or link planted at the name is never written through.
+      ::unlink(tmp.c_str());
+      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd < 0) throw Error(util::cat("rendezvous: cannot write '", tmp, "': ", std::strerror(errno)));
+      bool ok = true;
+      for (std::size_t done = 0; ok && done < mine.size();) {
+        const ssize_t n = ::write(fd, mine.data() + done, mine.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        ok = n > 0;
+        if (ok) done += static_cast<std::size_t>(n);
+      }
+      ok = ::close(fd) == 0 && ok;
+      if (!ok) {
+        ::unlink(tmp.c_str());
+        throw Error(util::cat("rendezvous: cannot write '", tmp, "'"));
+      }
     }
     std::error_code ec;
     fs::rename(tmp, final_path, ec);
@@ -93,9 +114,19 @@ class RendezvousGroup final : public Group {
     for (int left = size_;;) {
       for (int r = 0; r < size_; ++r) {
         if (have[static_cast<std::size_t>(r)]) continue;
-        std::ifstream f(path(gen, r), std::ios::binary);
-        if (!f) continue;
-        all[static_cast<std::size_t>(r)].assign(std::istreambuf_iterator<char>(f), {});
+        // A regular file no larger than any message, never followed if a link, never blocking on
+        // a FIFO: anything else in its place is an error, not a wait.
+        const std::string p = path(gen, r);
+        std::string why;
+        const util::ReadLimits limits{kMaxMessageBytes, /*follow_links=*/false};
+        std::string& dst = all[static_cast<std::size_t>(r)];
+        if (!util::try_read_file(p, limits, dst, &why)) {
+          struct stat st {};
+          if (::lstat(p.c_str(), &st) != 0 && errno == ENOENT) continue;  // not published yet
+          if (!util::try_read_file(p, limits, dst, &why))  // published since the first try, or not a message
+            throw Error(util::cat("rendezvous: rank ", rank_, " cannot read rank ", r, "'s message '", p, "' in ",
+                                what, " #", gen, ": it ", why));
+        }
         have[static_cast<std::size_t>(r)] = 1;
         --left;
       }

@@ -77,13 +77,15 @@ std::string temp_suffix() {
   return util::cat(".tmp.", ::getpid(), ".", counter++);
 }
 
-bool read_text(const fs::path& p, std::string& out) {
-  std::ifstream f(p, std::ios::binary);
-  if (!f) return false;
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  out = ss.str();
-  return true;
+// A folder of this process's own under $TMPDIR, where nobody else can plant an object.
+fs::path private_temp_dir() {
+  std::error_code ec;
+  fs::path tmp = fs::temp_directory_path(ec);
+  if (ec) tmp = "/tmp";
+  std::string templ = (tmp / "kernelgraph-emu-XXXXXX").string();
+  if (!::mkdtemp(templ.data()))
+    throw Error(util::cat("CUDA emulation: cannot create a private folder ", templ, ": ", std::strerror(errno)));
+  return fs::path(templ);
 }
 
 // The helper headers as the module sees them (dynamic shared arrays rewritten).
@@ -273,22 +275,44 @@ const KernelEntry& JitModule::find(const std::string& entry, const std::string& 
 
 HostJit& HostJit::global() {
   static HostJit jit([] {
-    const fs::path dir = compile::Compiler::global().cache_dir();
-    if (!dir.empty()) return dir / "emu";
-    // No disk cache: a folder of this process's own, where nobody else can plant an object.
-    std::error_code ec;
-    fs::path tmp = fs::temp_directory_path(ec);
-    if (ec) tmp = "/tmp";
-    std::string templ = (tmp / "kernelgraph-emu-XXXXXX").string();
-    if (!::mkdtemp(templ.data()))
-      throw Error(
-          util::cat("CUDA emulation: cannot create a private folder ", templ, ": ", std::strerror(errno)));
-    return fs::path(templ);
+    const fs::path base = compile::Compiler::global().cache_dir();
+    if (base.empty()) return HostJit(private_temp_dir());
+    return in_cache(base);
   }());
   return jit;
 }
 
+HostJit HostJit::in_cache(const fs::path& base) {
+  HostJit j(base / "emu");
+  j.trust_base_ = base;  // emu/ itself is checked too: a link elsewhere or another user's folder
+  return j;
+}
+
 HostJit::HostJit(fs::path dir) : dir_(std::move(dir)) {}
+
+HostJit::HostJit(HostJit&& o) noexcept
+    : dir_(std::move(o.dir_)), trust_base_(std::move(o.trust_base_)), modules_(std::move(o.modules_)),
+      include_dir_(std::move(o.include_dir_)), compiler_id_(std::move(o.compiler_id_)), stats_(o.stats_) {}
+
+void HostJit::check_folder() {
+  std::string why;
+  const bool ok = trust_base_.empty() ? util::private_dir(dir_, why)
+                                      : util::private_subdir(trust_base_, "emu", why);
+  if (ok) return;
+  // Nothing in the folder is opened, let alone loaded: the modules are built in a folder of this
+  // process's own instead.
+  const fs::path was = dir_;
+  dir_ = private_temp_dir();
+  trust_base_.clear();
+  include_dir_.clear();
+  ++stats_.untrusted_folders;
+  static std::atomic<bool> told{false};
+  if (!told.exchange(true))
+    std::fprintf(stderr,
+                 "kernelgraph: CUDA emulation is not using the cache folder %s: %s; nothing in it is loaded, "
+                 "modules are built in %s\n",
+                 was.c_str(), why.c_str(), dir_.c_str());
+}
 
 std::string HostJit::compiler() {
   if (const char* c = std::getenv("KG_EMU_CXX"); c && *c) return c;
@@ -312,8 +336,8 @@ fs::path HostJit::include_dir() {
         util::cat("CUDA emulation: cannot create the cache folder ", inc.string(), ": ", ec.message()));
   auto put = [&](const std::string& n, const std::string& text) {
     std::string have;
-    if (read_text(inc / n, have) && have == text) return;
-    if (!util::write_file_atomic(inc / n, text))
+    if (compile::read_cache_file(inc / n, have, text.size()) && have == text) return;
+    if (!util::write_file_atomic(inc / n, text, 0600))
       throw Error(util::cat("CUDA emulation: cannot write ", (inc / n).string()));
   };
   put("kg_emu_abi.h", abi_header());
@@ -329,6 +353,8 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
   const auto kernels = find_kernels(source);
   const std::string tu = translation_unit(name, source, kernels);
   std::lock_guard<std::mutex> lk(mu_);
+  // Before anything in the folder is opened: the shared objects in it are loaded as code.
+  check_folder();
   const std::string cxx = compiler();
   if (compiler_id_.empty()) {
     std::string out;
@@ -363,7 +389,7 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
     const std::string suffix = temp_suffix();
     const fs::path cpp = dir_ / (key + suffix + ".cpp"), obj = dir_ / (key + suffix + ".o"),
                    so = dir_ / (key + suffix + ".so");
-    if (!util::write_file_atomic(cpp, tu))
+    if (!util::write_file_atomic(cpp, tu, 0600))
       throw Error(util::cat("[", name, "] CUDA emulation: cannot write ", cpp.string()));
     // One shell command (run_command adds 2>&1 to it): compile, then link.
     const std::string cmd =
@@ -385,7 +411,7 @@ std::shared_ptr<const JitModule> HostJit::load(const std::string& name, const st
     fs::rename(cpp, dir_ / (key + ".cpp"), ec);
     std::string object;
     const bool sealed =
-        compile::read_cache_file(so, object) && util::write_file_atomic(mod->path, compile::seal_cache_file(object));
+        compile::read_cache_file(so, object) && util::write_file_atomic(mod->path, compile::seal_cache_file(object), 0600);
     fs::remove(so, ec);
     if (!sealed) throw Error(util::cat("[", name, "] CUDA emulation: cannot write ", mod->path.string()));
     handle = ::dlopen(mod->path.c_str(), RTLD_NOW | RTLD_LOCAL);

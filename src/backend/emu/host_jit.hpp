@@ -59,7 +59,15 @@ class HostJit {
  public:
   // The process-wide JIT, caching under compile::Compiler::global().cache_dir() / "emu".
   static HostJit& global();
+  // `dir` is checked with util::private_dir() before each load, before anything in it is opened:
+  // when it is not private to this user (another's, writable by group or others, a symbolic link),
+  // it is not used at all (a note on stderr once) and modules are built in a temporary folder of
+  // this process's own.
   explicit HostJit(std::filesystem::path dir);
+  // The JIT of a kernel cache folder: modules in `base`/emu, where both `base` and emu/ are checked
+  // (emu/ a link elsewhere, or another user's, is refused like `base` itself).
+  static HostJit in_cache(const std::filesystem::path& base);
+  HostJit(HostJit&& o) noexcept;
 
   // Builds (or finds) the module of `source`; `name` names the op or kernel in errors. A failed
   // compile throws kg::Error with the compiler's full output.
@@ -67,6 +75,7 @@ class HostJit {
 
   struct Stats {
     int compiled = 0, disk_hits = 0, memory_hits = 0;
+    int untrusted_folders = 0;  // cache folders refused by the privacy check
     double compile_seconds = 0;
   };
   Stats stats() const;
@@ -76,7 +85,9 @@ class HostJit {
 
  private:
   std::filesystem::path include_dir();
+  void check_folder();
   std::filesystem::path dir_;
+  std::filesystem::path trust_base_;  // when set, dir_ is trust_base_/emu and both are checked
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<const JitModule>> modules_;
   std::string include_dir_;
