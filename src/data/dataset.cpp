@@ -7,8 +7,10 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <sstream>
 
 #include "kg/data.hpp"
+#include "util/file.hpp"
 #include "util/str.hpp"
 
 namespace kg::data {
@@ -53,9 +55,13 @@ std::string folder_from_dpkg() {
   const char* info = std::getenv("KG_DPKG_INFO_DIR");
   const fs::path dir = info && *info ? info : "/var/lib/dpkg/info";
   for (const std::string& list : {util::cat(kPackage, ".list"), util::cat(kPackage, ":all.list")}) {
-    std::ifstream f(dir / list);
+    // The guarded read: a FIFO or folder in the list's place (KG_DPKG_INFO_DIR) is skipped, never
+    // waited on or read as text (a folder made std::ifstream throw basic_filebuf::underflow).
+    std::string text;
+    if (!util::try_read_file(dir / list, {std::uint64_t(64) << 20, true}, text)) continue;
+    std::istringstream f(text);
     std::string line;
-    while (f && std::getline(f, line)) {
+    while (std::getline(f, line)) {
       const std::string want = util::cat("/", kStems[0], ".gz");
       if (line.size() > want.size() && line.compare(line.size() - want.size(), want.size(), want) == 0)
         return fs::path(line).parent_path().string();

@@ -14,6 +14,8 @@
 #include <memory>
 
 #include "kg/data.hpp"
+#include "util/file.hpp"
+#include "util/memory.hpp"
 #include "util/str.hpp"
 
 namespace kg::data {
@@ -184,6 +186,15 @@ Tensor read_idx(const std::string& path) {
     fail(path, util::cat("absurd dims ", dims_text, ": ", need, " bytes of payload cannot come from ",
                          file_bytes, " bytes of gzip data"));
 
+  // The payload is allocated whole before it is decompressed: a gzip bomb (a small file whose
+  // header claims gigabytes, within the deflate ratio) must meet the memory check first, like a
+  // memory plan, not the OOM killer.
+  if (!util::memory_check_disabled())
+    if (const auto avail = util::available_memory(); avail && need > avail->bytes)
+      fail(path, util::cat("dims ", dims_text, " need ", need, " bytes (", util::format_bytes(need),
+                           ") of payload, but ", avail->bytes, " bytes (", util::format_bytes(avail->bytes),
+                           ") are available (", avail->source,
+                           "); set KG_NO_MEMORY_CHECK=1 to read it anyway"));
   Tensor t = Tensor::empty(type->dtype, shape);
   auto* data = static_cast<unsigned char*>(t.raw());
   const std::uint64_t got = read_some(f.get(), path, gzip, data, need);
@@ -229,11 +240,8 @@ void write_idx(const std::string& path, const Tensor& t, bool gzip) {
   swap_bytes(bytes.data() + head, static_cast<std::uint64_t>(t.numel()), dtype_size(t.dtype()));
 
   if (!gzip) {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(util::cat("write_idx: cannot open '", path, "' for writing"));
-    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-    f.close();
-    if (!f) throw Error(util::cat("write_idx: error writing '", path, "'"));
+    util::write_file_safely(path, std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                            "IDX file");
     return;
   }
   gzFile f = gzopen(path.c_str(), "wb");

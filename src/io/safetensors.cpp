@@ -1,6 +1,5 @@
 // safetensors: 8-byte little-endian header length, a JSON header, then the tensor bytes.
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -8,6 +7,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -15,6 +15,8 @@
 
 #include "kg/error.hpp"
 #include "kg/io.hpp"
+#include "util/file.hpp"
+#include "util/memory.hpp"
 #include "util/str.hpp"
 
 namespace kg {
@@ -45,28 +47,6 @@ std::string clip(const nlohmann::json& j) {
   return clip(j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
 }
 
-// Thrown by the parser callback when the header nests deeper than kMaxDepth.
-struct TooDeep {};
-
-// Writes all of `n` bytes to fd, retrying short writes; false (errno set) on an error.
-bool write_all(int fd, const void* data, std::size_t n) {
-  const auto* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    if (w == 0) {
-      errno = EIO;
-      return false;
-    }
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-  return true;
-}
-
 }  // namespace
 
 std::map<std::string, Tensor> read_safetensors(const std::string& path) {
@@ -75,46 +55,62 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path) {
 
 std::map<std::string, Tensor> read_safetensors(const std::string& path,
                                                std::map<std::string, std::string>* metadata) {
-  // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer before the check below
-  // rejects it. Nothing is read from the descriptor, so the flag needs no clearing for mmap.
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) bad(path, std::string("cannot open: ") + std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    bad(path, "cannot stat");
+  // The guarded read: a regular file only (a folder, FIFO or device is named as such and never
+  // blocks), read into memory rather than mapped, so that a file cut short while it is in use
+  // (another process truncating an --input file) is an error here, never a SIGBUS later.
+  util::ReadFile file;
+  {
+    std::string why;
+    if (!util::ReadFile::try_open(path, {kMaxSize, true}, file, &why)) bad(path, why);
   }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    bad(path, "not a regular file");
+  const std::uint64_t size = file.size();
+  if (size < 8) bad(path, util::cat("truncated: ", size, " bytes, the 8-byte header length is missing"));
+  if (!util::memory_check_disabled())
+    if (const auto avail = util::available_memory(); avail && size > avail->bytes)
+      bad(path, util::cat("is ", size, " bytes (", util::format_bytes(size), "), more than the ", avail->bytes,
+                          " bytes (", util::format_bytes(avail->bytes), ") available (", avail->source,
+                          "); set KG_NO_MEMORY_CHECK=1 to read it anyway"));
+  // One block, 64-byte aligned, owned by every tensor that views it.
+  const std::size_t alloc = static_cast<std::size_t>((size + 63) / 64 * 64);
+  void* block = std::aligned_alloc(64, alloc);
+  if (!block) bad(path, util::cat("cannot allocate ", size, " bytes to read it"));
+  std::shared_ptr<void> owner(block, [](void* p) { std::free(p); });
+  try {
+    file.read_at(block, 0, static_cast<std::size_t>(size));
+  } catch (const Error& e) {
+    bad(path, e.what());
   }
-  const auto size = static_cast<std::uint64_t>(st.st_size);
-  if (size < 8) {
-    ::close(fd);
-    bad(path, util::cat("truncated: ", size, " bytes, the 8-byte header length is missing"));
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map == MAP_FAILED) bad(path, "mmap failed");
-  std::shared_ptr<void> owner(map, [size](void* p) { ::munmap(p, size); });
-  const auto* bytes = static_cast<const unsigned char*>(map);
+  const auto* bytes = static_cast<const unsigned char*>(block);
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
   if (n > kMaxHeader || n > size - 8)
     bad(path, util::cat("header length ", n, " does not fit in a file of ", size, " bytes (truncated or not safetensors)"));
+  // The nesting bound is checked by a scan of the text before parsing, not by a parser callback:
+  // nlohmann's callback parser looks through the whole enclosing object for a discarded value after
+  // each nested one ends, which made a header of n tensors take O(n^2) (200k tensors: minutes).
+  {
+    int depth = 0;
+    bool in_string = false, escaped = false;
+    for (std::uint64_t i = 8; i < 8 + n; ++i) {
+      const unsigned char c = bytes[i];
+      if (in_string) {
+        if (escaped) escaped = false;
+        else if (c == '\\') escaped = true;
+        else if (c == '"') in_string = false;
+      } else if (c == '"') {
+        in_string = true;
+      } else if (c == '{' || c == '[') {
+        if (++depth > kMaxDepth)
+          bad(path, util::cat("header nests arrays or objects more than ", kMaxDepth,
+                              " deep (a safetensors header needs 3)"));
+      } else if (c == '}' || c == ']') {
+        --depth;
+      }
+    }
+  }
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + n,
-                                   [](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
-                                     if ((event == nlohmann::json::parse_event_t::object_start ||
-                                          event == nlohmann::json::parse_event_t::array_start) &&
-                                         depth >= kMaxDepth)
-                                       throw TooDeep{};
-                                     return true;
-                                   });
-  } catch (const TooDeep&) {
-    bad(path, util::cat("header nests arrays or objects more than ", kMaxDepth,
-                        " deep (a safetensors header needs 3)"));
+    header = nlohmann::json::parse(bytes + 8, bytes + 8 + n);
   } catch (const std::exception& e) {
     bad(path, std::string("header is not valid JSON: ") + clip(std::string(e.what()), 4 * kMaxQuote));
   }
@@ -190,7 +186,9 @@ std::map<std::string, Tensor> read_safetensors(const std::string& path,
 
 void write_safetensors(const std::string& path, const std::map<std::string, Tensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  // nlohmann::json (a sorted map), not ordered_json, whose every insertion searches the keys so far:
+  // a header of n tensors took O(n^2) to build. The order of the header's keys means nothing.
+  nlohmann::json header = nlohmann::json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
@@ -205,38 +203,19 @@ void write_safetensors(const std::string& path, const std::map<std::string, Tens
   }
   std::string h = header.dump();
   while ((h.size() + 8) % 8 != 0) h.push_back(' ');  // keep the data 8-byte aligned
-  // Written to a temporary file, flushed to disk and renamed over `path`: every write, the fsync
-  // and the close are checked first, so a full disk (or a file size limit) leaves the previous file
-  // as it was instead of renaming a truncated one over it.
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-  if (fd < 0) throw Error("write_safetensors: cannot write '" + tmp + "': " + std::strerror(errno));
-  auto fail = [&](const char* what) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw Error("write_safetensors: " + std::string(what) + " '" + tmp + "' failed (" + std::strerror(err) +
-                "); '" + path + "' is left as it was");
-  };
+  // Written to a new temporary file beside `path` (util::AtomicFile: created exclusively, a link
+  // planted at its name never followed), flushed to disk and renamed over `path`: every write, the
+  // fsync and the close are checked first, so a full disk (or a file size limit) leaves the previous
+  // file as it was instead of renaming a truncated one over it; a `path` that is a device, a FIFO, a
+  // folder or a link is refused, never replaced.
+  util::AtomicFile f(path, "safetensors file");
   std::uint64_t n = h.size();
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  if (!write_all(fd, len, 8) || !write_all(fd, h.data(), h.size())) fail("writing");
-  for (const auto& [name, t] : tensors)
-    if (!write_all(fd, t.raw(), t.nbytes())) fail("writing");
-  if (::fsync(fd) != 0) fail("flushing");
-  const int closed = ::close(fd);
-  if (closed != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error("write_safetensors: closing '" + tmp + "' failed (" + std::strerror(err) + "); '" + path +
-                "' is left as it was");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    throw Error("write_safetensors: cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(err));
-  }
+  f.write(len, 8);
+  f.write(h);
+  for (const auto& [name, t] : tensors) f.write(t.raw(), t.nbytes());
+  f.commit();
 }
 
 }  // namespace kg

@@ -1,6 +1,7 @@
 // The image dataset: normalisation, count checks, batches (dropped and padded), seeded
 // shuffling, finding Fashion-MNIST, and the real files when the Debian package is installed.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -251,6 +252,12 @@ TEST_F(Dataset, FindsFashionMnistFolders) {
   ScopedEnv dpkg("KG_DPKG_INFO_DIR", info.string().c_str());
   expect_error([&] { kg::data::find_fashion_mnist(); },
                {"Fashion-MNIST not found", "dataset-fashion-mnist", "KG_FASHION_MNIST_DIR"});
+  // A folder or a FIFO in place of the list: skipped (a folder gave libstdc++'s
+  // basic_filebuf::underflow, a FIFO waited forever).
+  fs::create_directories(info / "dataset-fashion-mnist.list");
+  ASSERT_EQ(::mkfifo((info / "dataset-fashion-mnist:all.list").c_str(), 0600), 0);
+  expect_error([&] { kg::data::find_fashion_mnist(); }, {"Fashion-MNIST not found"});
+  fs::remove(info / "dataset-fashion-mnist.list");
   {
     std::ofstream list(info / "dataset-fashion-mnist.list");
     list << "/.\n/usr\n" << data.string() << "\n" << (data / "train-images-idx3-ubyte.gz").string() << "\n";

@@ -11,6 +11,7 @@
 
 #include "kg/data.hpp"
 #include "support/test_util.hpp"
+#include "util/memory.hpp"
 
 namespace fs = std::filesystem;
 using kg_test::expect_error;
@@ -251,4 +252,16 @@ TEST_F(Idx, RejectsDimsNoGzipFileCouldHold) {
   write_gz(p, idx_bytes(0x08, {100000, 100000}, {}));
   expect_error([&] { kg::data::read_idx(p); },
                {"IDX file '" + p + "'", "absurd dims", "[100000, 100000] of u8"});
+}
+
+// The finding: a gzip bomb within the deflate ratio (a 64 MiB payload from a file of a few dozen
+// kilobytes) was allocated whole without a memory check, so a file claiming more than the machine
+// has was OOM-killed instead of refused. The limit is faked low here; the same file reads without it.
+TEST_F(Idx, AGzipBombMeetsTheMemoryCheckBeforeAllocating) {
+  const std::string p = path("bomb.gz");
+  write_gz(p, idx_bytes(0x08, {8192, 8192}, Bytes(std::size_t{8192} * 8192, 0)));
+  kg::util::set_available_memory_for_testing(std::uint64_t{16} << 20);
+  expect_error([&] { kg::data::read_idx(p); }, {"IDX file '" + p + "'", "67108864 bytes", "available", "KG_NO_MEMORY_CHECK"});
+  kg::util::set_available_memory_for_testing(std::nullopt);
+  EXPECT_EQ(kg::data::read_idx(p).numel(), 8192 * 8192);
 }

@@ -259,4 +259,84 @@ TEST_F(SafetensorsHardening, FailedWriteLeavesThePreviousFileIntact) {
   EXPECT_EQ(kg::read_safetensors(p).size(), 5u);
 }
 
+// The finding: the header parser took O(n^2) in the tensor count (nlohmann's callback parser looks
+// through the whole enclosing object after each nested one; 40k tensors took 11-48 s, 200k more
+// than a minute). 200k tensors now parse in about a second; the bound is generous for slow machines.
+TEST_F(SafetensorsHardening, A200kTensorHeaderParsesInLinearTime) {
+  const std::string p = path("many.safetensors");
+  constexpr int n = 200000;
+  std::string h = "{";
+  for (int i = 0; i < n; ++i)
+    h += (i ? "," : "") + std::string("\"t") + std::to_string(i) + "\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[" +
+         std::to_string(4 * i) + "," + std::to_string(4 * i + 4) + "]}";
+  h += "}";
+  while (h.size() % 8) h += ' ';
+  std::string data(static_cast<std::size_t>(4 * n), '\0');
+  for (int i = 0; i < n; ++i) {
+    const float v = static_cast<float>(i);
+    std::memcpy(&data[static_cast<std::size_t>(4 * i)], &v, 4);
+  }
+  write_bytes(p, le64(h.size()) + h + data);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto tensors = kg::read_safetensors(p);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(tensors.size(), static_cast<std::size_t>(n));
+  EXPECT_EQ(tensors.at("t123456").data<float>()[0], 123456.0f);
+  EXPECT_LT(s, 20.0) << "parsing 200k tensors took " << s << " s";
+  // Writing is linear too (the header was an ordered_json, whose insertion searched the keys).
+  const auto t1 = std::chrono::steady_clock::now();
+  kg::write_safetensors(path("many2.safetensors"), tensors);
+  const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  EXPECT_LT(w, 20.0) << "writing 200k tensors took " << w << " s";
+  EXPECT_EQ(kg::read_safetensors(path("many2.safetensors")).at("t7").data<float>()[0], 7.0f);
+}
+
+// The finding: the reader mapped the file, so a file truncated while its tensors were in use (an
+// --input file rewritten during a run) killed the process with SIGBUS at the next access.
+TEST_F(SafetensorsHardening, TruncatingTheFileAfterReadingIsNoSigbus) {
+  const std::string p = path("in.safetensors");
+  std::vector<float> values(1 << 16);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
+  kg::write_safetensors(p, {{"x", kg::Tensor::from_vector<float>({static_cast<std::int64_t>(values.size())}, values)}});
+  const ChildResult r = run_in_child(
+      [&] {
+        const auto t = kg::read_safetensors(p);
+        ::truncate(p.c_str(), 8);
+        const float* v = t.at("x").data<float>();
+        double sum = 0;
+        for (std::size_t i = 0; i < values.size(); ++i) sum += v[i];
+        if (sum == 65535.0 * 65536.0 / 2) throw kg::Error("intact");
+      },
+      std::chrono::seconds(20));
+  ASSERT_TRUE(r.finished) << describe(r);
+  EXPECT_EQ(r.signal, 0) << describe(r);
+  EXPECT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(r.message, "intact") << describe(r);
+}
+
+// The finding: the writer's temporary was '<path>.tmp.<pid>', opened with O_TRUNC and following
+// links, so a link planted there had its target overwritten; and a device node (or FIFO) at the
+// output path was replaced by a regular file.
+TEST_F(SafetensorsHardening, WriteFollowsNoPlantedLinkAndReplacesNoSpecialFile) {
+  const std::string p = path("out.safetensors"), victim = path("victim");
+  write_bytes(victim, "keep");
+  fs::create_symlink(victim, p + ".tmp." + std::to_string(::getpid()));
+  for (int i = 0; i < 8; ++i) fs::create_symlink(victim, p + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(i));
+  const kg::Tensor x = kg::Tensor::from_vector<float>({2}, {1, 2});
+  kg::write_safetensors(p, {{"x", x}});
+  EXPECT_EQ(read_bytes(victim), "keep");
+  EXPECT_EQ(kg::read_safetensors(p).at("x").data<float>()[1], 2.0f);
+  // A FIFO stands in for a device node here (no test touches /dev).
+  const std::string fifo = path("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error([&] { kg::write_safetensors(fifo, {{"x", x}}); }, {fifo, "a FIFO", "not replaced"});
+  struct stat st {};
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  const std::string link = path("link.safetensors");
+  fs::create_symlink(victim, link);
+  expect_error([&] { kg::write_safetensors(link, {{"x", x}}); }, {link, "symbolic link"});
+  EXPECT_EQ(read_bytes(victim), "keep");
+}
+
 }  // namespace
