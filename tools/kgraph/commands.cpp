@@ -20,6 +20,8 @@
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
 #include "profile.hpp"
+#include "util/file.hpp"
+#include "util/memory.hpp"
 #include "util/str.hpp"
 
 namespace kgraph {
@@ -62,12 +64,16 @@ kg::DType output_dtype(const kg::Model& model, std::size_t i) {
   return model.graph().node(model.outputs().at(i).second).dtype;
 }
 
+// An output file the user named: written through a new temporary and a rename; a device node, FIFO,
+// folder or link at the path is refused, never replaced or written through.
 void write_text_file(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw kg::Error("cannot open '" + path + "' for writing");
-  f << text;
-  f.close();
-  if (!f) throw kg::Error("error writing '" + path + "'");
+  kg::util::write_file_safely(path, text, "output file");
+}
+
+std::vector<std::string> shapes_to_strings(const std::vector<std::vector<std::int64_t>>& shapes) {
+  std::vector<std::string> v;
+  for (const auto& s : shapes) v.push_back(kg::sizes_to_string(s));
+  return v;
 }
 
 // The tensors of an input file matched to the model's inputs: by input name (tensors that are not
@@ -101,25 +107,65 @@ std::vector<std::pair<std::string, kg::Tensor>> match_input_file(const ModelSour
       source.name(), "'s inputs ", kg::util::join(input_names, ", "), " are matched by name"));
 }
 
-// The inputs of `kgraph run`, in the model's input order: read from a safetensors file or drawn
-// at random (floats uniform in [-1, 1), integers and bools from {0, 1}: valid token ids for any
-// vocabulary, and a valid mask). `descriptions` says where each came from.
-std::vector<kg::Tensor> make_inputs(const RunArgs& args, const ModelSource& source, DimBinding* binding,
+// The inputs of `kgraph run` read from a safetensors file, in the model's input order.
+// `descriptions` says where each came from.
+std::vector<kg::Tensor> read_inputs(const RunArgs& args, const ModelSource& source, DimBinding* binding,
                                     std::vector<std::string>* descriptions) {
   const auto& inputs = source.inputs();
   std::vector<kg::Tensor> out;
-  if (!args.input_path.empty()) {
-    const auto matched = match_input_file(source, args.input_path);
-    *binding = source.bind_tensors(matched, args.input_path, args.dims);
-    for (std::size_t i = 0; i < inputs.size(); ++i) {
-      const auto& [tname, t] = matched[i];
-      out.push_back(t.dtype() == inputs[i].dtype ? t : t.to(inputs[i].dtype));
-      descriptions->push_back(kg::util::cat("tensor '", tname, "' of ", args.input_path));
-    }
-    return out;
+  const auto matched = match_input_file(source, args.input_path);
+  *binding = source.bind_tensors(matched, args.input_path, args.dims);
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const auto& [tname, t] = matched[i];
+    out.push_back(t.dtype() == inputs[i].dtype ? t : t.to(inputs[i].dtype));
+    descriptions->push_back(kg::util::cat("tensor '", tname, "' of ", args.input_path));
   }
-  *binding = source.bind(args.dims);
-  const auto shapes = source.shapes(*binding);
+  return out;
+}
+
+// The bytes random_inputs() allocates at its peak for `shapes`: each input, and for a floating one
+// the f64 draw it is converted from. Empty when that overflows 64 bits.
+std::optional<std::uint64_t> random_input_bytes(const ModelSource& source,
+                                                const std::vector<std::vector<std::int64_t>>& shapes) {
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    std::uint64_t numel = 1;
+    for (std::int64_t d : shapes[i]) {
+      const auto r = kg::util::checked_mul(numel, static_cast<std::uint64_t>(std::max<std::int64_t>(d, 0)));
+      if (!r) return std::nullopt;
+      numel = *r;
+    }
+    const kg::DType dt = source.inputs().at(i).dtype;
+    const std::uint64_t per = kg::dtype_size(dt) + (kg::is_floating(dt) || dt != kg::DType::I64 ? 8 : 0);
+    const auto bytes = kg::util::checked_mul(numel, per);
+    if (!bytes) return std::nullopt;
+    const auto sum = kg::util::checked_add(total, *bytes);
+    if (!sum) return std::nullopt;
+    total = *sum;
+  }
+  return total;
+}
+
+// Random inputs of `kgraph run` for `shapes` (floats uniform in [-1, 1), integers and bools from
+// {0, 1}: valid token ids for any vocabulary, and a valid mask), made only after the memory they
+// take (with the loaded model's `model_bytes`) has been checked against what is available.
+std::vector<kg::Tensor> random_inputs(const RunArgs& args, const ModelSource& source,
+                                      const std::vector<std::vector<std::int64_t>>& shapes,
+                                      std::uint64_t model_bytes, std::vector<std::string>* descriptions) {
+  const auto& inputs = source.inputs();
+  if (!kg::util::memory_check_disabled()) {
+    const auto need = random_input_bytes(source, shapes);
+    const auto avail = kg::util::available_memory();
+    if (!need || (avail && (model_bytes > avail->bytes || *need > avail->bytes - model_bytes)))
+      throw kg::Error(kg::util::cat(
+          "the random inputs of ", args.model, " for ", kg::util::join(shapes_to_strings(shapes), ", "), " need ",
+          need ? kg::util::cat(*need, " bytes (", kg::util::format_bytes(*need), ")") : std::string("more than 2^64 bytes"),
+          " beside the loaded model's ", model_bytes, " bytes, but ", avail ? avail->bytes : 0, " bytes (",
+          kg::util::format_bytes(avail ? avail->bytes : 0), ") are available",
+          avail ? " (" + avail->source + ")" : std::string(),
+          "; use a smaller --batch or --dim, or set KG_NO_MEMORY_CHECK=1 to allocate anyway"));
+  }
+  std::vector<kg::Tensor> out;
   std::mt19937_64 rng(args.seed);
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const kg::DType dtype = inputs[i].dtype;
@@ -232,6 +278,7 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
   std::ostream& out = dot_to_stdout ? discarded : stdout_stream;
 
   if (!args.render_path.empty()) kg::dump::render_format(args.render_path);  // fail before any work
+  if (!args.dot_path.empty() && !dot_to_stdout) kg::util::check_output_path(args.dot_path, "--dot file");
   const ModelSource source =
       ModelSource::open(args.model, kg::LoweringMode::Inference, {.fusion = !args.recorded});
   const kg::Model& model = source.model();
@@ -332,13 +379,22 @@ void tune(const TuneArgs& args, std::ostream& out) {
 
 void run(const RunArgs& args, std::ostream& out) {
   const kg::Device device = kg::Device::parse(args.device);
+  if (!args.output_path.empty()) kg::util::check_output_path(args.output_path, "--output file");  // before any work
   const ModelSource source = ModelSource::open(args.model);
   const kg::Model& model = source.model();
   DimBinding binding;
   std::vector<std::string> input_descriptions;
-  const std::vector<kg::Tensor> inputs = make_inputs(args, source, &binding, &input_descriptions);
+  // Inputs from a file are read first (their shapes set the dims); random ones are made after the
+  // load, whose memory plan check comes before anything sized by --batch or --dim is allocated.
+  std::vector<kg::Tensor> inputs;
   std::vector<std::vector<std::int64_t>> input_shapes;
-  for (const auto& t : inputs) input_shapes.push_back(t.shape());
+  if (!args.input_path.empty()) {
+    inputs = read_inputs(args, source, &binding, &input_descriptions);
+    for (const auto& t : inputs) input_shapes.push_back(t.shape());
+  } else {
+    binding = source.bind(args.dims);
+    input_shapes = source.shapes(binding);
+  }
 
   kg::LoadOptions options;
   options.seed = args.seed;
@@ -358,6 +414,8 @@ void run(const RunArgs& args, std::ostream& out) {
     throw kg::Error(kg::util::cat("cannot load ", args.model, " on ", device.to_string(), ": ", e.what()));
   }
   kg::LoadedModel& loaded = *loaded_or;
+  if (args.input_path.empty())
+    inputs = random_inputs(args, source, input_shapes, loaded.memory_plan().peak_bytes, &input_descriptions);
   std::string weights_description = source.is_file()
                                         ? kg::util::cat("the initializers of ", args.model)
                                         : kg::util::cat("default initialisation, seed ", args.seed);

@@ -3,11 +3,16 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <new>
+#include <stdexcept>
+#include <streambuf>
 #include <string>
 #include <vector>
 
 #include "commands.hpp"
 #include "kg/error.hpp"
+#include "util/file.hpp"
+#include "util/str.hpp"
 #include "train.hpp"
 #include "validators.hpp"
 
@@ -31,8 +36,48 @@ std::string trimmed(std::string text) {
 }
 
 int fail(const std::string& message, int code) {
-  std::cerr << "kgraph: error: " << message << "\n";
+  // Names from a file (a tensor's, a node's) may hold terminal escape sequences: shown, not obeyed.
+  std::cerr << "kgraph: error: " << kg::util::escape_control(message, "\n") << "\n";
   return code;
+}
+
+// Standard output with every control character but line feeds and tabs made visible (see
+// util::escape_control): what the commands print holds names read from model and tensor files.
+class EscapingBuffer final : public std::streambuf {
+ public:
+  explicit EscapingBuffer(std::streambuf* to) : to_(to) {}
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (traits_type::eq_int_type(c, traits_type::eof())) return traits_type::not_eof(c);
+    const char ch = traits_type::to_char_type(c);
+    const std::string text = kg::util::escape_control(std::string_view(&ch, 1));
+    return to_->sputn(text.data(), static_cast<std::streamsize>(text.size())) ==
+                   static_cast<std::streamsize>(text.size())
+               ? c
+               : traits_type::eof();
+  }
+  std::streamsize xsputn(const char* s, std::streamsize n) override {
+    const std::string text = kg::util::escape_control(std::string_view(s, static_cast<std::size_t>(n)));
+    return to_->sputn(text.data(), static_cast<std::streamsize>(text.size())) ==
+                   static_cast<std::streamsize>(text.size())
+               ? n
+               : 0;
+  }
+  int sync() override { return to_->pubsync(); }
+
+ private:
+  std::streambuf* to_;
+};
+
+// What a std::exception that is not a kg::Error says about the failure, without libstdc++'s own
+// text ("vector::_M_range_check", "basic_filebuf::underflow"), which means nothing to a user.
+std::string internal_failure(const std::exception& e) {
+  if (dynamic_cast<const std::ios_base::failure*>(&e)) return "a file could not be read or written";
+  if (dynamic_cast<const std::out_of_range*>(&e) || dynamic_cast<const std::length_error*>(&e))
+    return "an index or size out of range";
+  if (dynamic_cast<const std::invalid_argument*>(&e)) return "an invalid value";
+  return "an unexpected failure inside the library";
 }
 
 constexpr const char* kModelHelp = "A zoo model name (see 'kgraph models') or an ONNX file (.onnx)";
@@ -62,6 +107,9 @@ kgraph::DimOptions dim_options(const CLI::Option* batch_opt, std::int64_t batch,
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A write past a file-size limit (ulimit -f) fails with EFBIG and is reported, its temporary
+  // removed, instead of SIGXFSZ killing the process with half-written files left behind.
+  kg::util::ignore_file_size_signal();
   CLI::App app{"Inspect and run kernelgraph models: the zoo, or ONNX files.", "kgraph"};
   app.set_version_flag("--version", "kgraph " KG_VERSION);
   app.require_subcommand(1);
@@ -139,11 +187,12 @@ int main(int argc, char** argv) {
   run->add_option(
          "--seed", ra.seed,
          "Seed of the random inputs and of a zoo model's default parameter initialisation (default 0)")
+      ->check(kgraph_cli::seed_value)
       ->option_text("S");
   run->add_option("--output", ra.output_path, "Write the outputs to a safetensors file, by output name")
       ->option_text("FILE");
   run->add_option("--runs", ra.runs, "Forward passes to time; the median is printed (default 3)")
-      ->check(kgraph_cli::positive_integer)
+      ->check(kgraph_cli::positive_int)
       ->option_text("N");
   run->add_flag("--checked", ra.checked,
                 "Checked mode: every kernel's writes verified (cpu: emulated with guard pages; cuda: guard "
@@ -186,7 +235,7 @@ int main(int argc, char** argv) {
   compile->add_option("MODEL", ca.model, kModelHelp);
   CLI::Option* compile_arch_opt =
       compile->add_option("--arch", compile_arch, "Compute capability: 90 for sm_90 (default: the GPU's)")
-          ->check(kgraph_cli::positive_integer)
+          ->check(kgraph_cli::positive_int)
           ->option_text("SM");
   CLI::Option* compile_batch_opt =
       compile->add_option("--batch", compile_batch, "Batch size the launches are packed for (default 1)")
@@ -244,6 +293,21 @@ int main(int argc, char** argv) {
   }
 
   if (no_fusion) ::setenv("KG_NO_FUSION", "1", 1);
+  // What is being done, for a failure that is not a kg::Error: "kgraph run resnet18".
+  std::string doing = "kgraph";
+  for (const CLI::App* sub : app.get_subcommands()) doing += " " + sub->get_name();
+  for (const std::string* m : {&ia.model, &ra.model, &ca.model, &tua.model})
+    if (!m->empty()) doing += " " + *m;
+  doing = kg::util::escape_control(doing);
+  // Train draws its progress line with a carriage return and an erase sequence of its own; every
+  // other command's output is escaped.
+  EscapingBuffer escaping(std::cout.rdbuf());
+  std::streambuf* const plain = std::cout.rdbuf();
+  if (!*train) std::cout.rdbuf(&escaping);
+  struct Restore {
+    std::streambuf* buf;
+    ~Restore() { std::cout.rdbuf(buf); }
+  } restore{plain};
   try {
     ia.dims = dim_options(inspect_batch_opt, inspect_batch, inspect_dims);
     ra.dims = dim_options(run_batch_opt, run_batch, run_dims);
@@ -261,11 +325,16 @@ int main(int argc, char** argv) {
   } catch (const kg::Error& e) {
     std::cout.flush();
     return fail(trimmed(e.what()), 1);
+  } catch (const std::bad_alloc&) {
+    std::cout.flush();
+    return fail("out of memory in '" + doing +
+                    "': an allocation failed (use a smaller --batch or smaller inputs, or free memory)",
+                1);
   } catch (const std::exception& e) {
     std::cout.flush();
-    return fail(one_line(e.what()), 1);
+    return fail("internal failure in '" + doing + "': " + internal_failure(e), 1);
   } catch (...) {
-    return fail("unknown failure", 1);
+    return fail("internal failure in '" + doing + "'", 1);
   }
   return 0;
 }

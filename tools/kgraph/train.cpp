@@ -11,6 +11,9 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <iterator>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -35,6 +38,7 @@
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
+#include "util/file.hpp"
 #include "util/str.hpp"
 
 namespace kgraph {
@@ -224,36 +228,37 @@ std::string timestamp() {
 // A CSV file of the run: on resume, rows of epochs after the checkpoint's are dropped.
 class CsvLog {
  public:
-  CsvLog(const fs::path& path, const std::string& header, std::int64_t keep_through_epoch) : path_(path) {
+  CsvLog(const fs::path& path, const std::string& header, std::int64_t keep_through_epoch) {
     std::vector<std::string> kept;
     if (keep_through_epoch > 0) {
-      std::ifstream in(path);
-      std::string line;
-      bool first = true;
-      while (std::getline(in, line)) {
-        if (first) {
-          first = false;
-          continue;
+      // The old log through the guarded read: a link, FIFO or device in its place is not read, and
+      // a log of any real run is far below the bound.
+      std::string text, why;
+      if (kg::util::try_read_file(path, {std::uint64_t(256) << 20, /*follow_links=*/false}, text, &why)) {
+        std::istringstream in(text);
+        std::string line;
+        bool first = true;
+        while (std::getline(in, line)) {
+          if (first) {
+            first = false;
+            continue;
+          }
+          const long long epoch = std::atoll(line.c_str());
+          if (epoch >= 1 && epoch <= keep_through_epoch) kept.push_back(line);
         }
-        const long long epoch = std::atoll(line.c_str());
-        if (epoch >= 1 && epoch <= keep_through_epoch) kept.push_back(line);
       }
     }
-    f_.open(path, std::ios::trunc);
-    if (!f_) throw kg::Error(kg::util::cat("cannot write '", path.string(), "'"));
-    f_ << header << "\n";
-    for (const auto& l : kept) f_ << l << "\n";
-    f_.flush();
+    // Opened with O_NOFOLLOW and refused unless regular: a link planted in --out is not written
+    // through, a FIFO does not block.
+    f_ = kg::util::AppendFile(path);
+    std::string start = header + "\n";
+    for (const auto& l : kept) start += l + "\n";
+    f_.write(start);
   }
-  void row(const std::string& line) {
-    f_ << line << "\n";
-    f_.flush();
-    if (!f_) throw kg::Error(kg::util::cat("error writing '", path_.string(), "'"));
-  }
+  void row(const std::string& line) { f_.write(line + "\n"); }
 
  private:
-  fs::path path_;
-  std::ofstream f_;
+  kg::util::AppendFile f_;
 };
 
 // A program on $PATH ("" when there is none), found without a shell. An empty entry of $PATH is
@@ -283,6 +288,18 @@ bool run_in_folder(const std::string& program, const std::string& script, const 
   const std::string dir_text = dir.string(), log_text = (dir / "gnuplot.log").string();
   std::string arg0 = "gnuplot", arg1 = script;
   char* const argv[] = {arg0.data(), arg1.data(), nullptr};
+  // The log is opened here, the careful way (no link followed, a regular file only), and handed to
+  // the child; plot.png is refused when something else stands at its name (gnuplot would write
+  // through a link).
+  kg::util::AppendFile log_file;
+  try {
+    log_file = kg::util::AppendFile(log_text);
+    kg::util::check_output_path(dir / "plot.png", "plot");
+  } catch (const kg::Error& e) {
+    *problem = e.what();
+    return false;
+  }
+  const int log = log_file.fd();
   const pid_t pid = ::fork();
   if (pid < 0) {
     *problem = kg::util::cat("cannot start gnuplot: ", std::strerror(errno));
@@ -290,7 +307,6 @@ bool run_in_folder(const std::string& program, const std::string& script, const 
   }
   if (pid == 0) {
     const int in = ::open("/dev/null", O_RDONLY);
-    const int log = ::open(log_text.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (in < 0 || log < 0 || ::dup2(in, STDIN_FILENO) < 0 || ::dup2(log, STDOUT_FILENO) < 0 ||
         ::dup2(log, STDERR_FILENO) < 0 || ::chdir(dir_text.c_str()) != 0)
       ::_exit(127);
@@ -323,7 +339,7 @@ bool write_plot(const std::string& gnuplot, const fs::path& dir, std::int64_t ep
                 std::string* problem) {
   const fs::path script = dir / "plot.gp";
   {
-    std::ofstream g(script, std::ios::trunc);
+    std::ostringstream g;
     g << "# Made by kgraph train; run `gnuplot plot.gp` in this folder to redraw.\n"
       << "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) { set terminal pngcairo size 900,720 } "
          "else { set terminal png size 900,720 }\n"
@@ -343,8 +359,9 @@ bool write_plot(const std::string& gnuplot, const fs::path& dir, std::int64_t ep
       << "set key bottom right\n"
       << "plot 'epochs.csv' using 1:5 with linespoints lw 2 title 'test accuracy'\n"
       << "unset multiplot\n";
-    if (!g) {
-      *problem = "cannot write " + script.string();
+    std::string why;
+    if (!kg::util::write_file_atomic(script, g.str(), 0644, &why)) {
+      *problem = "cannot write " + script.string() + ": " + why;
       return false;
     }
   }
@@ -496,7 +513,49 @@ std::string self_executable() {
   return p.string();
 }
 
-// Starts `argv` as a child with `env` added to this process's environment.
+// The process groups of the children of --nproc (mpirun, or the ranks on GPUs), each its own, so
+// that a signal to kgraph reaches all of them: the handler forwards SIGTERM, SIGINT and SIGHUP to
+// every group (kill() is async-signal-safe) and the launcher waits for them before it goes.
+std::atomic<pid_t> child_groups[kgraph_cli::kMaxProcesses];
+std::atomic<int> child_group_count{0};
+volatile std::sig_atomic_t forwarded_signal = 0;
+
+extern "C" void forward_signal(int sig) {
+  forwarded_signal = sig;
+  const int n = child_group_count.load();
+  for (int i = 0; i < n; ++i)
+    if (const pid_t g = child_groups[i].load(); g > 0) ::kill(-g, sig);
+}
+
+// Forwards the signals while alive; restores the old handlers after.
+class SignalForwarding {
+ public:
+  SignalForwarding() {
+    struct sigaction sa {};
+    sa.sa_handler = forward_signal;
+    sigemptyset(&sa.sa_mask);
+    for (std::size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &sa, &old_[i]);
+  }
+  ~SignalForwarding() {
+    for (std::size_t i = 0; i < std::size(kSignals); ++i) ::sigaction(kSignals[i], &old_[i], nullptr);
+    child_group_count = 0;
+  }
+  // After the children are gone: a forwarded signal ends kgraph too, as it would have.
+  static void raise_forwarded() {
+    if (const int sig = forwarded_signal) {
+      ::signal(sig, SIG_DFL);
+      ::raise(sig);
+    }
+  }
+
+ private:
+  static constexpr int kSignals[] = {SIGTERM, SIGINT, SIGHUP};
+  struct sigaction old_[3] {};
+};
+
+// Starts `argv` as a child with `env` added to this process's environment, in a process group of
+// its own (registered for SignalForwarding) and with standard input from /dev/null (a child in
+// another group reading the terminal would be stopped).
 pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::pair<std::string, std::string>>& env) {
   std::vector<std::string> args = argv;
   std::vector<char*> cargv;
@@ -516,9 +575,18 @@ pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::pair<st
   const pid_t pid = ::fork();
   if (pid < 0) throw kg::Error(kg::util::cat("--nproc: cannot start a rank: ", std::strerror(errno)));
   if (pid == 0) {
+    ::setpgid(0, 0);
+    if (const int in = ::open("/dev/null", O_RDONLY); in >= 0) ::dup2(in, STDIN_FILENO);
     ::execve(cargv[0], cargv.data(), cenv.data());
     ::_exit(127);
   }
+  ::setpgid(pid, pid);  // also here: a signal may come before the child runs
+  const int k = child_group_count.load();
+  if (k < kgraph_cli::kMaxProcesses) {
+    child_groups[k] = pid;
+    child_group_count = k + 1;
+  }
+  if (forwarded_signal) ::kill(-pid, forwarded_signal);  // signalled while it was being started
   return pid;
 }
 
@@ -555,6 +623,7 @@ std::string wait_all(std::vector<pid_t> pids, const std::vector<std::string>& na
 // gradients with NCCL.
 void launch_ranks(const TrainArgs& a, std::ostream& out) {
   const int n = a.nproc;
+  SignalForwarding forwarding;
   const kg::Device device = kg::Device::parse(a.device);
   std::vector<std::string> rest = rank_arguments(a.command_line);
   const std::string self = self_executable();
@@ -564,6 +633,11 @@ void launch_ranks(const TrainArgs& a, std::ostream& out) {
   const std::string tty = &out == &std::cout && ::isatty(STDOUT_FILENO) ? "1" : "0";
   out << std::flush;
   if (device.kind == kg::Device::Kind::Cpu) {
+    // Four ranks per core is already far past a useful job; more made mpirun spin.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    if (n > 4 * cores)
+      throw kg::Error(kg::util::cat("--nproc ", n, " on the cpu starts more than four ranks per core (this machine has ",
+                                    cores, " cores: at most ", 4 * cores, ")"));
     const std::string mpirun = find_program("mpirun");
     if (mpirun.empty())
       throw kg::Error(kg::util::cat("--nproc ", n, " on the cpu runs the ranks under OpenMPI's mpirun, which is not "
@@ -580,6 +654,7 @@ void launch_ranks(const TrainArgs& a, std::ostream& out) {
       argv.push_back(std::to_string(std::max(1u, cores / static_cast<unsigned>(n))));
     }
     const std::string failure = wait_all({spawn(argv, {{"KG_PROGRESS_TTY", tty}})}, {"mpirun"});
+    SignalForwarding::raise_forwarded();
     if (!failure.empty()) throw kg::Error("the data-parallel job failed: " + failure);
     return;
   }
@@ -605,6 +680,7 @@ void launch_ranks(const TrainArgs& a, std::ostream& out) {
   const std::string failure = wait_all(pids, names);
   std::error_code ec;
   fs::remove_all(pattern, ec);
+  SignalForwarding::raise_forwarded();
   if (!failure.empty()) throw kg::Error("the data-parallel job failed: " + failure);
 }
 
@@ -642,7 +718,7 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
       ->check(CLI::Range(0.0, 1.0))
       ->option_text("M");
   t->add_option("--epochs", a.epochs, "Epochs in all, counting those of a resumed checkpoint (default 8)")
-      ->check(kgraph_cli::positive_integer)
+      ->check(kgraph_cli::positive_int)
       ->option_text("N");
   t->add_option_function<std::int64_t>(
        "--batch-size", [&a](const std::int64_t& v) { a.batch_size = v; }, "Batch size (default 128)")
@@ -651,6 +727,7 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   t->add_option_function<std::uint64_t>(
        "--seed", [&a](const std::uint64_t& v) { a.seed = v; },
        "Seed of the shuffling and the parameter initialisation (default 0)")
+      ->check(kgraph_cli::seed_value)
       ->option_text("S");
   t->add_option("--threads", a.threads,
                 "CPU worker threads, at most " + std::to_string(kg::util::ThreadPool::kMaxThreads) +
@@ -680,7 +757,7 @@ CLI::App* add_train_command(CLI::App& app, TrainArgs& a) {
   t->add_option("--nproc", a.nproc,
                 "Data-parallel: start N ranks, each training on its share of every batch (cpu: under "
                 "OpenMPI's mpirun; GPUs: one per rank, gradients over NCCL)")
-      ->check(kgraph_cli::positive_integer)
+      ->check(kgraph_cli::process_count)
       ->option_text("N");
   return t;
 }
