@@ -253,3 +253,5 @@ inline int fuzz_cli(const std::uint8_t* data, std::size_t size) {
 
 // ---- ONNX converters: a one-node model from the bytes, imported, loaded and run on the CPU ----
 #include "onnx_convert_target.hpp"  // NOLINT(build/include_order): kg::fuzz::fuzz_onnx_convert
+// ---- the emulator's module cache and the file rendezvous ----
+#include "cache_targets.hpp"  // NOLINT(build/include_order): kg::fuzz::fuzz_emu_cache, fuzz_rendezvous

@@ -62,6 +62,8 @@ TEST(FuzzRegressions, Onnx) { EXPECT_GT(replay("onnx", kg::fuzz::fuzz_onnx), 0u)
 TEST(FuzzRegressions, OnnxConvert) { EXPECT_GT(replay("onnx_convert", kg::fuzz::fuzz_onnx_convert), 0u); }
 TEST(FuzzRegressions, Cli) { EXPECT_GT(replay("cli", kg::fuzz::fuzz_cli), 0u); }
 TEST(FuzzRegressions, TuningCache) { EXPECT_GT(replay("tuning_cache", kg::fuzz::fuzz_tuning_cache), 0u); }
+TEST(FuzzRegressions, EmuCache) { EXPECT_GT(replay("emu_cache", kg::fuzz::fuzz_emu_cache), 0u); }
+TEST(FuzzRegressions, Rendezvous) { EXPECT_GT(replay("rendezvous", kg::fuzz::fuzz_rendezvous), 0u); }
 
 // The known findings the regression folders hold are refused with a kg::Error (not only
 // survived): each reader says what is wrong with the input.
