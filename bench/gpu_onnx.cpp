@@ -213,7 +213,8 @@ int main(int argc, char** argv) {
       for (const auto& [op, e] : ops) std::printf("op=%s ms=%.4f nodes=%d\n", op.c_str(), e.first, e.second);
       std::sort(nodes.begin(), nodes.end(), [](const auto& x, const auto& y) { return x.ms > y.ms; });
       for (std::size_t i = 0; i < std::min<std::size_t>(nodes.size(), 25); ++i)
-        std::printf("node=%s op=%s ms=%.4f\n", nodes[i].node.c_str(), nodes[i].op.c_str(), nodes[i].ms);
+        std::printf("node=%s op=%s ms=%.4f kernel=%s\n", nodes[i].node.c_str(), nodes[i].op.c_str(), nodes[i].ms,
+                    nodes[i].kernel.c_str());
     }
     return status;
   } catch (const kg::Error& e) {

@@ -101,8 +101,13 @@ std::string ew_walk_offsets(const std::vector<EwRead>& reads, bool small, const 
     }
   if (offsets.empty()) return {};
   offsets.back() = ';';
+  // The loop runs to the constant bound, unrolled, so that every index into the walk is a
+  // constant: a walk indexed by a run-time d would be copied from the kernel's parameters to local
+  // memory by every thread (about 700 bytes each: that copy, not the arithmetic, bounded the
+  // epilogue kernels).
   return util::cat(indent, "kg_index", offsets, "\n", indent, "kg_index rest = i;\n", indent,
-                   "for (int d = 0; d < w.rank; ++d) {\n", indent, "  const kg_index q = kg_div<",
+                   "#pragma unroll\n", indent, "for (int d = 0; d < KG_EW_MAX_DIMS; ++d) {\n", indent,
+                   "  if (d >= w.rank) break;\n", indent, "  const kg_index q = kg_div<",
                    small ? "true" : "false", ">(w.size[d], rest);\n", indent,
                    "  const kg_index k = rest - q * w.size[d].d;\n", indent, " ", step, "\n", indent,
                    "  rest = q;\n", indent, "}\n");
