@@ -158,6 +158,7 @@ class RmsNormOp final : public kg::CustomOp {
     w.name = "weight";
     w.shape = {in.at(0)[in[0].rank() - 1].size()};
     w.init = kg::ParamInit::constant(1.0);
+    w.dtype_from_input = 0;  // f32 in an f32 model, f64 in an f64 one
     return {w};
   }
 

@@ -1,4 +1,4 @@
-// The graph-level description of an operation (the seed's CustomOp) and its CPU execution hook.
+// The graph-level description of an operation (CustomOp) and its CPU execution hook.
 // Built-in ops implement this same interface.
 #pragma once
 
@@ -83,6 +83,11 @@ struct ParamSpec {
   DType dtype = DType::F32;
   ParamInit init;
   bool trainable = true;  // false for running statistics and counters
+  // -1: the parameter is `dtype`. k >= 0: it takes the dtype of input k (recorded order), which
+  // must be a float dtype, so that one op instance serves f32 and f64 models (and f16/bf16 ones
+  // where the op computes in them): f64 inputs, an f64 parameter. Data init is then given in
+  // `dtype` and converted.
+  int dtype_from_input = -1;
 };
 
 // What a CPU implementation gets: concrete inputs, parameters, and the output to fill.
@@ -189,8 +194,9 @@ class CustomOp {
   // Output dtype from the input dtypes (default: the first input's). Throw for bad dtypes.
   virtual DType infer_output_dtype(const std::vector<DType>& input_dtypes) const;
   // Parameters (and buffers) the op owns, declared once for every device: name, concrete shape
-  // (a function of the inputs' recorded shapes; a dim a parameter needs must be static), dtype,
-  // initialisation, trainable. Called when the op is recorded (default: none).
+  // (a function of the inputs' recorded shapes; a dim a parameter needs must be static), dtype
+  // (fixed, or that of an input: ParamSpec::dtype_from_input), initialisation, trainable. Called
+  // when the op is recorded (default: none).
   virtual std::vector<ParamSpec> parameters(const std::vector<Shape>& input_shapes) const;
   // The GPU kernel for this node; nullopt (the default) means the lowering cannot handle it.
   // Called at load for every device (the CPU too: its launches are checked there, and run under

@@ -1,4 +1,4 @@
-// The launch-time description of a lowered op (the seed's RuntimeOp): consulted with concrete
+// The launch-time description of a lowered op (RuntimeOp): consulted with concrete
 // shapes to size scratch buffers and to describe the kernel launches of one execution — each
 // launch an entry point, a grid, a block, dynamic shared bytes and typed arguments. The same
 // description serves the forward, launches that depend on the run, and the backward.
@@ -32,9 +32,10 @@ struct Dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 
-// Receives a kernel's arguments in order (the seed's packing interface). What was visited is
-// checked against the kernel's CUDA signature on every device (count, byte size, and pointer
-// versus integer versus float), and against its PTX on a GPU.
+// Receives a kernel's arguments in order (the single-launch packing interface). What was visited
+// is checked against the kernel's CUDA signature on every device (count, byte size, pointer
+// versus integer versus float, and a pointer's element type against the dtype of the tensor it
+// points into: `float*` for an f32 tensor), and against its PTX on a GPU.
 class ArgVisitor {
  public:
   virtual ~ArgVisitor() = default;
@@ -206,7 +207,7 @@ class RuntimeOp {
  public:
   virtual ~RuntimeOp() = default;
 
-  // ---- the single-launch form (the seed's): override these three ----
+  // ---- the single-launch form: override these three ----
   // Packs the kernel arguments (default: throws, for an op that overrides launches() instead).
   virtual void pack_args(const LaunchTensors& t, ArgVisitor& visitor) const;
   // Threads per block (default 256).

@@ -42,10 +42,14 @@ struct CheckOpOptions {
 
 struct CheckOpReport {
   // One line per check: "PASS ...", "FAIL ..." or "SKIP ...", with the op, node and numbers.
+  // Every check has its line: one that could not run is a SKIP line that says why.
   std::vector<std::string> lines;
   // False when any check failed.
   bool ok = true;
-  // A heading and the lines, one per row.
+  // The function that made the report ("check_op", "check_gradients"), for the heading.
+  std::string check = "check_op";
+  // A heading with the worst result and the counts ("check_op: FAILED (2 failed, 9 passed,
+  // 3 skipped)"), then the lines, one per row.
   std::string to_string() const;
 };
 
@@ -80,7 +84,10 @@ struct GradCheckOptions {
 // Checks an op's backward at concrete input shapes, for every float input and trainable
 // parameter (non-trainable ones get no gradient) and a random output gradient:
 //  - the CPU backward on NaN-poisoned gradients: every element written, and equal to central
-//    finite differences of sum(grad_output * cpu_forward) (in f64 when the op takes f64);
+//    finite differences of sum(grad_output * cpu_forward), in f64 when the op recorded on f64
+//    copies of the inputs gives an f64 output (its parameters then in the dtypes it declares
+//    for f64 inputs, as in a model: see ParamSpec::dtype_from_input), else in the dtypes given;
+//    an INFO line says which dtypes were used;
 //  - tensors that backward_saves() does not keep are given without data, as the runtime does.
 //    Before that, the backward runs with stand-ins of other values for them: a changed
 //    gradient means it reads such a tensor, which is reported (a backward that reads one
@@ -97,13 +104,15 @@ CheckOpReport check_gradients(const CustomData& op, const std::vector<std::vecto
 
 // Records `op` on inputs of `input_shapes` (symbolic: dynamic dims are bound to each batch size)
 // and `dtypes`, then for each batch size: checks infer_output_shape with concrete sizes against
-// the recorded shape and the kernel's, runs the CPU implementation on poisoned outputs, the
-// lowered kernel under emulation and on a GPU (in checked mode; not after the emulator found the
-// kernel broken, nor after a GPU fault earlier in the process), compares them with the CPU (or
-// CheckOpOptions::reference) and reruns each. An op
-// with a backward (a CPU one, or backward launches in its RuntimeOp) also gets check_gradients
-// at the largest batch size, its lines marked "gradients batch <n>". Never throws for a failing
-// op: every failure is a line of the report.
+// the recorded shape and the kernel's, runs the CPU implementation on poisoned outputs (with a
+// canary after the output's end), the lowered kernel under emulation and on a GPU (in checked
+// mode; not after the emulator found the kernel broken, nor after a GPU fault earlier in the
+// process), compares them with the CPU (or CheckOpOptions::reference) and reruns each. An op
+// with an elementwise_form() also has that form (what the fusion pass runs in its place) run on
+// the CPU and compared with the op's own result. An op with a backward (a CPU one, or backward
+// launches in its RuntimeOp) also gets check_gradients at the largest batch size, its lines
+// marked "gradients batch <n>". Never throws for a failing op: every failure is a line of the
+// report, and a check that cannot run after an earlier failure is a SKIP line saying so.
 CheckOpReport check_op(const CustomData& op, const std::vector<Shape>& input_shapes,
                        const std::vector<DType>& dtypes, const CheckOpOptions& options = {});
 

@@ -244,16 +244,31 @@ void write_idx(const std::string& path, const Tensor& t, bool gzip) {
                             "IDX file");
     return;
   }
-  gzFile f = gzopen(path.c_str(), "wb");
-  if (!f) throw Error(util::cat("write_idx: cannot open '", path, "' for writing"));
+  // Compressed in memory (a gzip stream: windowBits 15 + 16), then written like the plain file, so
+  // that a link or special file at `path` is refused rather than written through.
+  z_stream z{};
+  if (deflateInit2(&z, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) != Z_OK)
+    throw Error(util::cat("write_idx '", path, "': zlib could not start a gzip stream"));
+  std::string out;
   std::size_t done = 0;
-  bool ok = true;
-  while (ok && done < bytes.size()) {
-    const auto chunk = static_cast<unsigned>(std::min<std::size_t>(bytes.size() - done, 1u << 30));
-    ok = gzwrite(f, bytes.data() + done, chunk) == static_cast<int>(chunk);
+  int rc = Z_OK;
+  unsigned char buf[1 << 16];
+  do {
+    const auto chunk = static_cast<uInt>(std::min<std::size_t>(bytes.size() - done, 1u << 30));
+    z.next_in = bytes.data() + done;
+    z.avail_in = chunk;
     done += chunk;
-  }
-  if (gzclose(f) != Z_OK || !ok) throw Error(util::cat("write_idx: error writing '", path, "'"));
+    const int flush = done == bytes.size() ? Z_FINISH : Z_NO_FLUSH;
+    do {
+      z.next_out = buf;
+      z.avail_out = sizeof buf;
+      rc = deflate(&z, flush);
+      out.append(reinterpret_cast<const char*>(buf), sizeof buf - z.avail_out);
+    } while (z.avail_out == 0 && rc != Z_STREAM_ERROR);
+  } while (done < bytes.size() && rc != Z_STREAM_ERROR);
+  deflateEnd(&z);
+  if (rc != Z_STREAM_END) throw Error(util::cat("write_idx '", path, "': zlib failed to compress the data"));
+  util::write_file_safely(path, out, "IDX file");
 }
 
 }  // namespace kg::data

@@ -136,6 +136,7 @@ SymTensor Graph::record(const CustomData& data, const std::vector<SymTensor>& in
     n.params = data->parameters(shapes);
     for (std::size_t i = 0; i < n.params.size(); ++i) {
       if (n.params[i].name.empty()) throw Error(util::cat("parameter ", i, " has an empty name"));
+      follow_input_dtype(n.params[i], dtypes);
       n.params[i].name = n.name + "." + n.params[i].name;
     }
     // An op computing in f16 or bf16 keeps its floating parameters in that dtype too.

@@ -69,7 +69,7 @@ void check_lowered(const Graph& graph, const LoweredGraph& lowered, const plan::
       t.output.ptr = fake.next(static_cast<std::size_t>(t.output.numel()) * dtype_size(t.output.dtype));
       if (scratch) t.scratch = fake.next(scratch);
       const KernelModule m = make_module(e.name, e.source, e.entry_point, 0);
-      check_launches(m, rt.launches(t), label, "");
+      check_launches(m, rt.launches(t), label, "", &t);
       if (rt.depends_on_run() && lowered.mode == LoweringMode::Training) {
         // The train-mode launches too, unless the op refuses train mode at these shapes (a
         // BatchNorm over one value per channel): a train-mode run then reports that.
@@ -80,10 +80,12 @@ void check_lowered(const Graph& graph, const LoweredGraph& lowered, const plan::
           train = rt.launches(t);
         } catch (const std::exception&) {
         }
-        if (train) check_launches(m, std::move(*train), label, "");
+        if (train) check_launches(m, std::move(*train), label, "", &t);
       }
+      // The backward launches too, also of an op that has a CPU backward (the CPU runs that one,
+      // but a GPU and checked mode run the kernels).
       auto b = backward.find(e.node);
-      if (b == backward.end() || n.op->op().has_cpu_backward() || e.backward_source.empty()) continue;
+      if (b == backward.end() || e.backward_source.empty()) continue;
       LaunchTensors bt = shape_tensors(n, plan, si);
       bt.training = lowered.mode == LoweringMode::Training;
       bt.grad_output = {0, t.output.shape, t.output.dtype};
@@ -97,13 +99,13 @@ void check_lowered(const Graph& graph, const LoweredGraph& lowered, const plan::
       bt.grad_output.ptr = fake.next(static_cast<std::size_t>(t.output.numel()) * dtype_size(t.output.dtype));
       for (std::size_t i = 0; i < t.inputs.size(); ++i)
         if (i < b->second->inputs.size() && b->second->inputs[i].root >= 0)
-          bt.grad_inputs[i].ptr = fake.next(1);
+          bt.grad_inputs[i].ptr = fake.next(static_cast<std::size_t>(t.inputs[i].numel()) * dtype_size(t.inputs[i].dtype));
       for (std::size_t p = 0; p < t.params.size(); ++p)
         if (p < b->second->want_param.size() && b->second->want_param[p])
-          bt.grad_params[p].ptr = fake.next(1);
+          bt.grad_params[p].ptr = fake.next(static_cast<std::size_t>(t.params[p].numel()) * dtype_size(t.params[p].dtype));
       if (bscratch) bt.scratch = fake.next(bscratch);
       const KernelModule bm = make_module(e.name + ".backward", e.backward_source, "", 0);
-      check_launches(bm, rt.backward_launches(bt), label, "backward");
+      check_launches(bm, rt.backward_launches(bt), label, "backward", &bt);
     } catch (const Error& err) {
       throw labelled(label, err);
     } catch (const std::exception& err) {

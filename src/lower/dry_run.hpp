@@ -24,8 +24,9 @@ DryRun dry_run(const Model& model, const std::vector<std::vector<std::int64_t>>&
                std::uint64_t seed = 0);
 
 // Describes every lowered node's launches with made-up addresses and checks them against the
-// kernels' CUDA signatures: forward (both modes for run-dependent launches of a training model)
-// and, for the steps of the training plan without a CPU backward, backward. A dry pack costs
+// kernels' CUDA signatures and the dtypes of the tensors their pointers point into: forward (both
+// modes for run-dependent launches of a training model) and, for every step of the training plan
+// whose op has a lowered backward (with or without a CPU one), backward. A dry pack costs
 // microseconds per node; the first failure is an error naming the op and the node.
 void check_lowered(const Graph& graph, const LoweredGraph& lowered, const plan::Plan& plan);
 

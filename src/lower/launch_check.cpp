@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <regex>
 
 #include "kg/error.hpp"
 #include "kg/shape.hpp"
@@ -252,6 +253,157 @@ void check_launch(const compile::KernelSignature& kernel, const Launch& launch, 
   if (args.size() > want)
     throw Error(
         util::cat(label, where, ": the kernel takes ", want, " arguments but ", args.size(), " were packed"));
+}
+
+namespace {
+
+// The words of a pointer parameter's element type, without qualifiers ("const float* __restrict__"
+// → "float"); "" when the type is not a pointer to one level.
+std::string element_words(const std::string& type) {
+  const std::size_t star = type.find('*');
+  if (star == std::string::npos || type.find('*', star + 1) != std::string::npos) return "";
+  std::vector<std::string> words;
+  std::string w;
+  for (char c : type.substr(0, star) + " ") {
+    if (compile::text::is_ident(c) || c == ':') {
+      w += c;
+      continue;
+    }
+    if (!w.empty() && w != "const" && w != "volatile" && w != "struct" && w != "__restrict__" &&
+        w != "__restrict" && w != "restrict")
+      words.push_back(w.rfind("std::", 0) == 0 ? w.substr(5) : w.rfind("::", 0) == 0 ? w.substr(2) : w);
+    w.clear();
+  }
+  std::string t;
+  for (const auto& x : words) t += (t.empty() ? "" : " ") + x;
+  return t;
+}
+
+PointeeType named_pointee(const std::string& t) {
+  PointeeType r;
+  auto vec = [&](const char* base) {  // "float" matches float, float1 .. float4
+    const std::string b = base;
+    return t == b || (t.size() == b.size() + 1 && t.rfind(b, 0) == 0 && t.back() >= '1' && t.back() <= '4');
+  };
+  if (vec("float")) r.dtype = DType::F32;
+  else if (vec("double")) r.dtype = DType::F64;
+  else if (t == "__half" || t == "half" || t == "__half2" || t == "half2" || t == "kg_f16")
+    r.dtype = DType::F16;
+  else if (t == "__nv_bfloat16" || t == "nv_bfloat16" || t == "__nv_bfloat162" || t == "nv_bfloat162" ||
+           t == "kg_bf16")
+    r.dtype = DType::BF16;
+  else if (vec("int") || t == "signed int" || t == "signed" || t == "int32_t")
+    r.dtype = DType::I32;
+  else if (vec("longlong") || vec("long") || t == "long long" || t == "long long int" || t == "long int" ||
+           t == "signed long long" || t == "int64_t")
+    r.dtype = DType::I64;
+  else if (vec("short") || t == "short int" || t == "signed short" || t == "int16_t")
+    r.dtype = DType::I16;
+  else if (t == "bool")
+    r.dtype = DType::Bool;
+  else if (vec("uint") || t == "unsigned" || t == "unsigned int" || t == "uint32_t")
+    r.unsigned_bytes = 4;
+  else if (vec("ushort") || t == "unsigned short" || t == "unsigned short int" || t == "uint16_t")
+    r.unsigned_bytes = 2;
+  else if (vec("ulonglong") || vec("ulong") || t == "unsigned long long" || t == "unsigned long long int" ||
+           t == "unsigned long" || t == "unsigned long int" || t == "uint64_t" || t == "size_t")
+    r.unsigned_bytes = 8;
+  return r;
+}
+
+// `typedef T name;` and `using name = T;` of a source, by name (parsed once per distinct source).
+const std::map<std::string, std::string>& source_aliases(const std::string& source) {
+  static std::mutex mu;
+  static std::map<std::size_t, std::vector<std::pair<std::string, std::map<std::string, std::string>>>> cache;
+  const std::size_t h = std::hash<std::string>{}(source);
+  std::lock_guard<std::mutex> lk(mu);
+  auto& bucket = cache[h];
+  for (auto& [text, aliases] : bucket)
+    if (text == source) return aliases;
+  std::map<std::string, std::string> aliases;
+  if (source.find("typedef") != std::string::npos || source.find("using") != std::string::npos) {
+    const std::string text = compile::text::blank_comments(source);
+    static const std::regex typedef_re(R"(\btypedef\s+([A-Za-z_][\w:\s]*?)\s+([A-Za-z_]\w*)\s*;)");
+    static const std::regex using_re(R"(\busing\s+([A-Za-z_]\w*)\s*=\s*([A-Za-z_][\w:\s]*?)\s*;)");
+    for (std::sregex_iterator it(text.begin(), text.end(), typedef_re), end; it != end; ++it)
+      aliases.emplace((*it)[2].str(), (*it)[1].str());
+    for (std::sregex_iterator it(text.begin(), text.end(), using_re), end; it != end; ++it)
+      aliases.emplace((*it)[1].str(), (*it)[2].str());
+  }
+  bucket.emplace_back(source, std::move(aliases));
+  return bucket.back().second;
+}
+
+}  // namespace
+
+PointeeType pointee_type(const std::string& type, const std::string& source) {
+  std::string t = element_words(type);
+  if (t.empty()) return {};
+  PointeeType r = named_pointee(t);
+  // An alias of the source (typedef float real;), followed a few levels.
+  for (int depth = 0; depth < 4 && !r.dtype && r.unsigned_bytes == 0 && !source.empty(); ++depth) {
+    const auto& aliases = source_aliases(source);
+    auto it = aliases.find(t);
+    if (it == aliases.end()) break;
+    t = element_words(it->second + "*");
+    r = named_pointee(t);
+  }
+  return r;
+}
+
+void check_pointees(const compile::KernelSignature& kernel, const Launch& launch, const LaunchTensors& tensors,
+                    const std::string& source, const std::string& label, int index, const std::string& what) {
+  struct Buffer {
+    const DeviceTensor* t;
+    std::string name;
+  };
+  std::vector<Buffer> buffers;
+  for (std::size_t i = 0; i < tensors.inputs.size(); ++i) buffers.push_back({&tensors.inputs[i], util::cat("input ", i)});
+  for (std::size_t i = 0; i < tensors.params.size(); ++i)
+    buffers.push_back({&tensors.params[i], util::cat("parameter ", i)});
+  buffers.push_back({&tensors.output, "the output"});
+  buffers.push_back({&tensors.grad_output, "the output's gradient"});
+  for (std::size_t i = 0; i < tensors.grad_inputs.size(); ++i)
+    buffers.push_back({&tensors.grad_inputs[i], util::cat("the gradient of input ", i)});
+  for (std::size_t i = 0; i < tensors.grad_params.size(); ++i)
+    buffers.push_back({&tensors.grad_params[i], util::cat("the gradient of parameter ", i)});
+  const auto& args = launch.args.args();
+  for (std::size_t i = 0; i < args.size() && i < kernel.param_types.size(); ++i) {
+    if (args[i].kind() != KernelArg::Kind::Pointer || args[i].data().size() != sizeof(DevicePtr)) continue;
+    DevicePtr p = 0;
+    std::memcpy(&p, args[i].data().data(), sizeof p);
+    if (p == 0 || (tensors.scratch != 0 && p == tensors.scratch)) continue;
+    const PointeeType want = pointee_type(kernel.param_types[i], source);
+    // An unsigned word pointer (unsigned long long*, unsigned char*) moves raw bytes: a copy
+    // kernel may move any dtype through it, so only typed pointers are checked.
+    if (!want.dtype) continue;
+    // The tensors whose buffer starts at the address, else those that contain it.
+    std::vector<const Buffer*> at, inside;
+    for (const auto& b : buffers) {
+      if (b.t->ptr == 0) continue;
+      const DevicePtr end = b.t->ptr + static_cast<DevicePtr>(numel_of(b.t->shape)) * dtype_size(b.t->dtype);
+      if (p == b.t->ptr)
+        at.push_back(&b);
+      else if (p > b.t->ptr && p < end)
+        inside.push_back(&b);
+    }
+    const auto& candidates = at.empty() ? inside : at;
+    if (candidates.empty()) continue;
+    auto fits = [&](DType d) {
+      return want.dtype ? *want.dtype == d : dtype_size(d) == want.unsigned_bytes;
+    };
+    bool any = false;
+    for (const Buffer* b : candidates) any = any || fits(b->t->dtype);
+    if (any) continue;
+    const Buffer& b = *candidates.front();
+    const std::string& n = i < kernel.param_names.size() ? kernel.param_names[i] : std::string();
+    throw Error(util::cat(
+        label, what.empty() ? "" : " " + what, " launch ", index, " of kernel '", kernel.name, "': argument ", i,
+        n.empty() ? "" : " '" + n + "'", " (", kernel.param_types[i], ") points to ",
+        want.dtype ? util::cat(dtype_name(*want.dtype), " elements") : util::cat(want.unsigned_bytes, "-byte elements"),
+        " but ", b.name, " packed there is ", dtype_name(b.t->dtype), " ", sizes_to_string(b.t->shape),
+        "; the kernel would read and write it as the wrong type"));
+  }
 }
 
 Error labelled(const std::string& label, const Error& err) {

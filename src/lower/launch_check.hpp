@@ -1,9 +1,11 @@
-// The checks where the seed says "nothing checks it": packed arguments against the kernel's PTX
-// signature, block against .reqntid/.maxntid, the entry point against the module, zero grids,
-// and parameter init sizes. Each failure is a kg::Error naming op, node and numbers.
+// The launch checks: packed arguments against the kernel's CUDA signature and its PTX (count,
+// width, kind, and a pointer's element type against the dtype of the tensor packed there), block
+// against __launch_bounds__ / .reqntid / .maxntid, the entry point against the module, zero
+// grids, and parameter init sizes. Each failure is a kg::Error naming op, node and numbers.
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +48,25 @@ const compile::KernelSignature& resolve_source_entry(const std::vector<compile::
 // backward.
 void check_launch(const compile::KernelSignature& kernel, const Launch& launch, const std::string& label,
                   int index, const std::string& what);
+
+// The dtype a pointer parameter's element type names: `const float*` f32, `double*` f64,
+// `__nv_bfloat16*` / `kg_bf16*` bf16, `__half*` / `kg_f16*` f16, `int*` i32, `long long*` /
+// `int64_t*` i64, `bool*` bool, vector types (`float4*`) their element's. A typedef or `using`
+// alias in `source` is followed. nullopt where the type says nothing checkable: a byte pointer
+// (char, unsigned char, int8_t, uint8_t), void, a struct, a template parameter, a non-pointer.
+// `bit_view` is set for unsigned integer elements (`unsigned*`, `uint16_t*`), which may view any
+// dtype of their size (a kernel reading f32 bits through `unsigned*`).
+struct PointeeType {
+  std::optional<DType> dtype;
+  std::size_t unsigned_bytes = 0;  // > 0: an unsigned integer of this size (a bit view)
+};
+PointeeType pointee_type(const std::string& type, const std::string& source = "");
+
+// Every pointer argument of `launch` that points into one of `tensors`' buffers (inputs,
+// parameters, output, gradients; not scratch) against that tensor's dtype: an error naming the
+// kernel, the argument's index, name and C++ type, the tensor and its dtype.
+void check_pointees(const compile::KernelSignature& kernel, const Launch& launch, const LaunchTensors& tensors,
+                    const std::string& source, const std::string& label, int index, const std::string& what);
 
 // `err` with "[op @ node]" in front, unless its message already starts with it.
 Error labelled(const std::string& label, const Error& err);

@@ -43,7 +43,8 @@ KernelModule make_module(const std::string& name, const std::string& source, con
 }
 
 std::vector<CheckedLaunch> check_launches(const KernelModule& m, std::vector<Launch> launches,
-                                          const std::string& label, const std::string& what) {
+                                          const std::string& label, const std::string& what,
+                                          const LaunchTensors* tensors) {
   if (launches.empty())
     throw Error(util::cat(label, " RuntimeOp::", what.empty() ? "launches()" : "backward_launches()",
                           " described no launch"));
@@ -59,6 +60,7 @@ std::vector<CheckedLaunch> check_launches(const KernelModule& m, std::vector<Lau
     if (source_known) {
       const compile::KernelSignature& sig = resolve_source_entry(*m.kernels, entry, label, what);
       check_launch(sig, c.launch, label, index, what);
+      if (tensors) check_pointees(sig, c.launch, *tensors, m.source, label, index, what);
       c.entry = sig.name;
       names = sig.param_names;
     } else {
@@ -176,7 +178,7 @@ void pack_launches(LaunchPlan& lp, const Graph& graph, const LoweredGraph& lower
           train = e.runtime_op->launches(t);
         } catch (const std::exception&) {
         }
-        if (train) check_launches(sl.module, std::move(*train), sl.label, "");
+        if (train) check_launches(sl.module, std::move(*train), sl.label, "", &t);
       }
     } catch (const Error& err) {
       throw labelled(sl.label, err);
@@ -190,7 +192,7 @@ void pack_step(StepLaunches& sl, bool training, std::uint64_t seed) {
   try {
     sl.tensors.training = training;
     sl.tensors.seed = seed;
-    sl.launches = check_launches(sl.module, sl.runtime_op->launches(sl.tensors), sl.label, "");
+    sl.launches = check_launches(sl.module, sl.runtime_op->launches(sl.tensors), sl.label, "", &sl.tensors);
   } catch (const Error& err) {
     throw labelled(sl.label, err);
   } catch (const std::exception& err) {
@@ -202,9 +204,9 @@ void pack_step(StepLaunches& sl, bool training, std::uint64_t seed) {
     sl.prologue.clear();
     sl.epilogue.clear();
     if (sl.library && !sl.library->prologue.empty())
-      sl.prologue = check_launches(sl.module, sl.library->prologue, sl.label, "library-call prologue");
+      sl.prologue = check_launches(sl.module, sl.library->prologue, sl.label, "library-call prologue", &sl.tensors);
     if (sl.library && !sl.library->epilogue.empty())
-      sl.epilogue = check_launches(sl.module, sl.library->epilogue, sl.label, "library-call epilogue");
+      sl.epilogue = check_launches(sl.module, sl.library->epilogue, sl.label, "library-call epilogue", &sl.tensors);
   } catch (const Error& err) {
     throw labelled(sl.label, err);
   } catch (const std::exception& err) {

@@ -45,9 +45,12 @@ struct CheckedLaunch {
 
 // Checks every launch of `launches` against `module` (see check_launch; on a GPU also the PTX
 // parameter list and .reqntid/.maxntid). `what` is "" for the forward, "backward" for the
-// backward. An empty list is an error.
+// backward. With `tensors` (what the launches were described for), pointer arguments are also
+// checked against the dtypes of the tensors they point into (check_pointees). An empty list is
+// an error.
 std::vector<CheckedLaunch> check_launches(const KernelModule& module, std::vector<Launch> launches,
-                                          const std::string& label, const std::string& what);
+                                          const std::string& label, const std::string& what,
+                                          const LaunchTensors* tensors = nullptr);
 
 // True when both lists launch the same entries with the same grids, blocks, shared memory and
 // argument bytes: a CUDA graph captured from one replays the other.

@@ -152,7 +152,12 @@ Setup record(const CustomOp& op, const CustomData& data, const std::vector<std::
   s.out_dtype = node.dtype;
   std::vector<Shape> in_shapes;
   for (const auto& v : shapes) in_shapes.push_back(Shape::of(v));
+  // The parameters as recorded: a dtype that follows an input's resolved, a 16-bit node's narrowed.
   s.specs = op.parameters(in_shapes);
+  for (std::size_t k = 0; k < s.specs.size() && k < node.params.size(); ++k) {
+    s.specs[k].dtype = node.params[k].dtype;
+    s.specs[k].init = node.params[k].init;
+  }
   s.context.node = node.name;
   s.context.input_dtypes = dtypes;
   s.context.output_dtype = node.dtype;
@@ -443,17 +448,18 @@ void GradChecker::run() {
       }))
     return;
 
-  // Finite differences want f64: when some float dtype is narrower, the op is tried on f64
-  // copies of the same values; if it refuses them, the check runs in the dtypes given.
+  // Finite differences want f64: when some float dtype is narrower, the op is recorded on f64
+  // copies of the same values, as a model with f64 inputs would record it (its parameters in the
+  // dtypes it declares for them, never converted behind its back); if it refuses them, or gives
+  // no f64 output, or its forward fails on them, the check runs in the dtypes given.
   Setup fd = given;
   bool promoted = false;
+  std::string why_not;
   const std::vector<DType> f64 = with_float(dtypes_, DType::F64);
   if (f64 != dtypes_) {
     try {
       Setup s = record(op_, data_, shapes_, f64);
       if (s.out_dtype == DType::F64) {
-        for (auto& p : s.specs)
-          if (is_floating(p.dtype)) p.dtype = DType::F64;
         s.inputs = convert(given.inputs, f64);
         std::vector<DType> pd;
         for (const auto& p : s.specs) pd.push_back(p.dtype);
@@ -462,17 +468,31 @@ void GradChecker::run() {
         forward(s, s.inputs, s.params);
         fd = std::move(s);
         promoted = true;
+      } else {
+        why_not = util::cat("on f64 inputs the op's output is ", dtype_name(s.out_dtype));
       }
-    } catch (const std::exception&) {
-      promoted = false;
+    } catch (const std::exception& e) {
+      why_not = util::cat("the op fails on f64 inputs: ", e.what());
     }
   }
+  auto dtypes_text = [](const Setup& s) {
+    std::vector<std::string> t;
+    for (const auto& x : s.inputs) t.push_back(std::string(dtype_name(x.dtype())));
+    std::string r = "inputs " + util::join(t, ", ");
+    t.clear();
+    for (std::size_t k = 0; k < s.params.size(); ++k)
+      t.push_back(util::cat(s.names[k], " ", dtype_name(s.params[k].dtype())));
+    if (!t.empty()) r += ", parameters " + util::join(t, ", ");
+    return r + util::cat(", output ", dtype_name(s.out_dtype));
+  };
   if (promoted)
-    rep_.info("finite differences in f64 (the op accepts f64 copies of the inputs)");
+    rep_.info(util::cat("finite differences in f64 (", dtypes_text(fd), "); the lowered backward in the dtypes given (",
+                        dtypes_text(given), ")"));
   else if (f64 != dtypes_)
-    rep_.info(
-        util::cat("finite differences in the dtypes given (the op refuses f64 inputs); step and "
-                  "tolerances widened for them"));
+    rep_.info(util::cat("finite differences in the dtypes given (", dtypes_text(given), "), not f64 (", why_not,
+                        "); step and tolerances widened for them"));
+  else
+    rep_.info(util::cat("finite differences in the dtypes given (", dtypes_text(given), ")"));
 
   if (op_.has_cpu_backward()) {
     check_cpu(fd);
@@ -520,7 +540,7 @@ void GradChecker::emulated_forward(const Setup& s, const std::vector<Tensor>& in
   t.scratch = scratch.defined() ? dev(scratch).ptr : 0;
   const std::string name = l->name.empty() ? op_.name() : l->name;
   const lower::KernelModule module = lower::make_module(name, l->source, l->entry_point, 0);
-  for (const auto& L : lower::check_launches(module, rt.launches(t), s.label, ""))
+  for (const auto& L : lower::check_launches(module, rt.launches(t), s.label, "", &t))
     emu::launch(name, l->source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
                 L.launch.args);
 }
@@ -807,7 +827,7 @@ void GradChecker::check_ptx(const Setup& s, const Lowered& lowered) {
     BackwardMemory mem(false);
     const LaunchTensors t = backward_tensors(mem, s, rt);
     const lower::KernelModule module = lower::make_module(name, source, "", 0);
-    const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward");
+    const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward", &t);
     std::set<std::string> entries;
     for (std::size_t l = 0; l < launches.size(); ++l) {
       const std::string label = util::cat(s.label, " backward launch ", l);
@@ -843,7 +863,7 @@ std::optional<std::vector<Tensor>> GradChecker::run_lowered(const Setup& s, cons
       BackwardMemory mem(gpu);
       const LaunchTensors t = backward_tensors(mem, s, rt);
       const lower::KernelModule module = lower::make_module(name, source, "", 0);
-      const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward");
+      const auto launches = lower::check_launches(module, rt.backward_launches(t), s.label, "backward", &t);
       std::map<std::string, cuda::Kernel> kernels;
       for (std::size_t l = 0; l < launches.size(); ++l) {
         const std::string label = util::cat(s.label, " backward launch ", l);
@@ -938,6 +958,7 @@ CheckOpReport check_gradients(const CustomData& op,
                               const std::vector<std::vector<std::int64_t>>& input_shapes,
                               const std::vector<DType>& dtypes, const GradCheckOptions& options) {
   CheckOpReport report;
+  report.check = "check_gradients";
   try {
     detail::run_gradient_checks(report, op, input_shapes, dtypes, options, "");
   } catch (const std::exception& e) {  // from the op's own methods outside any single check

@@ -265,3 +265,20 @@ TEST_F(Idx, AGzipBombMeetsTheMemoryCheckBeforeAllocating) {
   kg::util::set_available_memory_for_testing(std::nullopt);
   EXPECT_EQ(kg::data::read_idx(p).numel(), 8192 * 8192);
 }
+
+// The finding: write_idx opened its path with std::ofstream / gzopen, which follow a link planted
+// there (and replace a device node's content). Both forms now go through the safe write.
+TEST_F(Idx, WriterFollowsNoPlantedLink) {
+  const std::string victim = path("victim"), link = path("link.idx");
+  { std::ofstream(victim) << "keep"; }
+  fs::create_symlink(victim, link);
+  const kg::Tensor t = kg::Tensor::zeros(kg::DType::U8, {2, 2});
+  for (const bool gz : {false, true}) {
+    SCOPED_TRACE(gz);
+    expect_error([&] { kg::data::write_idx(link, t, gz); }, {link, "symbolic link"});
+    std::ifstream in(victim);
+    EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()), "keep");
+  }
+  kg::data::write_idx(path("ok.idx.gz"), t, true);
+  EXPECT_EQ(kg::data::read_idx(path("ok.idx.gz")).numel(), 4);
+}

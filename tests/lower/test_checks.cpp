@@ -29,6 +29,8 @@ enum class Fault {
   MissingArg,
   ExtraArg,
   FloatForInt,
+  I64ForInt,
+  SmallGrid,
   WrongBlock,
   HugeBlock,
   BadInitSize,
@@ -58,6 +60,8 @@ class ScaleRuntime final : public kg::RuntimeOp {
     v.pointer(t.params[0].ptr);
     if (f_ == Fault::FloatForInt)
       v.f32(static_cast<float>(n));
+    else if (f_ == Fault::I64ForInt)
+      v.i64(n);
     else
       v.i32(n);
     if (f_ != Fault::MissingArg) v.f32(0.5f);
@@ -68,6 +72,7 @@ class ScaleRuntime final : public kg::RuntimeOp {
   }
   kg::Dim3 grid(const std::vector<std::int64_t>& shape) const override {
     if (f_ == Fault::ZeroGrid) return {0, 1, 1};
+    if (f_ == Fault::SmallGrid) return {static_cast<unsigned>(kg::numel_of(shape) / 128), 1, 1};  // rounds down
     return {static_cast<unsigned>((kg::numel_of(shape) + 127) / 128), 1, 1};
   }
 
@@ -208,6 +213,11 @@ TEST(LaunchChecks, FloatWhereTheKernelTakesAnInt) {
                                     "is a 4-byte signed integer in the kernel but an f32 (4 bytes) was packed"});
 }
 
+TEST(LaunchChecks, ArgumentOfTheWrongWidthIsNamed) {
+  expect_fault(Fault::I64ForInt, {"[test.scale @ head.scale] launch 0 of kernel 'test_scale'", "argument 3 'n' (int)",
+                                  "is a 4-byte signed integer in the kernel but an i64 (8 bytes) was packed"});
+}
+
 TEST(LaunchChecks, BlockOverLaunchBounds) {
   expect_fault(Fault::WrongBlock, {"[test.scale @ head.scale] launch 0 of kernel 'test_scale'", "block (256, 1, 1)",
                                    "256 threads", "over the kernel's __launch_bounds__(128)"});
@@ -272,4 +282,100 @@ TEST(LaunchChecks, KernelOutputSmallerThanInferredIsCaughtInCheckedMode) {
                          "is infer_output_shape larger than what the kernel writes?"});
   // Unchecked, the cpu runs cpu_forward (which fills the whole output): no error.
   EXPECT_EQ(m.load(kg::Device::cpu(), {{7, 10}}).forward({kg::Tensor::zeros(kg::DType::F32, {7, 10})})[0].numel(), 140);
+}
+
+// ---- Pointer element types against the tensors' dtypes ----
+
+namespace {
+
+// An op whose kernel takes float pointers whatever the dtype it is recorded with, and which claims
+// to compute in bf16: in a bf16 load its tensors are bf16, half the bytes the kernel reads and
+// writes. It has no cpu_forward, so a plain cpu run emulates the kernel.
+class F32OnlyOp final : public kg::CustomOp {
+ public:
+  explicit F32OnlyOp(bool cpu = false) : cpu_(cpu) {}
+  std::string name() const override { return "test.f32only"; }
+  kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
+  std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>&) const override {
+    return {{"gain", {4}, kg::DType::F32, kg::ParamInit::constant(1.0), false}};
+  }
+  std::optional<kg::Lowered> lower(const kg::LowerContext&) const override {
+    return kg::Lowered{"test.f32only", kScaleSource, "test_scale", std::make_shared<ScaleRuntime>(Fault::None)};
+  }
+  void cpu_forward(kg::CpuContext& ctx) const override {
+    if (!cpu_) kg::CustomOp::cpu_forward(ctx);
+    ctx.output.fill(0.0);
+  }
+  bool computes_in(kg::DType) const override { return true; }
+
+ private:
+  bool cpu_;
+};
+
+kg::Model f32only_model(kg::DType input, bool cpu = false) {
+  auto [x, g] = kg::SymTensor::input(input, {kg::Dim::named("batch"), 10});
+  kg::SymTensor y = x.record_custom(kg::CustomData::make<F32OnlyOp>(cpu), {}, std::nullopt, "f32only");
+  return kg::Model(g, {y});
+}
+
+}  // namespace
+
+TEST(LaunchChecks, PointerElementTypeAgainstTheTensorDtype) {
+  using kg::lower::pointee_type;
+  EXPECT_EQ(pointee_type("const float* __restrict__").dtype, kg::DType::F32);
+  EXPECT_EQ(pointee_type("double *").dtype, kg::DType::F64);
+  EXPECT_EQ(pointee_type("const __nv_bfloat16*").dtype, kg::DType::BF16);
+  EXPECT_EQ(pointee_type("kg_f16*").dtype, kg::DType::F16);
+  EXPECT_EQ(pointee_type("const float4*").dtype, kg::DType::F32);
+  EXPECT_EQ(pointee_type("long long*").dtype, kg::DType::I64);
+  EXPECT_EQ(pointee_type("const int64_t*").dtype, kg::DType::I64);
+  EXPECT_EQ(pointee_type("int*").dtype, kg::DType::I32);
+  EXPECT_EQ(pointee_type("unsigned*").unsigned_bytes, 4u);  // a bit view: any 4-byte dtype
+  EXPECT_FALSE(pointee_type("unsigned char*").dtype);       // bytes: any dtype
+  EXPECT_FALSE(pointee_type("void*").dtype);
+  EXPECT_FALSE(pointee_type("const T*").dtype);  // a template parameter says nothing
+  EXPECT_FALSE(pointee_type("float").dtype);     // not a pointer
+  // An alias of the source is followed, as rmsnorm's `typedef double real;`.
+  EXPECT_EQ(pointee_type("const real*", "typedef double real;\n__global__ void k(const real* x) {}").dtype,
+            kg::DType::F64);
+  EXPECT_EQ(pointee_type("acc_t*", "using acc_t = float;").dtype, kg::DType::F32);
+}
+
+// A float* kernel given f64 tensors: the widths of every argument match the signature (a pointer
+// is a pointer), so only the element types tell. Caught at load, on every target and on the cpu.
+TEST(LaunchChecks, FloatKernelGivenF64TensorsIsRefusedAtLoad) {
+  const std::vector<std::string> parts = {"[test.f32only @ f32only] launch 0 of kernel 'test_scale'",
+                                          "argument 0 'x' (const float*) points to f32 elements",
+                                          "input 0 packed there is f64 [7, 10]"};
+  for (int arch : archs()) {
+    SCOPED_TRACE("arch " + std::to_string(arch));
+    kg_test::expect_error([&] { kg::lower::dry_run(f32only_model(kg::DType::F64), {{7, 10}}, arch); }, parts);
+  }
+  kg_test::expect_error([&] { f32only_model(kg::DType::F64, true).load(kg::Device::cpu(), {{7, 10}}); }, parts);
+}
+
+// The f32-only kernel in a bf16 load: before the element types were checked, a plain cpu run
+// emulated it on raw host memory and the writes of 4-byte floats into 2-byte elements corrupted
+// the heap (free(): invalid next size). Now the load refuses it.
+TEST(LaunchChecks, F32OnlyKernelInABf16LoadIsAnErrorNotHeapCorruption) {
+  kg::LoadOptions o;
+  o.precision = kg::DType::BF16;
+  kg_test::expect_error(
+      [&] {
+        kg::LoadedModel m = f32only_model(kg::DType::F32).load(kg::Device::cpu(), {{7, 10}}, o);
+        m.forward({kg::Tensor::zeros(kg::DType::F32, {7, 10})});
+      },
+      {"[test.f32only @ f32only]", "kernel 'test_scale'", "(const float*) points to f32 elements",
+       "is bf16"});
+}
+
+// A grid that rounds down (300 elements, 2 blocks of 128): well-formed, so nothing at load can
+// tell, but checked mode finds the first output element no thread wrote.
+TEST(LaunchChecks, GridTooSmallIsCaughtInCheckedMode) {
+  kg::LoadOptions o;
+  o.checked = true;
+  kg::LoadedModel lm = model(Fault::SmallGrid).load(kg::Device::cpu(), {{30, 10}}, o);
+  kg_test::expect_error([&] { lm.forward({kg::Tensor::zeros(kg::DType::F32, {30, 10})}); },
+                        {"[test.scale @ head.scale] kernel 'test.scale': output 'head.scale' [30, 10]",
+                         "element 256 (index [25, 6]) was not written"});
 }

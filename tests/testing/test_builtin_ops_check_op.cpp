@@ -70,6 +70,8 @@ std::vector<Case> cases() {
       {"softmax_f64", {{b(), 3, 10}}, [](const V& x) { return kg::softmax(x[0], -1); }, kg::DType::F64, 1e-12, 1e-14},
       {"mse_loss", {{b(), 3, 5}, {b(), 3, 5}}, [](const V& x) { return kg::mse_loss(x[0], x[1]); }, kg::DType::F32,
        red_rtol, red_atol},
+      {"attention", {{b(), 3, 5, 8}, {b(), 3, 7, 8}, {b(), 3, 7, 6}},
+       [](const V& x) { return kg::nn::attention(x[0], x[1], x[2], {}, true); }, kg::DType::F32, red_rtol, red_atol},
   };
 }
 
@@ -102,7 +104,8 @@ TEST(CheckOp, EveryBuiltInOpPasses) {
     // gradients checked against finite differences at the largest one.
     int emulated = 0, gradients = 0;
     for (const auto& l : r.lines) {
-      emulated += l.rfind("PASS batch ", 0) == 0 && l.find(", emulator") != std::string::npos;
+      emulated += l.rfind("PASS batch ", 0) == 0 && l.find(", emulator") != std::string::npos &&
+                  l.find("elementwise form") == std::string::npos;
       gradients += l.rfind("PASS gradients batch 3, cpu_backward, ", 0) == 0;
     }
     EXPECT_EQ(emulated, 2) << r.to_string();

@@ -24,8 +24,9 @@ enum class Bug {
   UnwrittenKernel,
   ZeroGrid,
   ReadsUnsaved,
-  NoCpuBackward,            // only the kernels: compared with finite differences
-  NoCpuBackwardWrongKernel  // and dx[3] off by one
+  NoCpuBackward,             // only the kernels: compared with finite differences
+  NoCpuBackwardWrongKernel,  // and dx[3] off by one
+  FixedParams                // parameters always in the op's configured dtype, not the input's
 };
 
 // y[b, c] = w[c] * x[b, c]^2 + offset[c]: w trainable, offset a non-trainable buffer (0.5).
@@ -116,9 +117,11 @@ class WsqOp final : public kg::CustomOp {
       throw kg::Error("expects one [B, " + std::to_string(cols_) + "] input");
     return in[0];
   }
+  // In the input's dtype (f64 inputs, f64 parameters), unless FixedParams.
   std::vector<kg::ParamSpec> parameters(const std::vector<kg::Shape>&) const override {
-    return {{"w", {cols_}, dtype_, kg::ParamInit::uniform(-1, 1), true},
-            {"offset", {cols_}, dtype_, kg::ParamInit::constant(0.5), false}};
+    const int follow = bug_ == Bug::FixedParams ? -1 : 0;
+    return {{"w", {cols_}, dtype_, kg::ParamInit::uniform(-1, 1), true, follow},
+            {"offset", {cols_}, dtype_, kg::ParamInit::constant(0.5), false, follow}};
   }
   // The kernels for the dtype the node is lowered in.
   std::optional<kg::Lowered> lower(const kg::LowerContext& ctx) const override {
@@ -208,8 +211,8 @@ TEST(CheckGradients, CorrectOpPassesInF64) {
                         "PASS cpu_backward, parameter 'wsq.w': the gradient of parameter 'wsq.w' ([5] f64) "
                         "matches central finite differences at all 5 elements"),
             1);
-  // The non-trainable buffer gets no gradient.
-  EXPECT_EQ(count_lines(r, "", {"offset"}), 0);
+  // The non-trainable buffer gets no gradient (only the INFO line of the dtypes names it).
+  EXPECT_EQ(count_lines(r, "PASS", {"offset"}) + count_lines(r, "FAIL", {"offset"}), 0);
   EXPECT_EQ(count_lines(r,
                         "PASS emulator: the emulated backward (checked mode) for the gradient of input 0 "
                         "matches the CPU backward"),
@@ -236,7 +239,12 @@ TEST(CheckGradients, F32OpIsCheckedInF64AndLargeTensorsAreSampled) {
   auto r = check(Bug::None, seed, kg::DType::F32, {24, 30});
   SCOPED_TRACE(r.to_string());
   EXPECT_TRUE(r.ok);
-  EXPECT_EQ(count_lines(r, "INFO finite differences in f64 (the op accepts f64 copies of the inputs)"), 1);
+  EXPECT_EQ(count_lines(r,
+                        "INFO finite differences in f64 (inputs f64, parameters wsq.w f64, wsq.offset f64, output "
+                        "f64); the lowered backward in the dtypes given (inputs f32, parameters wsq.w f32, "
+                        "wsq.offset f32, output f32)"),
+            1);
+  EXPECT_EQ(r.to_string().rfind("check_gradients: ok (", 0), 0u);
   EXPECT_EQ(count_lines(r,
                         "PASS cpu_backward, input 0: the gradient of input 0 ([24, 30] f64) matches central "
                         "finite differences at 64 sampled elements of 720"),
@@ -431,3 +439,19 @@ TEST(CheckGradients, CheckOpRunsTheGradientCheckAtTheLargestBatch) {
 }
 
 }  // namespace
+
+// An op whose parameters keep a fixed f32 dtype cannot run on f64 inputs in a model (its forward
+// reads the weight as double). The check says so and runs in f32, instead of converting the
+// parameters behind the op's back and reporting f64.
+TEST(CheckGradients, FixedF32ParametersAreNotConvertedBehindTheOpsBack) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto r = check(Bug::FixedParams, seed, kg::DType::F32, {4, 5});
+  SCOPED_TRACE(r.to_string());
+  EXPECT_EQ(count_lines(r, "INFO finite differences in f64"), 0);
+  EXPECT_EQ(count_lines(r, "INFO finite differences in the dtypes given (inputs f32, parameters wsq.w f32, wsq.offset "
+                           "f32, output f32), not f64 (the op fails on f64 inputs: ",
+                        {"f32", "step and tolerances widened"}),
+            1);
+  EXPECT_EQ(count_lines(r, "PASS cpu_backward, input 0", {"[4, 5] f32"}), 1);
+}

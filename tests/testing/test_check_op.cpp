@@ -1,9 +1,10 @@
-// kg::testing::check_op: correct ops (the seed's detect_decode, built-in layers) pass every check;
+// kg::testing::check_op: correct ops (detect_decode, built-in layers) pass every check;
 // ops with planted bugs — unwritten outputs, a wrong kernel, an out-of-bounds write, a lying
 // shape, non-deterministic results — fail with the op, the node and the numbers in the report.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
 #include <random>
 
 #include "../../examples/detect_decode/detect_decode.hpp"
@@ -60,7 +61,8 @@ TEST(CheckOp, DetectDecodePassesEveryCheck) {
   }
   EXPECT_EQ(count_lines(r, "SKIP gradient check", {"no backward"}), 1);
   EXPECT_EQ(count_lines(r, "FAIL"), 0);
-  EXPECT_NE(r.to_string().find("check_op: ok\n  INFO op yolo.detect_decode"), std::string::npos);
+  EXPECT_EQ(r.to_string().rfind("check_op: ok (", 0), 0u) << r.to_string();
+  EXPECT_NE(r.to_string().find(" skipped)\n  INFO op yolo.detect_decode"), std::string::npos);
 }
 
 TEST(CheckOp, BuiltInLayersPass) {
@@ -94,7 +96,8 @@ enum class Bug {
   LaunchesWithoutSource,  // backward launches, but no backward source: no backward
   NoLowering,
   BadSource,
-  BadSignature
+  BadSignature,
+  FormDisagrees  // an elementwise_form that adds 0.0625 the kernel and the CPU do not
 };
 
 const char* kScaleSource = R"(
@@ -162,6 +165,16 @@ class ScaleOp final : public kg::CustomOp {
   }
   std::string lower_backward_source(const kg::LowerContext&) const override {
     return bug_ == Bug::SourceWithoutLaunches ? kScaleSource : "";
+  }
+  // y = 2x per element: what the fusion pass would run in the op's place.
+  std::optional<kg::ElementwiseForm> elementwise_form(const std::vector<kg::DType>&) const override {
+    kg::ElementwiseForm f;
+    const bool off = bug_ == Bug::FormDisagrees;
+    f.device_source = off ? "template <class T> __device__ T twice(T x) { return T(2) * x + T(0.0625); }\n"
+                          : "template <class T> __device__ T twice(T x) { return T(2) * x; }\n";
+    f.function = "twice";
+    f.cpu = kg::ElementwiseForm::cpu_map<1>([off](auto x) { return decltype(x)(2) * x + (off ? decltype(x)(0.0625) : 0); });
+    return f;
   }
   void cpu_forward(kg::CpuContext& ctx) const override {
     const float* x = ctx.inputs[0].data<float>();
@@ -340,7 +353,7 @@ TEST(CheckOp, OpsWithoutALoweringOrACpuImplementation) {
     SCOPED_TRACE(r.to_string());
     EXPECT_TRUE(r.ok);
     EXPECT_EQ(count_lines(r, "SKIP cpu_forward: the op has no CPU implementation"), 1);
-    EXPECT_EQ(count_lines(r, "PASS batch 8, cpu device: emulated kernel wrote every one of 384 elements"), 1);
+    EXPECT_EQ(count_lines(r, "PASS batch 8, cpu device: emulated kernel (guarded buffers) wrote every one of 384 elements"), 1);
     EXPECT_EQ(count_lines(r, "PASS batch 8, emulator", {"matches the cpu device"}), 1);
     // Without a reference there is nothing independent to compare the kernel with: said once.
     EXPECT_EQ(count_lines(r, "SKIP reference", {"no CheckOpOptions::reference"}), 1);
@@ -447,3 +460,79 @@ TEST(CheckOp, InputGeneratorAndSetupErrors) {
 }
 
 }  // namespace
+
+// The elementwise form is what the fusion pass runs in the op's place: one that disagrees with the
+// op's own result changes a model's numbers when the op is fused. check_op compares the two.
+TEST(CheckOp, AnElementwiseFormThatDisagreesWithTheOpFails) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto r = check_scale(Bug::FormDisagrees, seed);
+  SCOPED_TRACE(r.to_string());
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(count_lines(r, "FAIL batch 1, elementwise form: [test.scale2 @ scale2] the op's elementwise_form (what the fusion pass runs in its place) differs from the CPU at 6 of 6 elements",
+                        {"(|diff| 6.25e-02"}),
+            1);
+  // The fused kernel the fusion pass would generate from the form's device function too.
+  EXPECT_EQ(count_lines(r, "FAIL batch 3, elementwise form, emulator: [test.scale2 @ scale2] the fused kernel of the op's "
+                           "elementwise_form (checked mode) differs from the CPU at 18 of 18 elements",
+                        {"(|diff| 6.25e-02"}),
+            1);
+  EXPECT_EQ(count_lines(r, "PASS batch 1, emulator"), 1);  // the kernel itself is right
+  r = check_scale(Bug::None, seed);
+  EXPECT_EQ(count_lines(r, "PASS batch 3, elementwise form:", {"matches"}), 1) << r.to_string();
+  EXPECT_EQ(count_lines(r, "PASS batch 3, elementwise form, emulator:", {"matches"}), 1) << r.to_string();
+}
+
+// After the CPU fails, the emulator and GPU lines are still there (run, or skipped saying why),
+// and the heading says FAILED with the counts.
+TEST(CheckOp, EveryLineIsReportedAfterACpuFailureAndTheHeadingIsTheWorstResult) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  auto r = check_scale(Bug::Unwritten, seed);
+  SCOPED_TRACE(r.to_string());
+  EXPECT_FALSE(r.ok);
+  for (const char* b : {"batch 1", "batch 3"}) {
+    EXPECT_EQ(count_lines(r, std::string("FAIL ") + b + ", cpu_forward"), 1);
+    // The emulator runs checked; with no reference there is nothing to compare it with.
+    EXPECT_EQ(count_lines(r, std::string("PASS ") + b + ", emulator",
+                          {"no fault, race or unwritten element", "not compared: the CPU failed above"}),
+              1);
+    EXPECT_EQ(count_lines(r, std::string("SKIP ") + b + ", elementwise form:", {"the CPU failed above"}), 1);
+    EXPECT_EQ(count_lines(r, std::string("SKIP ") + b + ", elementwise form, emulator:", {"the CPU failed above"}), 1);
+    EXPECT_EQ(count_lines(r, std::string("SKIP ") + b + ", gpu") + count_lines(r, std::string("PASS ") + b + ", gpu"),
+              1);
+  }
+  EXPECT_EQ(r.to_string().rfind("check_op: FAILED (2 failed, ", 0), 0u);
+  // With a reference, the other paths are compared with it instead.
+  auto o = options(seed);
+  o.batch_sizes = {2};
+  o.reference = [](const std::vector<kg::Tensor>& in, const std::map<std::string, kg::Tensor>&) {
+    kg::Tensor y = kg::Tensor::empty(kg::DType::F32, in[0].shape());
+    for (std::int64_t i = 0; i < y.numel(); ++i) y.data<float>()[i] = 2.f * in[0].data<float>()[i];
+    return y;
+  };
+  r = kg::testing::check_op(kg::CustomData::make<ScaleOp>(Bug::Unwritten), {{kg::Dim::named("batch"), 6}},
+                            {kg::DType::F32}, o);
+  EXPECT_EQ(count_lines(r, "SKIP batch 2, reference", {"the other paths are compared with the reference instead"}), 1)
+      << r.to_string();
+  EXPECT_EQ(count_lines(r, "PASS batch 2, emulator", {"the reference"}), 1) << r.to_string();
+  EXPECT_EQ(count_lines(r, "PASS batch 2, elementwise form:", {"the reference"}), 1) << r.to_string();
+  EXPECT_EQ(count_lines(r, "PASS batch 2, elementwise form, emulator:", {"the reference"}), 1) << r.to_string();
+}
+
+// A cpu_forward that writes past the end of its output is caught by the canary after it.
+TEST(CheckOp, ACpuForwardWritingPastItsOutputFails) {
+  struct Op final : kg::CustomOp {
+    std::string name() const override { return "test.past"; }
+    kg::Shape infer_output_shape(const std::vector<kg::Shape>& in) const override { return in.at(0); }
+    void cpu_forward(kg::CpuContext& ctx) const override {
+      float* y = static_cast<float*>(ctx.output.raw());
+      for (std::int64_t i = 0; i <= ctx.output.numel(); ++i) y[i] = 1.f;  // one too many
+    }
+  };
+  auto o = options(fresh_seed());
+  o.batch_sizes = {2};
+  auto r = kg::testing::check_op(kg::CustomData::make<Op>(), {{kg::Dim::named("batch"), 3}}, {kg::DType::F32}, o);
+  EXPECT_EQ(count_lines(r, "FAIL batch 2, cpu_forward", {"cpu_forward wrote past the end of its output [2, 3] f32 (24 bytes): byte 0 after the end was changed"}), 1)
+      << r.to_string();
+}

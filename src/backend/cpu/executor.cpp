@@ -24,14 +24,14 @@
 namespace kg::cpu {
 
 // A lowered node run through the CUDA emulator (an op without a CPU implementation, or every
-// lowered op in checked mode): its kernel module compiled once (the first launch goes through
-// emu::launch and its checks; later unchecked ones straight to the emulator's grid runner), and
-// its scratch buffer kept for the next run.
+// lowered op in checked mode): its kernel module compiled once, and its scratch buffer kept for
+// the next run. Every launch, checked or not, runs on guarded copies of the node's buffers, so a
+// kernel's stray access is an error naming it rather than corrupted host memory.
 struct Executor::EmulatedNode {
   const lower::Executable* exe = nullptr;
   lower::KernelModule module;
   std::shared_ptr<const emu::JitModule> jit;
-  bool launched = false;  // the checked first launch is done
+  bool launched = false;  // the first launch is done (the scratch is sized)
   Tensor scratch;         // U8
 };
 
@@ -129,7 +129,8 @@ std::vector<emu::HostBuffer> launch_buffers(const Node& n, const Graph& graph, c
 }
 
 // Describes, checks and runs every launch of the node's kernel on the emulator, with host
-// addresses. In checked mode the output is poisoned first and verified after.
+// addresses, on guarded copies of the node's buffers. In checked mode the output is poisoned
+// first and verified after, and each launch runs in both thread orders.
 void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, const plan::Step& step,
                   const std::vector<Tensor>& ins, Tensor& out, bool training, std::uint64_t seed,
                   bool checked, ThreadPool& pool) {
@@ -152,35 +153,16 @@ void run_emulated(Executor::EmulatedNode& e, const Node& n, const Graph& graph, 
       e.scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(sb)});
   }
   t.scratch = e.scratch.numel() > 0 ? host_address(e.scratch) : 0;
-  const auto launches = lower::check_launches(e.module, rt.launches(t), label, "");
+  const auto launches = lower::check_launches(e.module, rt.launches(t), label, "", &t);
   if (checked) fill_with(out, poison_byte(out.dtype()));
   emu::LaunchOptions o;
   o.label = label;
   o.checked = checked;
+  o.guarded = true;
   o.pool = &pool;
-  if (checked)
-    o.buffers =
-        launch_buffers(n, graph, ins, step.params, step.specs, out, nullptr, nullptr, nullptr, e.scratch);
-  for (const auto& L : launches) {
-    if (!e.launched || checked) {
-      emu::launch(e.exe->name, e.exe->source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,
-                  L.launch.args, o);
-      continue;
-    }
-    std::vector<std::vector<std::byte>> bytes;
-    for (const auto& a : L.launch.args.args()) bytes.push_back(a.data());
-    std::vector<void*> ptrs;
-    for (auto& b : bytes) ptrs.push_back(b.data());
-    emu::GridLaunch gl;
-    gl.kernel = &e.jit->find(L.entry, label);
-    gl.grid = L.launch.grid;
-    gl.block = L.launch.block;
-    gl.shared = L.launch.shared_bytes;
-    gl.args = ptrs.data();
-    gl.label = label;
-    gl.pool = &pool;
-    emu::run_grid(gl);
-  }
+  o.buffers = launch_buffers(n, graph, ins, step.params, step.specs, out, nullptr, nullptr, nullptr, e.scratch);
+  for (const auto& L : launches)
+    emu::launch(*e.jit, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes, L.launch.args, o);
   e.launched = true;
   if (checked) {
     const auto unwritten = find_unwritten({&out}, [&] {
@@ -274,7 +256,7 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
     scratch = Tensor::empty(DType::U8, {static_cast<std::int64_t>(sb)});
     bt.scratch = host_address(scratch);
   }
-  const auto launches = lower::check_launches(module, rt.backward_launches(bt), label, "backward");
+  const auto launches = lower::check_launches(module, rt.backward_launches(bt), label, "backward", &bt);
   std::vector<const Tensor*> wanted;
   for (const auto& t : grad_in)
     if (t.raw()) wanted.push_back(&t);
@@ -285,9 +267,9 @@ void run_emulated_backward(const Node& n, const Graph& graph, const lower::Execu
   emu::LaunchOptions o;
   o.label = label + " backward";
   o.checked = checked;
+  o.guarded = true;
   o.pool = &pool;
-  if (checked)
-    o.buffers = launch_buffers(n, graph, ins, params, specs, out, &grad_out, &grad_in, &grad_params, scratch);
+  o.buffers = launch_buffers(n, graph, ins, params, specs, out, &grad_out, &grad_in, &grad_params, scratch);
   auto run_all = [&] {
     for (const auto& L : launches)
       emu::launch(module.name, module.source, L.entry, L.launch.grid, L.launch.block, L.launch.shared_bytes,

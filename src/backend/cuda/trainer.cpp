@@ -101,7 +101,7 @@ Trainer::Trainer(Context& ctx, const Graph& graph, const lower::LoweredGraph& lo
       bw.module = lower::make_module(e.name + ".backward", e.backward_source, "", ctx_.arch());
       // The launches as the first run will describe them, checked now.
       for (const auto& L :
-           lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward"))
+           lower::check_launches(bw.module, bw.rt->backward_launches(t), n.label(), "backward", &t))
         bw.fns[L.ptx_entry] = ctx_.function(bw.module.ptx, L.ptx_entry, bw.label);
       if (vendor) plan_library(bw, *vendor);
     } catch (const Error& err) {

@@ -218,6 +218,14 @@ class CheckedLaunch {
     for (auto& b : bytes_) ptrs_.push_back(b.data());
   }
 
+  // Guarded only: one run in `order`, the guards and canaries checked, written bytes copied back.
+  void run_guarded(Dim3 grid, Dim3 block, std::size_t shared, Order order) {
+    run_once(grid, block, shared, order);
+    for (auto& g : groups_)
+      if (g->hi > g->lo && std::memcmp(g->region->data(), reinterpret_cast<const void*>(g->lo), g->hi - g->lo) != 0)
+        std::memcpy(reinterpret_cast<void*>(g->lo), g->region->data(), g->hi - g->lo);
+  }
+
   void run(Dim3 grid, Dim3 block, std::size_t shared) {
     for (auto& g : groups_) g->before.assign(g->region->data(), g->region->data() + g->region->size());
     run_once(grid, block, shared, Order::Forward);
@@ -298,7 +306,7 @@ class CheckedLaunch {
     gl.shared = shared;
     gl.args = ptrs_.data();
     gl.order = order;
-    gl.checked = true;
+    gl.checked = true;  // guarded dynamic shared memory, atomics noted (also when only guarded)
     gl.label = label_;
     gl.pool = pool_;
     gl.describe_fault = [this](std::uintptr_t address, const std::string& access) -> std::string {
@@ -340,6 +348,11 @@ void run_kernel(const KernelEntry& k, Dim3 grid, Dim3 block, std::size_t shared,
   if (o.checked) {
     CheckedLaunch c(k, pack, o.buffers, label, o.pool);
     c.run(grid, block, shared);
+    return;
+  }
+  if (o.guarded && !o.buffers.empty()) {
+    CheckedLaunch c(k, pack, o.buffers, label, o.pool);
+    c.run_guarded(grid, block, shared, o.order);
     return;
   }
   std::vector<std::vector<std::byte>> bytes;
@@ -386,6 +399,12 @@ void launch(const std::string& name, const std::string& source, const std::strin
   const std::string label = options.label.empty() ? "[" + name + "]" : options.label;
   auto mod = HostJit::global().load(name, source);
   run_kernel(mod->find(entry, label), grid, block, shared, args, options, label);
+}
+
+void launch(const JitModule& module, const std::string& entry, Dim3 grid, Dim3 block, std::size_t shared,
+            const lower::ArgPack& args, const LaunchOptions& options) {
+  const std::string label = options.label.empty() ? "[" + module.name + "]" : options.label;
+  run_kernel(module.find(entry, label), grid, block, shared, args, options, label);
 }
 
 std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inputs,
@@ -470,8 +489,9 @@ std::vector<Tensor> run_model(const Model& model, const std::vector<Tensor>& inp
     }
     LaunchOptions o;
     o.checked = checked;
+    o.guarded = true;
     o.label = sl.label;
-    if (checked) {
+    {
       const Node& n = graph.node(e.node);
       for (std::size_t i = 0; i < n.inputs.size(); ++i) {
         const int in = n.inputs[i];

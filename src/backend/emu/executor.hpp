@@ -18,6 +18,8 @@
 
 namespace kg::emu {
 
+struct JitModule;  // backend/emu/host_jit.hpp
+
 // Host memory a launch may touch: pointer arguments are matched to these in checked mode.
 struct HostBuffer {
   DevicePtr address = 0;
@@ -28,8 +30,12 @@ struct HostBuffer {
 struct LaunchOptions {
   // Guarded copies of `buffers`, the launch run in both orders and the results compared.
   bool checked = false;
-  // Every buffer the pointer arguments point into (checked mode; a pointer outside all of them
-  // is an error). Empty: pointer arguments are not guarded.
+  // Without `checked`: guarded copies of `buffers` all the same, the launch run once (in
+  // `order`), so that an access past a buffer's end faults and is reported instead of
+  // corrupting the process's memory. What plain cpu runs of emulated kernels use.
+  bool guarded = false;
+  // Every buffer the pointer arguments point into (checked or guarded; a pointer outside all of
+  // them is an error). Empty: pointer arguments are not guarded.
   std::vector<HostBuffer> buffers;
   std::string label;             // error prefix; default "[<name>]"
   Order order = Order::Forward;  // unchecked launches
@@ -44,10 +50,13 @@ void launch(const std::string& name, const std::string& source, const std::strin
             Dim3 block, std::size_t shared, const lower::ArgPack& args);
 void launch(const std::string& name, const std::string& source, const std::string& entry, Dim3 grid,
             Dim3 block, std::size_t shared, const lower::ArgPack& args, const LaunchOptions& options);
+// The same for a module already loaded (HostJit::load): no source to hash on every launch.
+void launch(const JitModule& module, const std::string& entry, Dim3 grid, Dim3 block, std::size_t shared,
+            const lower::ArgPack& args, const LaunchOptions& options);
 
 // Lowers `model`, sizes its launches for the shapes of `inputs`, places the arena, inputs and
 // parameters in host memory (the arena filled with 0xFF bytes: NaN for floats) and runs every
-// launch through the emulator. `params` replace parameters by full dotted name (the others keep
+// launch through the emulator (on guarded copies of the node's buffers, also unchecked). `params` replace parameters by full dotted name (the others keep
 // their initialisation with seed 0). With `library_calls`, an op that describes a vendor-library
 // call runs that path instead of its launches, as on a GPU with the libraries: the call by its
 // definition (run_library_reference), then the op's epilogue launches emulated; `library_steps`,
