@@ -83,6 +83,7 @@ TEST_F(CliSafety, OutputIsNeverWrittenThroughSpecialFilesOrLinks) {
   expect_one_line_error(run({"run", "lenet5", "--runs", "1", "--output", link}), 1, {link, "symbolic link"});
   EXPECT_EQ(read_text(victim), "keep");
   expect_one_line_error(run({"inspect", "lenet5", "--dot", link}), 1, {link, "symbolic link"});
+  expect_one_line_error(run({"inspect", "lenet5", "--render", path("g.svg"), "--dot", fifo}), 1, {fifo, "a FIFO"});
   EXPECT_EQ(read_text(victim), "keep");
   // A plain output still works.
   const CliResult ok = run({"run", "lenet5", "--runs", "1", "--output", path("out.safetensors")});
@@ -123,6 +124,10 @@ TEST_F(CliSafety, SeedsAndCountsAreParsedStrictly) {
   expect_one_line_error(run({"run", "lenet5", "--batch", "99999999999999999999"}), 2, {"--batch"});
   // --nproc 1000000 made mpirun spin: bounded.
   expect_one_line_error(run({"train", "--nproc", "1000000"}), 2, {"--nproc", "1000000"});
+  // On the cpu at most four ranks per core (checked before mpirun is looked for or started).
+  if (const unsigned cores = std::thread::hardware_concurrency(); cores > 0 && 4 * cores < 1024)
+    expect_one_line_error(run({"train", "--device", "cpu", "--nproc", "1024"}), 1,
+                          {"--nproc 1024", "four ranks per core"});
   const CliResult ok = run({"run", "lenet5", "--runs", "1", "--seed", "18446744073709551615"});
   EXPECT_EQ(ok.code, 0) << ok.err;
   EXPECT_NE(ok.out.find("seed 18446744073709551615"), std::string::npos) << ok.out;

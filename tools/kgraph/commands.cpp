@@ -279,6 +279,8 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
 
   if (!args.render_path.empty()) kg::dump::render_format(args.render_path);  // fail before any work
   if (!args.dot_path.empty() && !dot_to_stdout) kg::util::check_output_path(args.dot_path, "--dot file");
+  // graphviz writes the rendering itself: what stands at the path is checked here, before it runs.
+  if (!args.render_path.empty()) kg::util::check_output_path(args.render_path, "--render file");
   const ModelSource source =
       ModelSource::open(args.model, kg::LoweringMode::Inference, {.fusion = !args.recorded});
   const kg::Model& model = source.model();
