@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -129,6 +130,14 @@ SymTensor batch_norm2d(const SymTensor& x, const std::string& name = "", double 
 SymTensor layer_norm(const SymTensor& x, const std::vector<std::int64_t>& normalized_shape,
                      const std::string& name = "", double eps = 1e-5,
                      bool elementwise_affine = true);
+
+// Scaled dot-product attention, softmax(scale · q kᵀ + mask) v over the keys: q [batch..., Sq, D],
+// k [batch..., Sk, D], v [batch..., Sk, Dv] → [batch..., Sq, Dv] (heads are a batch dim). `mask`
+// (optional) broadcasts to [batch..., Sq, Sk]: bool (true = keep) or additive (q's dtype).
+// `causal` masks key j > query i (top-left aligned); `scale` defaults to 1/sqrt(D). A query whose
+// every key is masked gives zeros. f32, f64, f16 and bf16 (computed in f32).
+SymTensor attention(const SymTensor& q, const SymTensor& k, const SymTensor& v, const SymTensor& mask = {},
+                    bool causal = false, std::optional<double> scale = std::nullopt, const std::string& name = "");
 
 }  // namespace nn
 }  // namespace kg
