@@ -902,6 +902,9 @@ class BinaryOp final : public CustomOp {
     return entry_for(std::string(binary_entry(fn_).kernel) + "_backward", dtype);
   }
   BinaryFn fn_;
+
+ public:
+  BinaryFn fn() const { return fn_; }
 };
 
 // x ⊙ s, or s ⊙ x when `reversed` (rsub, rdiv).
@@ -1040,6 +1043,9 @@ class ScalarOp final : public CustomOp {
   BinaryFn fn_;
   double scalar_;
   bool reversed_;
+
+ public:
+  ScalarSpec spec() const { return {fn_, scalar_, reversed()}; }
 };
 
 SymTensor record_unary(const SymTensor& x, UnaryFn fn, double param, const std::string& name) {
@@ -1062,6 +1068,16 @@ std::shared_ptr<RuntimeOp> dropout_runtime(double p, DType dtype, bool training)
 
 std::optional<UnarySpec> unary_spec(const CustomOp& op) {
   if (const auto* u = dynamic_cast<const UnaryOp*>(&op)) return u->spec();
+  return std::nullopt;
+}
+
+std::optional<BinaryFn> binary_fn(const CustomOp& op) {
+  if (const auto* b = dynamic_cast<const BinaryOp*>(&op)) return b->fn();
+  return std::nullopt;
+}
+
+std::optional<ScalarSpec> scalar_spec(const CustomOp& op) {
+  if (const auto* s = dynamic_cast<const ScalarOp*>(&op)) return s->spec();
   return std::nullopt;
 }
 

@@ -216,6 +216,19 @@ decltype(auto) visit_binary(BinaryFn f, Fn&& fn) {
   return fn(std::integral_constant<B, B::Div>{});
 }
 
+// The function of an nn.add, nn.sub, nn.mul or nn.div node (tensor ⊙ tensor); nullopt for any
+// other op.
+std::optional<BinaryFn> binary_fn(const CustomOp& op);
+
+// What a tensor ⊙ scalar node computes: x ⊙ scalar, or scalar ⊙ x when `reversed` (rsub, rdiv).
+struct ScalarSpec {
+  BinaryFn fn = BinaryFn::Add;
+  double scalar = 0.0;
+  bool reversed = false;
+};
+// The spec of an nn.<fn>_scalar node; nullopt for any other op.
+std::optional<ScalarSpec> scalar_spec(const CustomOp& op);
+
 // ---- the GPU's view of a broadcast ----
 
 // How a binary op's GPU kernel walks its operands for concrete shapes: the KgBroadcast of

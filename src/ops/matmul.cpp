@@ -10,6 +10,7 @@
 #include "ops/epilogue.hpp"
 #include "ops/gemm_shared.cuh"
 #include "ops/gpu_util.hpp"
+#include "ops/matmul.hpp"
 #include "ops/matmul_shared.cuh"
 #include "ops/op_util.hpp"
 
@@ -568,6 +569,9 @@ class MatmulOp final : public CustomOp, public EpilogueGemm {
 };
 
 }  // namespace
+
+bool is_matmul(const CustomOp& op) { return dynamic_cast<const MatmulOp*>(&op) != nullptr; }
+
 }  // namespace kg::ops
 
 namespace kg {

@@ -899,6 +899,14 @@ bool permute_keeps_dim0(const CustomOp& op, std::size_t rank) {
   return p && rank > 0 && p->perm(rank)[0] == 0;
 }
 
+std::optional<std::vector<std::int64_t>> permute_dims(const CustomOp& op, std::size_t rank) {
+  const auto* p = dynamic_cast<const PermuteOp*>(&op);
+  if (!p || p->converts_to()) return std::nullopt;
+  std::vector<std::int64_t> dims;
+  for (std::size_t d : p->perm(rank)) dims.push_back(static_cast<std::int64_t>(d));
+  return dims;
+}
+
 }  // namespace kg::ops
 
 namespace kg {

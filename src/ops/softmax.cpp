@@ -9,6 +9,7 @@
 #include "ops/gpu_util.hpp"
 #include "ops/op_util.hpp"
 #include "ops/prologue.hpp"
+#include "ops/softmax.hpp"
 
 namespace kg::ops {
 namespace {
@@ -84,6 +85,7 @@ class SoftmaxOp final : public CustomOp, public PrologueReduction {
  public:
   SoftmaxOp(std::int64_t dim, bool log) : dim_(dim), log_(log) {}
   std::string name() const override { return log_ ? "nn.log_softmax" : "nn.softmax"; }
+  std::optional<std::int64_t> softmax_dim() const { return log_ ? std::nullopt : std::optional<std::int64_t>(dim_); }
   std::string attributes() const override { return util::cat("dim=", dim_); }
 
   Shape infer_output_shape(const std::vector<Shape>& in) const override {
@@ -298,6 +300,12 @@ class SoftmaxOp final : public CustomOp, public PrologueReduction {
 };
 
 }  // namespace
+
+std::optional<std::int64_t> softmax_dim(const CustomOp& op) {
+  const auto* s = dynamic_cast<const SoftmaxOp*>(&op);
+  return s ? s->softmax_dim() : std::nullopt;
+}
+
 }  // namespace kg::ops
 
 namespace kg {

@@ -70,6 +70,7 @@ GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs,
   if (!options.fusion || !fusion_enabled_by_env()) return g;
   // The fusion passes count a value's readers: a node no output needs must not count.
   g = without_dead_nodes(std::move(g.graph), std::move(g.outputs));
+  if (mode == LoweringMode::Inference) g = fuse_attention(*g.graph, g.outputs, mode);
   if (mode == LoweringMode::Inference) g = fuse_conv_epilogue(*g.graph, g.outputs);
   g = fuse_elementwise(*g.graph, g.outputs, mode);
   if (mode == LoweringMode::Inference) {

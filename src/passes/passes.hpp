@@ -69,6 +69,10 @@ struct ChannelsLastTarget {
 // on the CPU each convolution times oneDNN's implementations at its first run and keeps the fastest.
 GraphAndOutputs channels_last(const std::shared_ptr<Graph>& graph, const std::vector<int>& outputs,
                               bool tune = false, const ChannelsLastTarget& target = {});
+// Inference only (in training the graph is copied unchanged): the exporters' attention chain,
+// MatMul(q, kᵀ) → [scale] → [Add(mask)] → Softmax(last dim) → MatMul(·, v), whose inner values
+// nothing else reads, becomes one nn.attention node (passes/fuse_attention.cpp says exactly what).
+GraphAndOutputs fuse_attention(const Graph& graph, const std::vector<int>& outputs, LoweringMode mode);
 // Inference only: conv2d → batch_norm2d → (relu) and conv2d → relu become one fused conv.
 GraphAndOutputs fuse_conv_epilogue(const Graph& graph, const std::vector<int>& outputs);
 // Nodes whose op splits (CustomOp::split) are replaced by what the split records. Runs first,
