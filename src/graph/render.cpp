@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "kg/error.hpp"
+#include "util/file.hpp"
 #include "util/str.hpp"
 
 extern char** environ;
@@ -46,6 +47,7 @@ class TempFile {
   std::string path_;
 };
 
+// Our own temporary files (mkstemp'd, private): written and read by path.
 void write_text(const std::string& path, const std::string& text, const std::string& what) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (!f) throw Error(util::cat(what, ": cannot open '", path, "' for writing: ", std::strerror(errno)));
@@ -60,6 +62,9 @@ std::string read_text(const std::string& path) {
   os << f.rdbuf();
   return os.str();
 }
+
+// The largest picture graphviz may hand back.
+constexpr std::uint64_t kMaxRenderBytes = std::uint64_t{1} << 30;
 
 // The first lines of a program's error output, on one line.
 std::string condense(std::string text) {
@@ -97,12 +102,14 @@ std::string render_format(const std::string& path) {
 void render_dot(const std::string& dot_text, const std::string& path, const std::string& dot_program) {
   const std::string what = "render '" + path + "'";
   const std::string format = render_format(path);
+  // The user's path is written through the safe write (no link followed, no special file
+  // replaced); graphviz writes its picture into a temporary file of ours first.
   if (format == "dot" || format == "gv") {
-    write_text(path, dot_text, what);
+    util::write_file_safely(path, dot_text, what);
     return;
   }
 
-  TempFile input("kg-graph"), errors("kg-dot-stderr");
+  TempFile input("kg-graph"), errors("kg-dot-stderr"), picture("kg-dot-out");
   write_text(input.path(), dot_text, what);
 
   posix_spawn_file_actions_t actions;
@@ -110,7 +117,7 @@ void render_dot(const std::string& dot_text, const std::string& path, const std:
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
   posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, errors.path().c_str(), O_WRONLY | O_TRUNC, 0);
-  std::vector<std::string> args{dot_program, "-T" + format, "-o", path, input.path()};
+  std::vector<std::string> args{dot_program, "-T" + format, "-o", picture.path(), input.path()};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -134,13 +141,14 @@ void render_dot(const std::string& dot_text, const std::string& path, const std:
     throw Error(util::cat(what, ": '", command, "' was killed by signal ", WTERMSIG(status)));
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     const std::string err = condense(read_text(errors.path()));
-    std::error_code ec;
-    fs::remove(path, ec);
     throw Error(util::cat(what, ": '", command, "' failed with exit status ", WEXITSTATUS(status),
                           err.empty() ? "" : ": ", err));
   }
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw Error(util::cat(what, ": '", command, "' succeeded but wrote no file"));
+  util::ReadLimits limits;
+  limits.max_bytes = kMaxRenderBytes;
+  const std::string bytes = util::read_file(picture.path(), limits);
+  if (bytes.empty()) throw Error(util::cat(what, ": '", command, "' succeeded but wrote no file"));
+  util::write_file_safely(path, bytes, what);
 }
 
 }  // namespace kg::dump

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
@@ -499,6 +500,24 @@ TEST(Dump, RenderErrors) {
   kg_test::expect_error([&] { kg::dump::render_dot("digraph {\n  a -> \n", dir.file("bad.svg")); },
                         {"bad.svg", "dot -Tsvg", "exit status", "syntax error"});
   EXPECT_FALSE(fs::exists(dir.file("bad.svg")));
-  kg_test::expect_error([&] { kg::dump::render_dot(text, dir.file("missing-dir/g.png")); },
-                        {"missing-dir/g.png", "dot -Tpng", "exit status"});
+  kg_test::expect_error([&] { kg::dump::render_dot(text, dir.file("missing-dir/g.png")); }, {"missing-dir/g.png"});
+}
+
+// The picture goes through the safe write: a link planted at the path is not written through,
+// and its target keeps its bytes, for the DOT text and for graphviz's pictures alike.
+TEST(Dump, RenderFollowsNoPlantedLink) {
+  TempDir dir;
+  const std::string text = build_model({4, 6, 2}).to_dot();
+  const std::string target = dir.file("precious.txt");
+  {
+    std::ofstream(target) << "keep me";
+  }
+  std::vector<std::string> names{"g.dot"};
+  if (dot_available()) names.push_back("g.svg");
+  for (const std::string& name : names) {
+    fs::create_symlink(target, dir.file(name));
+    kg_test::expect_error([&] { kg::dump::render_dot(text, dir.file(name)); }, {name});
+    EXPECT_EQ(read_file(target), "keep me") << name;
+    EXPECT_TRUE(fs::is_symlink(dir.file(name))) << name;
+  }
 }
