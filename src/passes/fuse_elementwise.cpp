@@ -99,97 +99,134 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
   const auto& nodes = graph.nodes();
   const std::size_t count = nodes.size();
   auto at = [](auto& v, int id) -> auto& { return v[static_cast<std::size_t>(id)]; };
+  // Each node's readers, once each, in id order (a node reading a value twice is one reader).
   std::vector<std::vector<int>> consumers(count);
   for (const auto& n : nodes)
     for (int in : n.inputs) {
       auto& c = at(consumers, in);
-      if (std::find(c.begin(), c.end(), n.id) == c.end()) c.push_back(n.id);
+      if (c.empty() || c.back() != n.id) c.push_back(n.id);
     }
   std::vector<char> is_output(count, 0);
   for (int o : outputs) at(is_output, o) = 1;
   std::vector<std::optional<ElementwiseForm>> forms(count);
   for (const auto& n : nodes) at(forms, n.id) = fusable_form(graph, n, mode);
+  // A node's distinct inputs, in order.
+  auto distinct_inputs = [&](int id) {
+    std::vector<int> v;
+    for (int in : graph.node(id).inputs)
+      if (std::find(v.begin(), v.end(), in) == v.end()) v.push_back(in);
+    return v;
+  };
 
+  // The growing group is kept as running tallies, so that each join costs the joining node's edges
+  // and not the group's size (a chain of n fusable nodes is one group built in O(n)):
+  //   inside[v]  how many readers of v are members (v a member or not; zero outside a formation),
+  //   ext        the group's external values in order of first use by the members in join order,
+  //   open       the members read by some node outside the group, in join order,
+  //   outs       how many members the group writes.
   std::vector<int> group_of(count, -1);
+  std::vector<int> inside(count, 0);
   std::vector<Group> groups;
   bool any_several = false;  // some group formed so far has several outputs
+  // Visit marks of the cycle check: a node (group) is seen in the current walk when its mark is
+  // the walk's stamp.
+  std::vector<int> seen(count, 0), group_seen;
+  int stamp = 0;
   for (std::size_t r = count; r-- > 0;) {
     if (!forms[r] || group_of[r] >= 0) continue;
     const int gi = static_cast<int>(groups.size());
     const int root = static_cast<int>(r);
-    std::vector<int> members{root};
-    group_of[r] = gi;
-    // External values of the group as it stands.
-    auto externals = [&]() {
-      std::vector<int> ext;
-      for (int m : members)
-        for (int in : graph.node(m).inputs)
-          if (at(group_of, in) != gi && std::find(ext.begin(), ext.end(), in) == ext.end()) ext.push_back(in);
-      return ext;
-    };
+    std::vector<int> members, ext, open;
+    std::size_t outs = 0;
+    int top = root;  // the member with the largest id
     // A member's value is needed outside: a model output, or read by a node outside the group.
     auto needed_outside = [&](int m) {
-      return at(is_output, m) ||
-             std::any_of(at(consumers, m).begin(), at(consumers, m).end(), [&](int c) { return at(group_of, c) != gi; });
+      return at(is_output, m) || static_cast<std::size_t>(at(inside, m)) < at(consumers, m).size();
     };
     // A member the group writes: one needed outside, or one no member reads (the last one).
-    auto written = [&](int m) {
-      const auto& cs = at(consumers, m);
-      return needed_outside(m) || std::none_of(cs.begin(), cs.end(), [&](int c) { return at(group_of, c) == gi; });
+    auto written = [&](int m) { return needed_outside(m) || at(inside, m) == 0; };
+    // Adds p to the group and updates the tallies.
+    auto join = [&](int p) {
+      at(group_of, p) = gi;
+      members.push_back(p);
+      top = std::max(top, p);
+      ext.erase(std::remove(ext.begin(), ext.end(), p), ext.end());
+      for (int q : distinct_inputs(p)) {
+        if (at(group_of, q) == gi) {
+          const bool was = written(q);
+          ++at(inside, q);
+          if (was && !written(q)) --outs;
+          if (static_cast<std::size_t>(at(inside, q)) == at(consumers, q).size())
+            open.erase(std::remove(open.begin(), open.end(), q), open.end());
+        } else {
+          ++at(inside, q);
+          if (std::find(ext.begin(), ext.end(), q) == ext.end()) ext.push_back(q);
+        }
+      }
+      if (written(p)) ++outs;
+      if (static_cast<std::size_t>(at(inside, p)) < at(consumers, p).size()) open.push_back(p);
     };
-    auto output_count = [&]() {
-      return static_cast<std::size_t>(std::count_if(members.begin(), members.end(), written));
-    };
+    join(root);
     // No external input of the group depends on one of its members: the group, as one node, must
     // not be its own ancestor. A group formed earlier counts as one node too: whatever reaches one of
     // its members reaches all its outputs.
+    int limit_of = -1, limit = -1;  // `limit` computed for a group whose last member is `limit_of`
     auto acyclic = [&]() {
-      const std::vector<int> ext = externals();
       // Past `limit` no path leads back below the group's last member (where its inputs are): only
       // a formed group with a member below it can lead back, and no node past its last one.
-      int limit = *std::max_element(members.begin(), members.end());
-      for (const Group& h : groups)
-        if (h.members.front() < limit) limit = std::max(limit, h.members.back());
-      std::vector<char> seen(count, 0), group_seen(groups.size(), 0);
+      if (limit_of != top) {
+        limit_of = top;
+        limit = top;
+        for (const Group& h : groups)
+          if (h.members.front() < limit) limit = std::max(limit, h.members.back());
+      }
+      ++stamp;
+      if (group_seen.size() < groups.size()) group_seen.resize(groups.size(), 0);
       std::vector<int> stack;
-      for (int m : members)
+      // Only the members in `open` have readers outside the group.
+      for (int m : open)
         for (int c : at(consumers, m))
           if (at(group_of, c) != gi) stack.push_back(c);
       while (!stack.empty()) {
         const int v = stack.back();
         stack.pop_back();
-        if (at(seen, v) || v > limit) continue;
-        at(seen, v) = 1;
+        if (at(seen, v) == stamp || v > limit) continue;
+        at(seen, v) = stamp;
         if (at(group_of, v) == gi || std::find(ext.begin(), ext.end(), v) != ext.end()) return false;
         for (int c : at(consumers, v)) stack.push_back(c);
         const int h = at(group_of, v);
-        if (h >= 0 && !at(group_seen, h)) {
-          at(group_seen, h) = 1;
+        if (h >= 0 && at(group_seen, h) != stamp) {
+          at(group_seen, h) = stamp;
           for (int m : at(groups, h).members) stack.push_back(m);
         }
       }
       return true;
     };
     auto try_join = [&](int p, bool as_output) {
-      at(group_of, p) = gi;
-      members.push_back(p);
-      bool ok = externals().size() <= KG_FUSE_MAX_INPUTS;
-      const std::size_t outs = ok ? output_count() : 0;
+      const std::vector<int> ext_before = ext, open_before = open;
+      const std::size_t outs_before = outs;
+      const int top_before = top;
+      join(p);
+      bool ok = ext.size() <= KG_FUSE_MAX_INPUTS;
       if (ok && as_output) ok = outs <= KG_FUSE_MAX_OUTPUTS;
       if (ok && (any_several || outs > 1)) ok = acyclic();
       if (!ok) {
         at(group_of, p) = -1;
         members.pop_back();
+        for (int q : distinct_inputs(p)) --at(inside, q);
+        ext = ext_before;
+        open = open_before;
+        outs = outs_before;
+        top = top_before;
       }
       return ok;
     };
     for (bool grew = true; grew;) {
       grew = false;
       // Producers whose every reader is in the group first.
-      for (int p : externals()) {
+      for (int p : std::vector<int>(ext)) {
         if (!at(forms, p) || at(group_of, p) >= 0 || at(is_output, p)) continue;
-        const auto& cs = at(consumers, p);
-        if (!std::all_of(cs.begin(), cs.end(), [&](int c) { return at(group_of, c) == gi; })) continue;
+        if (static_cast<std::size_t>(at(inside, p)) != at(consumers, p).size()) continue;
         grew = try_join(p, false) || grew;
       }
       if (grew) continue;
@@ -199,15 +236,15 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
       auto joinable = [&](int p) {
         return at(forms, p) && at(group_of, p) < 0 && graph.node(p).shape == graph.node(root).shape;
       };
-      for (int p : externals()) {
+      for (int p : std::vector<int>(ext)) {
         if (joinable(p) && try_join(p, true)) {
           grew = true;
           break;
         }
       }
       if (grew) continue;
-      const std::vector<int> now = members;
-      for (int m : now) {
+      // Readers outside the group are readers of the members in `open`.
+      for (int m : std::vector<int>(open)) {
         for (int c : at(consumers, m))
           if (joinable(c) && (at(is_output, c) || !at(consumers, c).empty()) && try_join(c, true)) {
             grew = true;
@@ -216,18 +253,23 @@ GraphAndOutputs fuse_elementwise(const Graph& graph, const std::vector<int>& out
         if (grew) break;
       }
     }
-    if (members.size() < 2) {
+    const bool formed = members.size() >= 2;
+    Group g;
+    if (formed) {
+      std::sort(members.begin(), members.end());
+      g.members = members;
+      for (int m : members) {
+        for (int in : graph.node(m).inputs)
+          if (at(group_of, in) != gi && std::find(g.inputs.begin(), g.inputs.end(), in) == g.inputs.end())
+            g.inputs.push_back(in);
+        if (written(m)) g.outputs.push_back(m);
+      }
+    }
+    for (int m : members)
+      for (int q : graph.node(m).inputs) at(inside, q) = 0;
+    if (!formed) {
       group_of[r] = -1;
       continue;
-    }
-    std::sort(members.begin(), members.end());
-    Group g;
-    g.members = members;
-    for (int m : members) {
-      for (int in : graph.node(m).inputs)
-        if (at(group_of, in) != gi && std::find(g.inputs.begin(), g.inputs.end(), in) == g.inputs.end())
-          g.inputs.push_back(in);
-      if (written(m)) g.outputs.push_back(m);
     }
     any_several = any_several || g.outputs.size() > 1;
     groups.push_back(std::move(g));
