@@ -13,6 +13,7 @@
 #include "ops/attention.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -187,7 +188,13 @@ class AttentionOp final : public CustomOp {
                                        : spec_.mask == Mask::Additive ? "additive"
                                                                       : "bool");
     if (spec_.causal) s += " causal";
-    s += spec_.scale ? util::cat(" scale=", *spec_.scale) : std::string(" scale=1/sqrt(D)");
+    if (spec_.scale) {  // the shortest text that reads back exactly
+      char buf[32];
+      const auto r = std::to_chars(buf, buf + sizeof buf, *spec_.scale);
+      s += " scale=" + std::string(buf, r.ptr);
+    } else {
+      s += " scale=1/sqrt(D)";
+    }
     return s;
   }
 
