@@ -373,10 +373,22 @@ Converter compare(PointwiseFn pf) {
   };
 }
 
+// Cast and CastLike from opset 19 take `saturate` (default 1), which only applies when the target
+// is a float 8 type; kernelgraph has no float 8 (nor the 4-bit types of opset 21), so a target it
+// has ignores it and any other target is refused. Its value is still checked: 0 or 1.
+void check_saturate(NodeContext& c) {
+  if (!c.attrs.has("saturate")) return;
+  const std::int64_t s = c.attrs.get_int("saturate");
+  if (s != 0 && s != 1) c.fail(util::cat("has saturate ", s, "; it is 0 or 1"));
+}
+
 Values cast_op(NodeContext& c) {
+  check_saturate(c);
   const int to = static_cast<int>(c.attrs.get_int("to"));
   const auto dt = dtype_of(to);
-  if (!dt) c.fail(util::cat("casts to ", onnx_type_name(to), ", which is not supported"));
+  if (!dt)
+    c.fail(util::cat("casts to ", onnx_type_name(to), ", which is not supported (kernelgraph has f32, f64, f16, "
+                     "bf16, i8, i16, i32, i64, u8 and bool; no float 8, 4-bit or string types)"));
   Value& x = c.in(0);
   if (x.dims && !is_floating(*dt) && *dt != DType::Bool) {
     Value v = x;
@@ -388,6 +400,7 @@ Values cast_op(NodeContext& c) {
 }
 
 Values cast_like_op(NodeContext& c) {
+  check_saturate(c);
   const DType to = c.in(1).dtype();
   SymTensor t = c.tensor(0);
   if (t.dtype() == to) return {tensor_value(view(t, dims_of_x(t), {}, c.node_name()))};
@@ -1208,7 +1221,7 @@ Converter pool(bool is_max) {
     } else {
       const bool include = c.attrs.get_int("count_include_pad", 0) != 0;
       for (auto d : w.dilations)
-        if (d != 1) c.fail("AveragePool with dilations is not supported");
+        if (d != 1) c.fail("AveragePool with dilations (an attribute from opset 19) is not supported");
       bool sym = true;
       for (std::size_t i = 0; i < w.pads_begin.size(); ++i)
         sym = sym && w.pads_begin[i] == w.pads_end[i] && w.pads_begin[i] <= w.kernel[i] / 2;
@@ -1356,6 +1369,18 @@ Converter reduce(ReduceFn fn, int axes_input_since) {
     }
     SymTensor x = c.tensor(0);
     if (axes.empty() && noop) return {tensor_value(view(x, dims_of_x(x), {}, c.node_name()))};
+    if (x.dtype() == DType::Bool) {
+      // ReduceMax and ReduceMin take bool from opset 20 (False < True): any and all. They run on
+      // 0/1 as i32; over no elements max gives the lowest i32 and min the highest, so "> 0" gives
+      // the empty reduction's False and True.
+      if (fn != ReduceFn::Max && fn != ReduceFn::Min) c.fail("takes no bool input (ReduceMax and ReduceMin do, from opset 20)");
+      if (c.opset < 20)
+        c.fail(util::cat("takes a bool input from opset 20; the file imports opset ", c.opset));
+      SymTensor r = ops::reduce(fn, ops::cast(x, DType::I32, c.node_name("i32")), axes, keep, c.node_name("i32_r"));
+      Value zero = constant_value(Tensor::zeros(DType::I32, {}));
+      return {tensor_value(
+          ops::pointwise(PointwiseFn::Greater, {r, materialize_value(c, zero, "zero")}, {}, c.node_name()))};
+    }
     return {tensor_value(ops::reduce(fn, x, axes, keep, c.node_name()))};
   };
 }
@@ -1548,6 +1573,96 @@ Values dropout_op(NodeContext& c) {
   return {tensor_value(view(x, dims_of_x(x), {}, c.node_name()))};
 }
 
+// ---- ops of opsets 18 to 21 ----
+
+// Gelu (opset 20): 0.5 x (1 + erf(x / √2)), or with approximate="tanh" 0.5 x (1 + tanh(√(2/π)
+// (x + 0.044715 x³))): nn.gelu. f16 and bf16 are computed in f32 and cast back.
+Values gelu_op(NodeContext& c) {
+  if (c.opset < 20)
+    c.fail(util::cat("is an op of opset 20 and later, but the file imports opset ", c.opset,
+                     " (exporters write Gelu at opset 20 or later, and an Erf formula before)"));
+  const std::string approx = c.attrs.get_string("approximate", "none");
+  GeluApprox a = GeluApprox::Erf;
+  if (approx == "tanh") a = GeluApprox::Tanh;
+  else if (approx != "none") c.fail("has approximate " + quote_name(approx) + "; it is \"none\" or \"tanh\"");
+  SymTensor x = c.tensor(0);
+  if (is_float_type(x.dtype())) return {tensor_value(gelu(x, a, c.node_name()))};
+  if (x.dtype() != DType::F16 && x.dtype() != DType::BF16)
+    c.fail(util::cat("takes a float tensor, got ", dtype_name(x.dtype())));
+  SymTensor y = gelu(ops::cast(x, DType::F32, c.node_name("f32_in")), a, c.node_name("f32"));
+  return {tensor_value(ops::cast(y, x.dtype(), c.node_name()))};
+}
+
+// GroupNormalization: x [N, C, D...] seen as [N, G, C/G, D1·D2·…], each (instance, group)
+// normalised to zero mean and unit variance, then scaled and shifted. Opset 18 gives a scale and
+// bias per group ([G]); opset 21 per channel ([C]) and `stash_type`, the precision of the
+// normalisation (1: f32, the default). The normalisation runs in f32 for f16 and bf16 inputs
+// (kernelgraph reduces in f32 or f64) and in the input's dtype for f32 and f64, whatever
+// stash_type says; the result is cast back to the input's dtype.
+Values group_norm_op(NodeContext& c) {
+  if (c.opset < 18)
+    c.fail(util::cat("is an op of opset 18 and later, but the file imports opset ", c.opset));
+  SymTensor x = c.tensor(0);
+  const DType dt = x.dtype();
+  if (!is_float_type(dt) && dt != DType::F16 && dt != DType::BF16)
+    c.fail(util::cat("takes a float tensor, got ", dtype_name(dt)));
+  if (x.rank() < 2) c.fail(util::cat("expects [N, C, D...], got ", x.shape().to_string()));
+  const std::int64_t groups = c.attrs.get_int("num_groups");
+  const double eps = c.attrs.get_float("epsilon", 1e-5);
+  const bool per_channel = c.opset >= 21;
+  if (per_channel) {
+    const std::int64_t stash = c.attrs.get_int("stash_type", 1);
+    // TensorProto element types: FLOAT 1, FLOAT16 10, DOUBLE 11, BFLOAT16 16.
+    if (stash != 1 && stash != 10 && stash != 11 && stash != 16)
+      c.fail(util::cat("has stash_type ", stash, " (", onnx_type_name(static_cast<int>(stash)),
+                       "); it is a float type: 1 (FLOAT), 10, 11 or 16"));
+  } else if (c.attrs.has("stash_type")) {
+    c.fail(util::cat("has stash_type, an attribute of GroupNormalization 21; the file imports opset ", c.opset));
+  }
+  const Dim& cd = x.shape()[1];
+  if (!cd.is_static()) c.fail(util::cat("needs a static channel dim, got ", x.shape().to_string()));
+  const std::int64_t channels = cd.size();
+  if (groups <= 0 || channels % groups != 0)
+    c.fail(util::cat("has num_groups ", groups, ", which does not divide the ", channels, " channels of ",
+                     x.shape().to_string()));
+  const std::int64_t per_group = channels / groups;
+  const std::int64_t affine = per_channel ? channels : groups;
+  for (std::size_t i = 1; i <= 2; ++i) {
+    const Shape s = c.in(i).shape();
+    if (s.rank() != 1 || !s[0].is_static() || s[0].size() != affine)
+      c.fail(util::cat("takes a ", i == 1 ? "scale" : "bias", " of [", affine, "] (one per ",
+                       per_channel ? "channel" : "group", " at opset ", c.opset, "), got ", s.to_string()));
+  }
+  const bool half = !is_float_type(dt);
+  SymTensor xf = half ? ops::cast(x, DType::F32, c.node_name("f32_in")) : x;
+  // [N, G, C/G, rest]: rest is 1 for a 2-D input.
+  std::vector<DimRef> grouped{DimRef::of(0, 0), DimRef::constant(groups), DimRef::constant(per_group)};
+  std::optional<DimRef> rest = dim_product(c, x, 2, x.rank());
+  grouped.push_back(rest ? *rest : DimRef::constant(-1));
+  SymTensor g = view(xf, grouped, {}, c.node_name("grouped"));
+  const std::vector<std::int64_t> axes{2, 3};
+  SymTensor mean = ops::reduce(ReduceFn::Mean, g, axes, true, c.node_name("mean"));
+  SymTensor d = sub(g, mean, c.node_name("centred"));
+  SymTensor var = ops::reduce(ReduceFn::Mean, mul(d, d, c.node_name("sq")), axes, true, c.node_name("var"));
+  SymTensor inv = ops::pointwise(PointwiseFn::Reciprocal,
+                                 {ops::pointwise(PointwiseFn::Sqrt, {add(var, eps, c.node_name("var_eps"))}, {},
+                                                 c.node_name("std"))},
+                                 {}, c.node_name("inv_std"));
+  SymTensor n = mul(d, inv, c.node_name("normed"));
+  // The scale and bias as [G, C/G, 1] (per channel) or [G, 1, 1] (per group).
+  auto affine_view = [&](std::size_t i, const char* what) {
+    SymTensor t = c.tensor(i);
+    if (t.dtype() != xf.dtype()) t = ops::cast(t, xf.dtype(), c.node_name(util::cat(what, "_f32")));
+    std::vector<DimRef> r{DimRef::constant(groups), DimRef::constant(per_channel ? per_group : 1), DimRef::constant(1)};
+    return view(t, r, {}, c.node_name(what));
+  };
+  SymTensor y = add(mul(n, affine_view(1, "scale"), c.node_name("scaled")), affine_view(2, "bias"),
+                    c.node_name("shifted"));
+  y = view(y, dims_of_x(x, 1), {x}, c.node_name(half ? "f32" : ""));
+  if (half) y = ops::cast(y, dt, c.node_name());
+  return {tensor_value(y)};
+}
+
 }  // namespace
 
 const std::map<std::string, Converter>& standard_converters() {
@@ -1603,7 +1718,8 @@ const std::map<std::string, Converter>& standard_converters() {
       if (c.attrs.get_int("detect_negative", 1) == 0 || c.attrs.get_int("detect_positive", 1) == 0)
         c.fail("detect_negative/detect_positive 0 are not supported");
       SymTensor x = c.tensor(0);
-      return {tensor_value(ops::pointwise(P::IsInf, {x}, {}, c.node_name()))};
+      // Opset 20 adds bf16 (f16 and bf16 are tested in f32: the same infinities).
+      return {tensor_value(pw(c, P::IsInf, {x}))};
     };
     t["Elu"] = unary(P::Elu, {{"alpha", 1.0}});
     t["Celu"] = unary(P::Celu, {{"alpha", 1.0}});
@@ -1645,6 +1761,8 @@ const std::map<std::string, Converter>& standard_converters() {
     t["BatchNormalization"] = batch_norm_op;
     t["LayerNormalization"] = layer_norm_op;
     t["InstanceNormalization"] = instance_norm_op;
+    t["GroupNormalization"] = group_norm_op;
+    t["Gelu"] = gelu_op;
     t["Softmax"] = softmax_like(false);
     t["LogSoftmax"] = softmax_like(true);
     t["ReduceSum"] = reduce(ReduceFn::Sum, 13);

@@ -352,7 +352,9 @@ std::vector<Value> Importer::convert_node(const ::onnx::NodeProto& node, std::ve
   if (!domain.empty()) ctx.fail("has no converter (register one in kg::onnx::OpRegistry)");
   const auto& table = standard_converters();
   auto c = table.find(node.op_type());
-  if (c == table.end()) ctx.fail("is not supported");
+  if (c == table.end())
+    ctx.fail("is not supported (kg::onnx::supported_ops() lists the ai.onnx ops kernelgraph converts; register a "
+             "CustomOp for it in kg::onnx::OpRegistry under the domain \"\")");
   try {
     if (!folding_) {
       if (auto folded = try_fold(node, ctx.inputs)) return *folded;
@@ -555,8 +557,11 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
     if (model.ir_version() < 3) opsets_[""] = 1;  // before opset_import existed
   }
   const int opset = opsets_.count("") ? opsets_[""] : 0;
-  if (opset > 18)
-    throw Error(util::cat(where, ": imports opset ", opset, " of the standard domain; this importer knows opsets up to 18"));
+  if (opset > kMaxStandardOpset)
+    throw Error(util::cat(where, ": imports opset ", opset, " of the standard domain; this importer knows opsets 1 to ",
+                          kMaxStandardOpset, ". Export the model again with opset_version=", kMaxStandardOpset,
+                          " (torch.onnx.export) or convert it with onnx.version_converter.convert_version(model, ",
+                          kMaxStandardOpset, ")"));
   const auto& g = model.graph();
 
   // Initializers.
@@ -675,6 +680,10 @@ void Importer::convert_model(const ::onnx::ModelProto& model) {
       msg += util::cat("\n  ", key.first.empty() ? "ai.onnx" : util::printable(key.first), " ",
                        util::printable(key.second), ": ", m.count, " node(s), first ", quote_name(m.first),
                        key.first.empty() ? "" : " (register a CustomOp for it in kg::onnx::OpRegistry)");
+    if (std::any_of(missing.begin(), missing.end(), [](const auto& m) { return m.first.first.empty(); }))
+      msg += util::cat("\n(kernelgraph has no converter for these ai.onnx ops at any opset; kg::onnx::supported_ops() "
+                       "lists those it has. Export the model without them, or register a CustomOp for each in "
+                       "kg::onnx::OpRegistry under the domain \"\")");
     throw Error(msg);
   }
 

@@ -18,6 +18,10 @@
 
 namespace kg::onnx::detail {
 
+// The newest opset of the standard domain (ai.onnx) the importer knows: files that import a newer
+// one are refused with what to do. The converters follow each op's versions up to it.
+constexpr int kMaxStandardOpset = 21;
+
 // One element of a shape value: a size known at import, or dim `axis` of a graph tensor, or a
 // size only known at run time (a product of dynamic dims, say).
 struct SymDim {

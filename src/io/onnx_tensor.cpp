@@ -146,6 +146,10 @@ std::optional<DType> dtype_of(int t) {
 std::string onnx_type_name(int t) {
   if (::onnx::TensorProto_DataType_IsValid(t))
     return ::onnx::TensorProto_DataType_Name(static_cast<::onnx::TensorProto_DataType>(t));
+  // Types of later ONNX versions than the schema compiled in (float 8 from 1.14, 4-bit from 1.16).
+  static const char* const later[] = {"FLOAT8E4M3FN", "FLOAT8E4M3FNUZ", "FLOAT8E5M2", "FLOAT8E5M2FNUZ",
+                                      "UINT4",        "INT4",           "FLOAT4E2M1"};
+  if (t >= 17 && t <= 23) return later[t - 17];
   return util::cat("type ", t);
 }
 
