@@ -1,9 +1,10 @@
 // Running CUDA kernels on the CPU: a single launch of a kernel source with packed arguments, or a
 // whole model lowered exactly as for a GPU (same kernels, same RuntimeOps, same argument packs)
-// with host addresses in place of device ones. In checked mode every pointer argument gets its own
-// guarded copy (an access past either end faults at once and is reported with the argument's
-// name and the element index), and every launch runs twice, its threads in forward and in reverse
-// order between barriers: a difference in the results is a race.
+// with host addresses in place of device ones. Pointer arguments get guarded copies of the
+// buffers they point into (an access past either end faults at once and is reported with the
+// argument's name and the element index) in checked mode and, where the caller says so
+// (LaunchOptions::guarded), in plain runs too; in checked mode every launch also runs twice, its
+// threads in forward and in reverse order between barriers: a difference in the results is a race.
 #pragma once
 
 #include <cstddef>
