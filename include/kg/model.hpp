@@ -149,6 +149,10 @@ struct ModelOptions {
   // user's included, each generated as one kernel (docs/fusion.md). False keeps every node its own
   // kernel, for comparison; so does the environment variable KG_NO_FUSION=1.
   bool fusion = true;
+  // Attention chains of an imported graph (MatMul, scale, mask, Softmax, MatMul) become one
+  // nn.attention node (inference; docs/fusion.md). False keeps the chain; so does the environment
+  // variable KG_NO_ATTENTION_FUSION=1.
+  bool attention = true;
 };
 
 // What the graph is lowered for. Inference fuses patterns that are only valid without

@@ -58,10 +58,17 @@ GraphAndOutputs without_dead_nodes(std::shared_ptr<Graph> graph, std::vector<int
   return rw.finish(outputs);
 }
 
-bool fusion_enabled_by_env() {
-  const char* v = std::getenv("KG_NO_FUSION");
+namespace {
+
+// False when the environment variable `name` is set to anything but "" or "0".
+bool not_turned_off(const char* name) {
+  const char* v = std::getenv(name);
   return !(v && *v && std::string_view(v) != "0");
 }
+
+}  // namespace
+
+bool fusion_enabled_by_env() { return not_turned_off("KG_NO_FUSION"); }
 
 GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs, LoweringMode mode,
                          const ModelOptions& options) {
@@ -70,7 +77,8 @@ GraphAndOutputs optimize(std::shared_ptr<Graph> graph, std::vector<int> outputs,
   if (!options.fusion || !fusion_enabled_by_env()) return g;
   // The fusion passes count a value's readers: a node no output needs must not count.
   g = without_dead_nodes(std::move(g.graph), std::move(g.outputs));
-  if (mode == LoweringMode::Inference) g = fuse_attention(*g.graph, g.outputs, mode);
+  if (mode == LoweringMode::Inference && options.attention && not_turned_off("KG_NO_ATTENTION_FUSION"))
+    g = fuse_attention(*g.graph, g.outputs, mode);
   if (mode == LoweringMode::Inference) g = fuse_conv_epilogue(*g.graph, g.outputs);
   g = fuse_elementwise(*g.graph, g.outputs, mode);
   if (mode == LoweringMode::Inference) {

@@ -5,6 +5,7 @@
 // the CPU forms and under the emulator; chains it must leave alone (a value read elsewhere, a scale
 // after the mask, broadcast batch dims, training); and the exported BERT and GPT-2 fixtures, whose
 // attention layers each become one node, against ONNX Runtime's outputs stored beside them.
+#include <cstdlib>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -159,6 +160,14 @@ TEST(FuseAttention, TrainingKeepsTheChain) {
   };
   EXPECT_EQ(attention_nodes(kg::passes::optimize(g, {y.node()}, kg::LoweringMode::Inference)), 1);
   EXPECT_EQ(attention_nodes(kg::passes::optimize(g, {y.node()}, kg::LoweringMode::Training)), 0);
+  // Turned off by the option or the environment, the chain stays as recorded.
+  kg::ModelOptions off;
+  off.attention = false;
+  EXPECT_EQ(attention_nodes(kg::passes::optimize(g, {y.node()}, kg::LoweringMode::Inference, off)), 0);
+  ::setenv("KG_NO_ATTENTION_FUSION", "1", 1);
+  const int with_env = attention_nodes(kg::passes::optimize(g, {y.node()}, kg::LoweringMode::Inference));
+  ::unsetenv("KG_NO_ATTENTION_FUSION");
+  EXPECT_EQ(with_env, 0);
 }
 
 // The exported models' attention layers each become one node; outputs still match ONNX Runtime's.
