@@ -233,6 +233,23 @@ TEST(OnnxOpset, GroupNormalizationFollowsVersions18And21) {
       }
     }
   }
+  {
+    // f16 (the normalisation runs in f32, stash_type 1): against the definition on the f16 values.
+    SCOPED_TRACE("f16");
+    const kg::Tensor scale = random_f32(rng, {channels}, 0.5, 2.0).to(kg::DType::F16),
+                     bias = random_f32(rng, {channels}).to(kg::DType::F16);
+    OnnxBuilder m(21);
+    m.input("x", kg::DType::F16, {std::string("batch"), channels, std::int64_t{4}});
+    m.initializer("gn.scale", scale);
+    m.initializer("gn.bias", bias);
+    auto& n = m.node("GroupNormalization", {"x", "gn.scale", "gn.bias"}, {"y"}, "/gn");
+    OnnxBuilder::attr(n, "num_groups", std::int64_t{2});
+    m.output("y", kg::DType::F16);
+    const kg::Tensor x = random_f32(rng, {2, channels, 4}).to(kg::DType::F16);
+    const kg::Tensor y = run1(import_model(m), x);
+    EXPECT_EQ(y.dtype(), kg::DType::F16);
+    EXPECT_TRUE(kg_test::matches(y, group_norm_reference(x, 2, scale, bias, 1e-5, true), 2e-3, 2e-3));
+  }
   const kg::Tensor s3 = random_f32(rng, {3}), s6 = random_f32(rng, {6});
   const std::vector<OnnxBuilder::DimSpec> dims{std::string("batch"), channels, std::int64_t{5}};
   kg_test::expect_error([&] { import_model(group_norm_model(21, 3, s3, s3, dims, 1e-5f)); },
