@@ -7,6 +7,7 @@
 // protobuf schema.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -379,5 +380,39 @@ TEST(OnnxOpset, PadWrapAndBf16IsInfAndIsNaN) {
     std::vector<double> want;
     for (float v : xs) want.push_back(op == "IsInf" ? std::isinf(v) : std::isnan(v));
     expect_exactly(y, want);
+  }
+}
+
+// Resize's half_pixel_symmetric (opset 19), linear, at a scale whose output width is fractional
+// (5 × 1.7 = 8.5, 8 written): against the standard's formula, which differs from half_pixel's by
+// the offset that centres the 8 written values.
+TEST(OnnxOpset, ResizeHalfPixelSymmetricCentresAFractionalOutputWidth) {
+  std::mt19937_64 rng(kg_test::fresh_seed());
+  const std::int64_t w = 5;
+  const double scale = 1.7;
+  for (const std::string mode : {"half_pixel_symmetric", "half_pixel"}) {
+    SCOPED_TRACE(mode);
+    OnnxBuilder m(19);
+    m.input("x", kg::DType::F32, {std::int64_t{1}, std::int64_t{1}, std::int64_t{1}, w});
+    m.initializer("scales", kg::Tensor::from_vector<float>({4}, {1.0f, 1.0f, 1.0f, static_cast<float>(scale)}));
+    auto& n = m.node("Resize", {"x", "", "scales"}, {"y"}, "/resize");
+    OnnxBuilder::attr(n, "mode", std::string("linear"));
+    OnnxBuilder::attr(n, "coordinate_transformation_mode", mode);
+    m.output("y");
+    const kg::Tensor x = random_f32(rng, {1, 1, 1, w});
+    const kg::Tensor y = run1(import_model(m), x);
+    const double s = static_cast<double>(static_cast<float>(scale));
+    const double width = static_cast<double>(w) * s;
+    const auto out = static_cast<std::int64_t>(std::floor(width));
+    ASSERT_EQ(y.shape(), (std::vector<std::int64_t>{1, 1, 1, out}));
+    const double offset = mode == "half_pixel" ? 0.0 : (static_cast<double>(w) / 2.0) * (1.0 - static_cast<double>(out) / width);
+    std::vector<double> want;
+    for (std::int64_t i = 0; i < out; ++i) {
+      const double at = offset + (static_cast<double>(i) + 0.5) / s - 0.5;
+      const double f = std::floor(at);
+      const auto clamp = [&](double k) { return static_cast<std::int64_t>(std::clamp(k, 0.0, static_cast<double>(w - 1))); };
+      want.push_back((1.0 - (at - f)) * x.item(clamp(f)) + (at - f) * x.item(clamp(f + 1.0)));
+    }
+    EXPECT_TRUE(kg_test::matches(y, want, 1e-5, 1e-6));
   }
 }
