@@ -14,3 +14,4 @@
 #include "kg/shape.hpp"
 #include "kg/tensor.hpp"
 #include "kg/testing.hpp"
+#include "kg/version.hpp"
