@@ -86,7 +86,7 @@ TEST_F(Cli, HelpAndVersion) {
 
   auto v = run({"--version"});
   EXPECT_EQ(v.code, 0);
-  EXPECT_TRUE(std::regex_search(v.out, std::regex("^kgraph [0-9]+\\.[0-9]+\\.[0-9]+\n$"))) << v.out;
+  EXPECT_TRUE(std::regex_search(v.out, std::regex("^kgraph [0-9]+\\.[0-9]+\\.[0-9]+\nbuild: [^\n]+\n$"))) << v.out;
 }
 
 TEST_F(Cli, UsageErrorsExitWithTwo) {

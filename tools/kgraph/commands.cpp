@@ -13,6 +13,8 @@
 #include <sstream>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "graph/dump.hpp"
 #include "compile/tuning_cache.hpp"
 #include "graph/render.hpp"
@@ -218,6 +220,73 @@ void print_output(std::ostream& out, const std::string& name, const kg::Tensor& 
   if (rows > max_rows) out << "  ... " << rows - max_rows << " more rows\n";
 }
 
+// The times of the timed runs, in ms: the median (the mean of the middle two for an even count),
+// p90 and p99 (nearest rank: the smallest time with at least that share of the runs at or below it),
+// min and max.
+struct TimeStats {
+  double median = 0, p90 = 0, p99 = 0, min = 0, max = 0;
+};
+
+TimeStats time_stats(std::vector<double> ms) {
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  if (n == 0) return {};
+  auto rank = [&](double p) {
+    const auto k = static_cast<std::size_t>(std::ceil(p / 100.0 * static_cast<double>(n)));
+    return ms[std::clamp<std::size_t>(k, 1, n) - 1];
+  };
+  TimeStats s;
+  s.median = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  s.p90 = rank(90);
+  s.p99 = rank(99);
+  s.min = ms.front();
+  s.max = ms.back();
+  return s;
+}
+
+nlohmann::json stats_json(const TimeStats& s) {
+  return {{"median_ms", s.median}, {"p90_ms", s.p90}, {"p99_ms", s.p99}, {"min_ms", s.min}, {"max_ms", s.max}};
+}
+
+// Throughput at the median time: samples/s where the first input has a batch dim (its dim 0),
+// else runs/s.
+struct Throughput {
+  double value = 0;
+  std::string unit;
+  std::int64_t samples_per_run = 1;
+};
+
+Throughput throughput(const std::vector<kg::Tensor>& inputs, double median_ms) {
+  Throughput t;
+  const bool batched = !inputs.empty() && inputs[0].rank() >= 1;
+  t.samples_per_run = batched ? inputs[0].dim(0) : 1;
+  t.unit = batched ? "samples/s" : "runs/s";
+  t.value = median_ms > 0 ? static_cast<double>(t.samples_per_run) * 1e3 / median_ms : 0;
+  return t;
+}
+
+// A tensor's name, shape and dtype, and for an output the min, max and mean of its finite values
+// and the count of those that are not (NaN, ±inf).
+nlohmann::json tensor_json(const std::string& name, const kg::Tensor& t, bool summary) {
+  nlohmann::json j{{"name", name}, {"shape", t.shape()}, {"dtype", std::string(kg::dtype_name(t.dtype()))}};
+  if (!summary) return j;
+  double lo = INFINITY, hi = -INFINITY, sum = 0;
+  std::int64_t finite = 0;
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    const double v = t.item(i);
+    if (!std::isfinite(v)) continue;
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+    sum += v;
+    ++finite;
+  }
+  j["min"] = finite ? nlohmann::json(lo) : nlohmann::json(nullptr);
+  j["max"] = finite ? nlohmann::json(hi) : nlohmann::json(nullptr);
+  j["mean"] = finite ? nlohmann::json(sum / static_cast<double>(finite)) : nlohmann::json(nullptr);
+  j["non_finite"] = t.numel() - finite;
+  return j;
+}
+
 // Which nodes of a reduced-precision load run in it, which keep f32, and the casts between.
 void print_precision(std::ostream& out, const kg::LoadedModel& loaded, kg::DType precision) {
   std::vector<std::string> low, kept, casts;
@@ -379,7 +448,10 @@ void tune(const TuneArgs& args, std::ostream& out) {
       << ")\n";
 }
 
-void run(const RunArgs& args, std::ostream& out) {
+void run(const RunArgs& args, std::ostream& json_out) {
+  // With --json the text is not printed: the JSON object is the only thing on standard output.
+  std::ostringstream discarded;
+  std::ostream& out = args.json ? discarded : json_out;
   const kg::Device device = kg::Device::parse(args.device);
   if (!args.output_path.empty()) kg::util::check_output_path(args.output_path, "--output file");  // before any work
   const ModelSource source = ModelSource::open(args.model);
@@ -435,6 +507,7 @@ void run(const RunArgs& args, std::ostream& out) {
   out << "weights: " << weights_description << "\n";
 
   std::vector<kg::Tensor> outputs;
+  for (int r = 0; r < args.warmup; ++r) outputs = loaded.forward(inputs);
   std::vector<double> times, device_times;
   for (int r = 0; r < args.runs; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -446,20 +519,61 @@ void run(const RunArgs& args, std::ostream& out) {
   const auto names = loaded.output_names();
   for (std::size_t i = 0; i < outputs.size(); ++i) print_output(out, names.at(i), outputs[i]);
 
-  auto report = [&](const char* what, std::vector<double> sorted) {
-    std::sort(sorted.begin(), sorted.end());
-    const std::size_t n = sorted.size();
-    const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-    out << what << ": median " << format_ms(median) << " over " << n << (n == 1 ? " run" : " runs")
-        << " (min " << format_ms(sorted.front()) << ", max " << format_ms(sorted.back()) << ")\n";
+  const bool cuda = loaded.device().kind == kg::Device::Kind::Cuda;
+  const TimeStats host = time_stats(times);
+  const TimeStats dev = time_stats(device_times);
+  const Throughput rate = throughput(inputs, host.median);
+  auto report = [&](const char* what, const TimeStats& s) {
+    out << what << ": median " << format_ms(s.median) << " over " << times.size()
+        << (times.size() == 1 ? " run" : " runs") << " after " << args.warmup << " warm-up"
+        << (args.warmup == 1 ? "" : "s") << " (p90 " << format_ms(s.p90) << ", p99 " << format_ms(s.p99) << ", min "
+        << format_ms(s.min) << ", max " << format_ms(s.max) << ")\n";
   };
-  if (loaded.device().kind == kg::Device::Kind::Cuda) {
-    report("device time (CUDA events)", device_times);
-    report("time with host copies", times);
+  if (cuda) {
+    report("device time (CUDA events)", dev);
+    report("time with host copies", host);
   } else {
-    report("time", times);
+    report("time", host);
   }
+  out << "throughput: " << format_number(rate.value) << " " << rate.unit << " at the median"
+      << (cuda ? " time with host copies" : "")
+      << (rate.unit == "samples/s" ? kg::util::cat(" (", rate.samples_per_run, " per run: the first input's dim 0)")
+                                   : std::string())
+      << "\n";
   if (args.profile) print_profile(out, model, loaded, times.back());
+
+  std::string json_text;  // printed last: after the output file is written
+  if (args.json) {
+    nlohmann::json j;
+    j["model"] = args.model;
+    j["device"] = loaded.device().to_string();
+    j["precision"] = args.precision;
+    j["weights"] = weights_description;
+    j["inputs"] = nlohmann::json::array();
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      nlohmann::json in = tensor_json(source.inputs()[i].name, inputs[i], false);
+      in["source"] = input_descriptions[i];
+      j["inputs"].push_back(std::move(in));
+    }
+    j["outputs"] = nlohmann::json::array();
+    for (std::size_t i = 0; i < outputs.size(); ++i) j["outputs"].push_back(tensor_json(names.at(i), outputs[i], true));
+    j["times"] = {{"warmup", args.warmup},
+                  {"runs", args.runs},
+                  {"host", stats_json(host)},
+                  {"device", cuda ? stats_json(dev) : nlohmann::json(nullptr)}};
+    j["throughput"] = {{"value", rate.value}, {"unit", rate.unit}, {"samples_per_run", rate.samples_per_run}};
+    if (args.profile) {
+      nlohmann::json nodes = nlohmann::json::array();
+      for (const auto& t : loaded.profile())
+        nodes.push_back({{"node", t.node},
+                         {"op", t.op},
+                         {"kernel", t.kernel.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.kernel)},
+                         {"ms", t.ms}});
+      j["profile"] = std::move(nodes);
+    }
+    if (!args.output_path.empty()) j["output_file"] = args.output_path;
+    json_text = j.dump(2) + "\n";
+  }
 
   if (!args.output_path.empty()) {
     std::map<std::string, kg::Tensor> tensors;
@@ -468,6 +582,7 @@ void run(const RunArgs& args, std::ostream& out) {
     out << "wrote " << outputs.size() << (outputs.size() == 1 ? " output" : " outputs") << " to "
         << args.output_path << "\n";
   }
+  json_out << json_text;
 }
 
 }  // namespace kgraph

@@ -30,7 +30,9 @@ struct RunArgs {
   DimOptions dims;  // --batch/--dim (default batch 1, or the input file's sizes)
   std::uint64_t seed = 0;
   std::string output_path;
-  int runs = 3;
+  int runs = 3;                // timed forward passes
+  int warmup = 1;              // forward passes before them, not timed
+  bool json = false;           // print one JSON object instead of the text
   bool checked = false;        // LoadOptions::checked
   bool tf32 = false;           // LoadOptions::tf32
   bool no_vendor = false;      // LoadOptions::vendor_libraries off
@@ -63,8 +65,9 @@ void list_models(std::ostream& out);
 // Prints the summary (and, with --batch or --dim, the concrete shapes and the memory plan);
 // writes the DOT text and the rendered graph when asked.
 void inspect(const InspectArgs& args, std::ostream& out);
-// Loads the model, runs it `runs` times on random inputs or those of a file, and prints the
-// outputs and the median time.
+// Loads the model, runs it `warmup` times untimed and `runs` times timed on random inputs or those
+// of a file, and prints the outputs and the times (median, p90, p99, min, max) and the throughput;
+// with `json`, one JSON object holding the same instead of the text.
 void run(const RunArgs& args, std::ostream& out);
 // Compiles a model's kernels (packing and checking every launch) or every built-in kernel file
 // for an architecture, without a GPU; prints one line per kernel and warms the disk cache.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <limits>
 #include <new>
 #include <stdexcept>
 #include <streambuf>
@@ -16,11 +17,35 @@
 #include "train.hpp"
 #include "validators.hpp"
 
-#ifndef KG_VERSION
-#define KG_VERSION "0.1.0"
+#include "kg/version.hpp"
+
+#ifndef KG_BUILD_TYPE
+#define KG_BUILD_TYPE ""
+#endif
+#ifndef KG_BUILD_CUDA
+#define KG_BUILD_CUDA 0
+#endif
+#ifndef KG_BUILD_DNNL
+#define KG_BUILD_DNNL 0
 #endif
 
 namespace {
+
+// kgraph --version: the version, then the build configuration on a second line.
+std::string version_text() {
+#if defined(__clang__)
+  const std::string compiler = "clang " __clang_version__;
+#elif defined(__GNUC__)
+  const std::string compiler = "gcc " __VERSION__;
+#else
+  const std::string compiler = "an unknown compiler";
+#endif
+  const std::string build_type = KG_BUILD_TYPE;
+  return std::string("kgraph " KG_VERSION_STRING "\nbuild: ") +
+         (build_type.empty() ? std::string("no build type") : build_type) +
+         ", CUDA path " + (KG_BUILD_CUDA ? "on" : "off") + ", oneDNN " + (KG_BUILD_DNNL ? "on" : "off") +
+         ", " + compiler;
+}
 
 // Error text for one line: line breaks become spaces, trailing blanks go.
 std::string one_line(std::string text) {
@@ -111,7 +136,7 @@ int main(int argc, char** argv) {
   // removed, instead of SIGXFSZ killing the process with half-written files left behind.
   kg::util::ignore_file_size_signal();
   CLI::App app{"Inspect and run kernelgraph models: the zoo, or ONNX files.", "kgraph"};
-  app.set_version_flag("--version", "kgraph " KG_VERSION);
+  app.set_version_flag("--version", version_text());
   app.require_subcommand(1);
   app.footer(
       "Examples:\n"
@@ -191,9 +216,18 @@ int main(int argc, char** argv) {
       ->option_text("S");
   run->add_option("--output", ra.output_path, "Write the outputs to a safetensors file, by output name")
       ->option_text("FILE");
-  run->add_option("--runs", ra.runs, "Forward passes to time; the median is printed (default 3)")
+  run->add_option("--runs", ra.runs,
+                  "Forward passes to time; the median, p90, p99, min, max and the throughput are printed "
+                  "(default 3)")
       ->check(kgraph_cli::positive_int)
       ->option_text("N");
+  run->add_option("--warmup", ra.warmup, "Forward passes before the timed ones, not counted (default 1)")
+      ->check(kgraph_cli::whole_number(0, static_cast<std::uint64_t>(std::numeric_limits<int>::max()),
+                                       "a whole number"))
+      ->option_text("N");
+  run->add_flag("--json", ra.json,
+                "Print one JSON object (model, device, inputs, outputs with min/max/mean, times, throughput; "
+                "with --profile the nodes' times) instead of the text");
   run->add_flag("--checked", ra.checked,
                 "Checked mode: every kernel's writes verified (cpu: emulated with guard pages; cuda: guard "
                 "canaries and poisoned outputs). Slow; finds a broken op inside the model");
