@@ -289,5 +289,5 @@ TEST(Weights, IntegerIntoFloatIsAnError) {
                 "head.weight: file has [2, 5] i64, model has [2, 5] f32"});
   for (const auto& [name, t] : before) EXPECT_TRUE(same_values(m.parameter(name), t)) << name;
   expect_error([&] { m.load_weights("/nonexistent/dir/w.safetensors"); },
-               {"/nonexistent/dir/w.safetensors", "cannot open"});
+               {"/nonexistent/dir/w.safetensors", "does not exist"});
 }
