@@ -168,6 +168,44 @@ TEST_F(CliJson, FailureUnderJsonIsOneLineOnStderr) {
   EXPECT_EQ(r.out, "");
 }
 
+// inspect --json: the graph's nodes as the library builds them (inference, fused); with --batch the loaded
+// shapes and the memory plan, whose parameter bytes are LeNet-5's parameter count in f32.
+TEST_F(CliJson, InspectJsonListsNodesAndMemoryPlan) {
+  auto r = run({"inspect", "lenet5", "--json", "--batch", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json j = parse(r);
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["model"], "lenet5");
+  const kg::Model model = kg::models::build("lenet5");
+  const kg::Graph& g = model.graph();
+  ASSERT_EQ(j["nodes"].size(), g.nodes().size()) << r.out;
+  for (std::size_t i = 0; i < g.nodes().size(); ++i) {
+    const json& n = j["nodes"][i];
+    EXPECT_EQ(n["name"], g.nodes()[i].name);
+    EXPECT_EQ(n["op"], g.nodes()[i].op_name());
+    EXPECT_EQ(n["dtype"], "f32");
+    EXPECT_EQ(n["shape"], g.nodes()[i].shape.to_string());
+    EXPECT_EQ(n["inputs"].size(), g.nodes()[i].inputs.size());
+  }
+  EXPECT_EQ(j["nodes"].front()["concrete_shape"], json::array({2, 1, 28, 28}));
+  EXPECT_EQ(j["nodes"].back()["concrete_shape"], json::array({2, 10}));
+  const json& loaded = j["loaded"];
+  EXPECT_EQ(loaded["device"], "cpu");
+  EXPECT_EQ(loaded["inputs"][0]["shape"], json::array({2, 1, 28, 28}));
+  EXPECT_EQ(loaded["outputs"][0]["shape"], json::array({2, 10}));
+  const long long params = (6 * 1 * 25 + 6) + (16 * 6 * 25 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10);
+  EXPECT_EQ(loaded["memory_plan"]["param_bytes"], params * 4);
+  EXPECT_GE(loaded["memory_plan"]["peak_bytes"].get<long long>(), params * 4);
+  EXPECT_GT(loaded["memory_plan"]["buffers"].get<int>(), 0);
+
+  auto bare = run({"inspect", "lenet5", "--json"});
+  ASSERT_EQ(bare.code, 0) << bare.err;
+  EXPECT_FALSE(parse(bare).contains("loaded"));
+  auto both = run({"inspect", "lenet5", "--json", "--dot", "-"});
+  expect_one_line_error(both, 1, {"--json", "--dot -"});
+  EXPECT_EQ(both.out, "");
+}
+
 // --version: the header's version, then the build configuration.
 TEST_F(CliJson, VersionPrintsTheHeadersVersionAndTheBuild) {
   auto r = run({"--version"});

@@ -21,6 +21,7 @@
 #include "kg/io.hpp"
 #include "kg/kg.hpp"
 #include "kg/models.hpp"
+#include "plan/shape_binding.hpp"
 #include "profile.hpp"
 #include "util/file.hpp"
 #include "util/memory.hpp"
@@ -344,7 +345,9 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
   // With `--dot -` the DOT text is the only thing written to standard output.
   const bool dot_to_stdout = args.dot_path == "-";
   std::ostringstream discarded;
-  std::ostream& out = dot_to_stdout ? discarded : stdout_stream;
+  std::ostream& out = dot_to_stdout || args.json ? discarded : stdout_stream;
+  if (dot_to_stdout && args.json)
+    throw kg::Error("inspect --json and --dot - would both write to standard output: give --dot a FILE");
 
   if (!args.render_path.empty()) kg::dump::render_format(args.render_path);  // fail before any work
   if (!args.dot_path.empty() && !dot_to_stdout) kg::util::check_output_path(args.dot_path, "--dot file");
@@ -356,6 +359,8 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
   std::optional<DimBinding> binding;  // checked before anything is printed
   if (!args.dims.empty()) binding = source.bind(args.dims);
   out << "model " << args.model << "\n" << model.summary();
+  nlohmann::json j;                                     // with --json
+  std::vector<std::vector<std::int64_t>> concrete;      // with --json and sizes: each node's shape
 
   const kg::Device device = kg::Device::parse(args.device);
   if (!binding && device.kind != kg::Device::Kind::Cpu)
@@ -376,6 +381,31 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
       out << "  output " << names[i] << ": " << kg::sizes_to_string(shapes.at(i)) << " "
           << kg::dtype_name(output_dtype(model, i)) << "\n";
     out << "memory plan: " << loaded.memory_plan().to_string() << "\n";
+    if (args.json) {
+      std::vector<int> live = model.live_nodes();
+      std::sort(live.begin(), live.end());
+      concrete = kg::plan::bind_shapes(model.graph(), live, loaded.input_shapes()).node_shapes;
+      const kg::MemoryPlan& plan = loaded.memory_plan();
+      j["loaded"] = {{"device", device.to_string()},
+                     {"sizes", binding->to_string()},
+                     {"precision", args.precision},
+                     {"memory_plan",
+                      {{"arena_bytes", plan.arena_bytes},
+                       {"unshared_bytes", plan.unshared_bytes},
+                       {"param_bytes", plan.param_bytes},
+                       {"peak_bytes", plan.peak_bytes},
+                       {"buffers", plan.buffers}}}};
+      j["loaded"]["inputs"] = nlohmann::json::array();
+      for (std::size_t i = 0; i < source.inputs().size(); ++i)
+        j["loaded"]["inputs"].push_back({{"name", source.inputs()[i].name},
+                                         {"shape", in_shapes.at(i)},
+                                         {"dtype", std::string(kg::dtype_name(source.inputs()[i].dtype))}});
+      j["loaded"]["outputs"] = nlohmann::json::array();
+      for (std::size_t i = 0; i < names.size(); ++i)
+        j["loaded"]["outputs"].push_back({{"name", names[i]},
+                                          {"shape", shapes.at(i)},
+                                          {"dtype", std::string(kg::dtype_name(output_dtype(model, i)))}});
+    }
     if (options.precision != kg::DType::F32) print_precision(out, loaded, options.precision);
     if (options.profile) {
       // One run on random inputs (the second one: the first also warms the caches), node by node.
@@ -388,6 +418,24 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
         total += t.ms;
       }
       out << "  total " << format_ms(total) << "\n";
+    }
+  }
+
+  if (args.json) {
+    const kg::Graph& g = model.graph();
+    j["model"] = args.model;
+    j["nodes"] = nlohmann::json::array();
+    for (std::size_t id = 0; id < g.nodes().size(); ++id) {
+      const kg::Node& n = g.nodes()[id];
+      nlohmann::json node{{"name", n.name},
+                          {"op", n.op_name()},
+                          {"dtype", std::string(kg::dtype_name(n.dtype))},
+                          {"shape", n.shape.to_string()}};
+      nlohmann::json ins = nlohmann::json::array();
+      for (int in : n.inputs) ins.push_back(g.node(in).name);
+      node["inputs"] = std::move(ins);
+      if (id < concrete.size() && !concrete[id].empty()) node["concrete_shape"] = concrete[id];
+      j["nodes"].push_back(std::move(node));
     }
   }
 
@@ -404,6 +452,7 @@ void inspect(const InspectArgs& args, std::ostream& stdout_stream) {
     kg::dump::render_dot(model.to_dot(), args.render_path);
     out << "rendered the graph to " << args.render_path << "\n";
   }
+  if (args.json) stdout_stream << j.dump(2) << "\n";
 }
 
 void tune(const TuneArgs& args, std::ostream& out) {

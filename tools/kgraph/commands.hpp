@@ -19,6 +19,7 @@ struct InspectArgs {
   bool recorded = false;       // the graph as recorded (no inference fusion)
   std::string device = "cpu";  // with dims: where to load; on cuda the nodes' tactics and times too
   std::string precision = "f32";  // LoadOptions::precision: f32, f16 or bf16
+  bool json = false;              // print one JSON object instead of the text
 };
 
 struct RunArgs {

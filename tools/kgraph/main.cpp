@@ -178,6 +178,9 @@ int main(int argc, char** argv) {
                    "run once and print each node's tactic (kernel or vendor library) and time")
       ->option_text("DEVICE");
 
+  inspect->add_flag("--json", ia.json,
+                    "Print one JSON object (the nodes with op, dtype, shape and inputs; with --batch or --dim "
+                    "the loaded shapes and the memory plan) instead of the text");
   inspect->add_option("--precision", ia.precision, kPrecisionHelp)
       ->check(CLI::IsMember({"f32", "f16", "bf16"}))
       ->option_text("P");
