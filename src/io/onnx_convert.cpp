@@ -1312,13 +1312,9 @@ Values layer_norm_op(NodeContext& c) {
   return out;
 }
 
-// (x - mean) / sqrt(var + eps) * scale + bias over each sample's and channel's spatial dims.
-Values instance_norm_op(NodeContext& c) {
-  SymTensor x = c.tensor(0);
-  if (x.rank() < 3) c.fail(util::cat("expects [N, C, spatial...], got ", x.shape().to_string()));
-  std::vector<std::int64_t> axes;
-  for (std::size_t i = 2; i < x.rank(); ++i) axes.push_back(static_cast<std::int64_t>(i));
-  const double eps = c.attrs.get_float("epsilon", 1e-5);
+// (x - mean) / sqrt(var + eps) over `axes` (kept), the statistics of each slice the other dims
+// pick: the normalisation of InstanceNormalization and GroupNormalization.
+SymTensor normalized(NodeContext& c, const SymTensor& x, const std::vector<std::int64_t>& axes, double eps) {
   SymTensor mean = ops::reduce(ReduceFn::Mean, x, axes, true, c.node_name("mean"));
   SymTensor d = sub(x, mean, c.node_name("centred"));
   SymTensor var = ops::reduce(ReduceFn::Mean, mul(d, d, c.node_name("sq")), axes, true, c.node_name("var"));
@@ -1326,7 +1322,17 @@ Values instance_norm_op(NodeContext& c) {
                                  {ops::pointwise(PointwiseFn::Sqrt, {add(var, eps, c.node_name("var_eps"))}, {},
                                                  c.node_name("std"))},
                                  {}, c.node_name("inv_std"));
-  SymTensor n = mul(d, inv, c.node_name("normed"));
+  return mul(d, inv, c.node_name("normed"));
+}
+
+// (x - mean) / sqrt(var + eps) * scale + bias over each sample's and channel's spatial dims.
+Values instance_norm_op(NodeContext& c) {
+  SymTensor x = c.tensor(0);
+  if (x.rank() < 3) c.fail(util::cat("expects [N, C, spatial...], got ", x.shape().to_string()));
+  std::vector<std::int64_t> axes;
+  for (std::size_t i = 2; i < x.rank(); ++i) axes.push_back(static_cast<std::int64_t>(i));
+  const double eps = c.attrs.get_float("epsilon", 1e-5);
+  SymTensor n = normalized(c, x, axes, eps);
   std::vector<DimRef> per_channel{DimRef::of(0, 0)};
   for (std::size_t i = 2; i < x.rank(); ++i) per_channel.push_back(DimRef::constant(1));
   SymTensor scale = view(c.tensor(1), per_channel, {}, c.node_name("scale"));
@@ -1641,14 +1647,7 @@ Values group_norm_op(NodeContext& c) {
   grouped.push_back(rest ? *rest : DimRef::constant(-1));
   SymTensor g = view(xf, grouped, {}, c.node_name("grouped"));
   const std::vector<std::int64_t> axes{2, 3};
-  SymTensor mean = ops::reduce(ReduceFn::Mean, g, axes, true, c.node_name("mean"));
-  SymTensor d = sub(g, mean, c.node_name("centred"));
-  SymTensor var = ops::reduce(ReduceFn::Mean, mul(d, d, c.node_name("sq")), axes, true, c.node_name("var"));
-  SymTensor inv = ops::pointwise(PointwiseFn::Reciprocal,
-                                 {ops::pointwise(PointwiseFn::Sqrt, {add(var, eps, c.node_name("var_eps"))}, {},
-                                                 c.node_name("std"))},
-                                 {}, c.node_name("inv_std"));
-  SymTensor n = mul(d, inv, c.node_name("normed"));
+  SymTensor n = normalized(c, g, axes, eps);
   // The scale and bias as [G, C/G, 1] (per channel) or [G, 1, 1] (per group).
   auto affine_view = [&](std::size_t i, const char* what) {
     SymTensor t = c.tensor(i);

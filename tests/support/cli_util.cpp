@@ -1,15 +1,51 @@
 #include "support/cli_util.hpp"
 
 #include <gtest/gtest.h>
+#include <stdlib.h>
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <random>
 
+#include "kg/data.hpp"
+#include "kg/tensor.hpp"
 #include "support/test_util.hpp"
 
 namespace kg_test {
 
 std::string kgraph_binary() { return std::string(KG_BINARY_DIR) + "/kgraph"; }
+
+namespace fs = std::filesystem;
+
+void CliTest::SetUp() {
+  std::string pattern = (fs::temp_directory_path() / "kg-cli-test-XXXXXX").string();
+  ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+  dir_ = pattern;
+  ASSERT_TRUE(fs::exists(kgraph_binary())) << "build the kgraph target before the tests";
+}
+
+void CliTest::TearDown() {
+  std::error_code ec;
+  if (!dir_.empty()) fs::remove_all(dir_, ec);
+}
+
+std::string CliTest::path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
+
+void write_random_idx_dataset(const std::string& dir, std::int64_t n_train, std::int64_t n_test) {
+  fs::create_directories(dir);
+  std::mt19937_64 rng(fresh_seed());
+  for (const bool train : {true, false}) {
+    const std::int64_t n = train ? n_train : n_test;
+    kg::Tensor img = kg::Tensor::empty(kg::DType::U8, {n, 28, 28});
+    kg::Tensor lab = kg::Tensor::empty(kg::DType::U8, {n});
+    for (std::int64_t i = 0; i < n * 28 * 28; ++i) img.data<std::uint8_t>()[i] = rng() % 256;
+    for (std::int64_t i = 0; i < n; ++i) lab.data<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 10);
+    const std::string stem = train ? "train" : "t10k";
+    kg::data::write_idx((fs::path(dir) / (stem + "-images-idx3-ubyte")).string(), img);
+    kg::data::write_idx((fs::path(dir) / (stem + "-labels-idx1-ubyte")).string(), lab);
+  }
+}
 
 std::string shell_quote(const std::string& arg) {
   std::string q = "'";

@@ -2,6 +2,9 @@
 // one-line error format asserted.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -26,5 +29,20 @@ void expect_one_line_error(const CliResult& r, int code, const std::vector<std::
 
 // Single-quotes an argument for the shell.
 std::string shell_quote(const std::string& arg);
+
+// A tiny 10-class IDX data set of random images in `dir` (train and t10k files, as Fashion-MNIST
+// names them; the values do not matter to the tests that train on it).
+void write_random_idx_dataset(const std::string& dir, std::int64_t n_train, std::int64_t n_test);
+
+// A test of the built tool with a temporary folder of its own, removed after the test.
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  void TearDown() override;
+  // A path in the test's folder.
+  std::string path(const std::string& name) const;
+
+  std::string dir_;
+};
 
 }  // namespace kg_test

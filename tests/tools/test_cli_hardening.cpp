@@ -22,38 +22,17 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class CliHardening : public ::testing::Test {
+class CliHardening : public kg_test::CliTest {
  protected:
   void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "kg-cli-hardening-XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
-    ASSERT_TRUE(fs::exists(kg_test::kgraph_binary())) << "build the kgraph target before the tests";
+    kg_test::CliTest::SetUp();
     data_ = path("data");
     write_dataset(data_, 40, 10);
   }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
 
-  // A tiny 10-class IDX data set of random images (the results do not matter here).
   static void write_dataset(const std::string& dir, std::int64_t n_train, std::int64_t n_test) {
-    fs::create_directories(dir);
-    std::mt19937_64 rng(kg_test::fresh_seed());
-    for (const bool train : {true, false}) {
-      const std::int64_t n = train ? n_train : n_test;
-      kg::Tensor img = kg::Tensor::empty(kg::DType::U8, {n, 28, 28});
-      kg::Tensor lab = kg::Tensor::empty(kg::DType::U8, {n});
-      for (std::int64_t i = 0; i < n * 28 * 28; ++i) img.data<std::uint8_t>()[i] = rng() % 256;
-      for (std::int64_t i = 0; i < n; ++i) lab.data<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 10);
-      const std::string stem = train ? "train" : "t10k";
-      kg::data::write_idx((fs::path(dir) / (stem + "-images-idx3-ubyte")).string(), img);
-      kg::data::write_idx((fs::path(dir) / (stem + "-labels-idx1-ubyte")).string(), lab);
-    }
+    kg_test::write_random_idx_dataset(dir, n_train, n_test);
   }
-
-  std::string path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
 
   // kgraph train on the tiny data on the CPU, one batch per epoch, under `timeout` so that a run
   // that would never end fails the test instead of hanging it.
@@ -66,7 +45,7 @@ class CliHardening : public ::testing::Test {
     return kg_test::run_kgraph(args, env + " timeout 300", path("stderr.txt"));
   }
 
-  std::string dir_, data_;
+  std::string data_;
 };
 
 // The files of a folder, by name.

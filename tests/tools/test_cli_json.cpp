@@ -23,21 +23,10 @@ using nlohmann::json;
 
 namespace {
 
-class CliJson : public ::testing::Test {
+class CliJson : public kg_test::CliTest {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "kg-cli-json-XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
-    ASSERT_TRUE(fs::exists(kg_test::kgraph_binary())) << "build the kgraph target before the tests";
-  }
-  void TearDown() override {
-    std::error_code ec;
-    if (!dir_.empty()) fs::remove_all(dir_, ec);
-  }
-  std::string file(const std::string& name) const { return (fs::path(dir_) / name).string(); }
   CliResult run(const std::vector<std::string>& args) {
-    return kg_test::run_kgraph(args, "KG_NUM_THREADS=2", file("stderr.txt"));
+    return kg_test::run_kgraph(args, "KG_NUM_THREADS=2", path("stderr.txt"));
   }
   // Parses standard output as exactly one JSON object.
   static json parse(const CliResult& r) {
@@ -56,7 +45,6 @@ class CliJson : public ::testing::Test {
     EXPECT_LE(p90, p99);
     EXPECT_LE(p99, mx);
   }
-  std::string dir_;
 };
 
 }  // namespace
@@ -64,7 +52,7 @@ class CliJson : public ::testing::Test {
 // One JSON object with every field; the output's summary agrees with the output file written by the
 // same run, the throughput with the batch and the median.
 TEST_F(CliJson, RunJsonHasTheFields) {
-  const std::string out_file = file("out.safetensors");
+  const std::string out_file = path("out.safetensors");
   auto r = run({"run", "lenet5", "--batch", "2", "--seed", "3", "--runs", "3", "--warmup", "2", "--json",
                 "--output", out_file});
   ASSERT_EQ(r.code, 0) << r.err;

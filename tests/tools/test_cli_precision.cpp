@@ -18,21 +18,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class CliPrecision : public ::testing::Test {
+class CliPrecision : public kg_test::CliTest {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "kg-cli-precision-XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
-    ASSERT_TRUE(fs::exists(kg_test::kgraph_binary())) << "build the kgraph target before the tests";
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::string path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
   CliResult run(const std::vector<std::string>& args) { return kg_test::run_kgraph(args, "", path("stderr.txt")); }
-  std::string dir_;
 };
 
 TEST_F(CliPrecision, ABf16RunAgreesWithTheF32Run) {

@@ -22,23 +22,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class CliProfile : public ::testing::Test {
+class CliProfile : public kg_test::CliTest {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "kg-cli-profile-XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
-    ASSERT_TRUE(fs::exists(kg_test::kgraph_binary())) << "build the kgraph target before the tests";
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::string path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
   CliResult run(const std::vector<std::string>& args, const std::string& env = "") {
     return kg_test::run_kgraph(args, env, path("stderr.txt"));
   }
-  std::string dir_;
 };
 
 // The whitespace-separated fields of the profile row of `node` ("" fields when there is none).

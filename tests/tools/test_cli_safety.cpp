@@ -29,38 +29,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-class CliSafety : public ::testing::Test {
+class CliSafety : public kg_test::CliTest {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "kg-cli-safety-XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = pattern;
-    ASSERT_TRUE(fs::exists(kg_test::kgraph_binary())) << "build the kgraph target before the tests";
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  std::string path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
   CliResult run(const std::vector<std::string>& args, const std::string& env = "") {
     return kg_test::run_kgraph(args, "KG_CACHE_DIR=" + kg_test::shell_quote(path("cache")) + " " + env,
                                path("stderr.txt"));
   }
-  void write_dataset(const std::string& dir, std::int64_t n_train, std::int64_t n_test) {
-    fs::create_directories(dir);
-    std::mt19937_64 rng(kg_test::fresh_seed());
-    for (const bool train : {true, false}) {
-      const std::int64_t n = train ? n_train : n_test;
-      kg::Tensor img = kg::Tensor::empty(kg::DType::U8, {n, 28, 28});
-      kg::Tensor lab = kg::Tensor::empty(kg::DType::U8, {n});
-      for (std::int64_t i = 0; i < n * 28 * 28; ++i) img.data<std::uint8_t>()[i] = rng() % 256;
-      for (std::int64_t i = 0; i < n; ++i) lab.data<std::uint8_t>()[i] = static_cast<std::uint8_t>(i % 10);
-      const std::string stem = train ? "train" : "t10k";
-      kg::data::write_idx((fs::path(dir) / (stem + "-images-idx3-ubyte")).string(), img);
-      kg::data::write_idx((fs::path(dir) / (stem + "-labels-idx1-ubyte")).string(), lab);
-    }
+  static void write_dataset(const std::string& dir, std::int64_t n_train, std::int64_t n_test) {
+    kg_test::write_random_idx_dataset(dir, n_train, n_test);
   }
-  std::string dir_;
 };
 
 std::string read_text(const std::string& p) { return kg_test::read_file(p); }
