@@ -36,26 +36,8 @@ std::string format_bytes(std::size_t bytes);
 // (by default line feeds and tabs). Bytes of 128 and above pass unchanged (UTF-8).
 std::string escape_control(std::string_view text, std::string_view keep = "\n\t");
 
-// `s` with its control characters (bytes below 0x20, and 0x7f) and backslashes written as
-// \xNN and \\, for quoting names read from a file in messages: an escape sequence in a name
-// never reaches the terminal raw. Other bytes (UTF-8 text) pass unchanged.
-inline std::string printable(std::string_view s) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(s.size());
-  for (const char ch : s) {
-    const auto b = static_cast<unsigned char>(ch);
-    if (b == '\\') {
-      out += "\\\\";
-    } else if (b < 0x20 || b == 0x7f) {
-      out += "\\x";
-      out += kHex[b >> 4];
-      out += kHex[b & 15];
-    } else {
-      out += ch;
-    }
-  }
-  return out;
-}
+// A name read from a file, quoted in a message: escape_control() with nothing kept, so that an
+// escape sequence or a line break in a name never reaches the terminal raw.
+inline std::string printable(std::string_view s) { return escape_control(s, ""); }
 
 }  // namespace kg::util
