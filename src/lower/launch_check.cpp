@@ -389,18 +389,15 @@ void check_pointees(const compile::KernelSignature& kernel, const Launch& launch
     }
     const auto& candidates = at.empty() ? inside : at;
     if (candidates.empty()) continue;
-    auto fits = [&](DType d) {
-      return want.dtype ? *want.dtype == d : dtype_size(d) == want.unsigned_bytes;
-    };
     bool any = false;
-    for (const Buffer* b : candidates) any = any || fits(b->t->dtype);
+    for (const Buffer* b : candidates) any = any || b->t->dtype == *want.dtype;
     if (any) continue;
     const Buffer& b = *candidates.front();
     const std::string& n = i < kernel.param_names.size() ? kernel.param_names[i] : std::string();
     throw Error(util::cat(
         label, what.empty() ? "" : " " + what, " launch ", index, " of kernel '", kernel.name, "': argument ", i,
         n.empty() ? "" : " '" + n + "'", " (", kernel.param_types[i], ") points to ",
-        want.dtype ? util::cat(dtype_name(*want.dtype), " elements") : util::cat(want.unsigned_bytes, "-byte elements"),
+        dtype_name(*want.dtype), " elements",
         " but ", b.name, " packed there is ", dtype_name(b.t->dtype), " ", sizes_to_string(b.t->shape),
         "; the kernel would read and write it as the wrong type"));
   }

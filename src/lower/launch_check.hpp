@@ -54,8 +54,8 @@ void check_launch(const compile::KernelSignature& kernel, const Launch& launch, 
 // `int64_t*` i64, `bool*` bool, vector types (`float4*`) their element's. A typedef or `using`
 // alias in `source` is followed. nullopt where the type says nothing checkable: a byte pointer
 // (char, unsigned char, int8_t, uint8_t), void, a struct, a template parameter, a non-pointer.
-// `bit_view` is set for unsigned integer elements (`unsigned*`, `uint16_t*`), which may view any
-// dtype of their size (a kernel reading f32 bits through `unsigned*`).
+// `unsigned_bytes` is set for unsigned integer elements (`unsigned*`, `uint16_t*`): raw words,
+// which the load's check accepts over any dtype (a copy kernel moves any tensor's bytes as words).
 struct PointeeType {
   std::optional<DType> dtype;
   std::size_t unsigned_bytes = 0;  // > 0: an unsigned integer of this size (a bit view)
